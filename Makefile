@@ -1,0 +1,37 @@
+# Two commands from a fresh clone: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+
+.PHONY: demo test lint bench clean
+
+# The stamps re-run the install whenever pyproject.toml changes.
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.dev-installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@ $(VENV)/.installed
+
+$(VENV)/.bench-installed: pyproject.toml | $(VENV)/.dev-installed
+	$(BIN)/python -m pip install --quiet -e '.[dev,torch,plot]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/flashtile demo
+
+test: $(VENV)/.dev-installed
+	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff format --check src tests examples
+	$(BIN)/python -m pytest -q
+
+bench: $(VENV)/.bench-installed
+	$(BIN)/flashtile bench
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,131 @@
+"""Input checks shared by every attention path.
+
+Every public function validates at its boundary with these helpers, so a
+mistake gets the same message whichever path the user called. Messages name
+the offending values and say how to fix them.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple
+
+import numpy as np
+
+#: dtypes the library computes in; 16-bit floats are upcast to float32.
+SUPPORTED_DTYPES = (np.float16, np.float32, np.float64)
+
+
+def compute_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype the running state accumulates in for inputs of ``dtype``."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def as_float_array(x, name: str) -> np.ndarray:
+    """``np.asarray(x)``, refusing anything that is not a real floating dtype."""
+    arr = np.asarray(x)
+    if arr.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {arr.dtype}; flashtile computes in floating point "
+            f"(float16, float32 or float64): pass {name}.astype(np.float32) "
+            f"or np.asarray({name}, dtype=np.float64)"
+        )
+    return arr
+
+
+def check_block_size(block_size, name: str = "block_size") -> int:
+    """A positive Python/NumPy integer (``bool`` is refused)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
+        raise TypeError(
+            f"{name} must be a positive integer, got {block_size!r} "
+            f"of type {type(block_size).__name__}"
+        )
+    if block_size < 1:
+        raise ValueError(f"{name} must be >= 1, got {block_size}")
+    return int(block_size)
+
+
+def check_flag(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def resolve_scale(scale, head_dim: int) -> float:
+    """``scale`` if given (a finite real number), else ``1/sqrt(head_dim)``."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
+class AttentionShapes(NamedTuple):
+    """Sizes of one attention call, layout ``(..., T, d)``."""
+
+    batch: tuple[int, ...]  # broadcast leading dims of q, k and v
+    tq: int
+    tk: int
+    d: int
+    dv: int
+
+
+def check_qkv(q, k, v) -> tuple[np.ndarray, np.ndarray, np.ndarray, AttentionShapes]:
+    """Validate ``q (..., Tq, d)``, ``k (..., Tk, d)``, ``v (..., Tk, dv)``.
+
+    Leading dims broadcast against each other. The three arrays must share one
+    floating dtype. Empty sequences and zero-width heads are refused.
+    """
+    q = as_float_array(q, "q")
+    k = as_float_array(k, "k")
+    v = as_float_array(v, "v")
+    for name, arr in (("q", q), ("k", k), ("v", v)):
+        if arr.ndim < 2:
+            raise ValueError(
+                f"{name} has shape {arr.shape}; attention needs at least 2 dims "
+                f"(..., T, d): for a single vector use {name}[None, :]"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}: "
+            f"cast them, e.g. k.astype(q.dtype)"
+        )
+    tq, d = q.shape[-2:]
+    tk, dk = k.shape[-2:]
+    tv, dv = v.shape[-2:]
+    if dk != d:
+        raise ValueError(
+            f"q has head dim d={d} but k has d={dk} (q {q.shape}, k {k.shape}): "
+            f"queries and keys must have the same last dimension"
+        )
+    if tv != tk:
+        raise ValueError(
+            f"k has Tk={tk} keys but v has {tv} values (k {k.shape}, v {v.shape}): "
+            f"every key needs exactly one value row"
+        )
+    for label, size in (("Tq", tq), ("Tk", tk), ("d", d), ("dv", dv)):
+        if size == 0:
+            raise ValueError(
+                f"{label} is 0 (q {q.shape}, k {k.shape}, v {v.shape}): "
+                f"empty sequences and zero-width heads are not supported"
+            )
+    try:
+        batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except ValueError:
+        raise ValueError(
+            f"leading dims do not broadcast: q {q.shape[:-2]}, k {k.shape[:-2]}, "
+            f"v {v.shape[:-2]} (layout is (..., T, d); give each a shape that "
+            f"broadcasts, e.g. (B, H, T, d) or (1, H, T, d))"
+        ) from None
+    return q, k, v, AttentionShapes(batch, tq, tk, d, dv)
+
+
+def check_same_shape(arr, name: str, expected: tuple[int, ...], hint: str) -> np.ndarray:
+    """``arr`` as a float array of exactly ``expected`` shape."""
+    arr = as_float_array(arr, name)
+    if arr.shape != tuple(expected):
+        raise ValueError(f"{name} has shape {arr.shape}, expected {tuple(expected)} ({hint})")
+    return arr

@@ -1,0 +1,60 @@
+"""The ``flashtile`` command line: ``demo`` and ``trace``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+
+def _parse_vector(text: str) -> np.ndarray:
+    try:
+        values = [float(tok) for tok in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--x must be numbers separated by spaces or commas, got {text!r}"
+        ) from None
+    if not values:
+        raise argparse.ArgumentTypeError("--x is empty: give at least one number")
+    return np.array(values)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flashtile",
+        description="Exact attention computed tile by tile with an online softmax.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("demo", help="tiled vs naive attention, memory table, a row walked through")
+    trace = sub.add_parser("trace", help="the online softmax of a vector, block by block")
+    trace.add_argument("--x", type=_parse_vector, required=True, help='e.g. "0 1 5 2 9"')
+    trace.add_argument("--block-size", type=_positive_int, default=2)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        from .walkthrough import demo_text
+
+        print(demo_text())
+    elif args.command == "trace":
+        from .walkthrough import trace_table
+
+        print(trace_table(args.x, args.block_size))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""``merge_states``: the one primitive that combines partial attention results.
+
+A partial result over a key set ``S`` is a pair ``(out_S, lse_S)``: the
+normalised attention output over those keys and ``lse_S = log sum_{j in S}
+exp(s_j)``. For disjoint ``A`` and ``B``::
+
+    lse   = log(exp(lse_A) + exp(lse_B))
+    out   = exp(lse_A - lse) * out_A + exp(lse_B - lse) * out_B
+
+Both weights are computed relative to ``max(lse_A, lse_B)`` so nothing
+overflows, and a side with ``lse = -inf`` (it saw no key) contributes nothing.
+If both sides are empty the result is ``out = 0, lse = -inf``.
+Split-KV decoding and ring attention fold their partials with this function.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._validate import as_float_array
+
+
+def merge_states(out_a, lse_a, out_b, lse_b):
+    """Combine two partial attention results over disjoint key sets.
+
+    Args:
+        out_a, out_b: ``(..., T, dv)`` normalised partial outputs.
+        lse_a, lse_b: ``(..., T)`` natural-log normalisers (``-inf`` = no key).
+
+    Returns:
+        ``(out, lse)`` with the broadcast shapes of the inputs; ``out`` has the
+        dtype of ``out_a``/``out_b``, ``lse`` that of the lse inputs.
+        The merge is exact, commutative and associative up to rounding.
+    """
+    out_a = as_float_array(out_a, "out_a")
+    out_b = as_float_array(out_b, "out_b")
+    lse_a = as_float_array(lse_a, "lse_a")
+    lse_b = as_float_array(lse_b, "lse_b")
+    for out, lse, side in ((out_a, lse_a, "a"), (out_b, lse_b, "b")):
+        if out.ndim < 1 or out.shape[:-1] != lse.shape:
+            raise ValueError(
+                f"out_{side} has shape {out.shape} and lse_{side} {lse.shape}: "
+                f"lse must have the shape of out without its last axis"
+            )
+    if out_a.shape != out_b.shape:
+        raise ValueError(
+            f"out_a {out_a.shape} and out_b {out_b.shape} differ: both partials "
+            f"must cover the same queries with the same value width"
+        )
+    lse_dtype = np.result_type(lse_a, lse_b)
+    m = np.maximum(lse_a, lse_b)
+    # Where both sides are empty m is -inf; shift by 0 instead so that the
+    # weights become exp(-inf) = 0 rather than exp(-inf + inf) = NaN.
+    m_safe = np.where(np.isneginf(m), 0.0, m)
+    w_a = np.exp(lse_a - m_safe)
+    w_b = np.exp(lse_b - m_safe)
+    total = w_a + w_b
+    with np.errstate(divide="ignore"):
+        lse = (m_safe + np.log(total)).astype(lse_dtype, copy=False)
+    inv = np.divide(1.0, total, out=np.zeros_like(total), where=total != 0)
+    out = (w_a * inv)[..., None] * out_a + (w_b * inv)[..., None] * out_b
+    return out.astype(np.result_type(out_a, out_b), copy=False), lse
