@@ -5,6 +5,7 @@ align bottom-right when ``Tq != Tk``; rows that see no key give zeros and
 ``lse = -inf``; ``lse`` is the natural-log normaliser ``m + log(ell)``.
 """
 
+from .api import attention, attention_backward
 from .merge import merge_states
 from .reference import (
     attention_memory_elements,
@@ -20,6 +21,8 @@ from .reference import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "attention",
+    "attention_backward",
     "attention_memory_elements",
     "merge_states",
     "naive_attention",

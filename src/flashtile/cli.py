@@ -1,4 +1,4 @@
-"""The ``flashtile`` command line: ``demo`` and ``trace``."""
+"""The ``flashtile`` command line: ``demo``, ``trace`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     trace = sub.add_parser("trace", help="the online softmax of a vector, block by block")
     trace.add_argument("--x", type=_parse_vector, required=True, help='e.g. "0 1 5 2 9"')
     trace.add_argument("--block-size", type=_positive_int, default=2)
+    # The bench options are light; its runner (and torch) is imported only on dispatch.
+    from .bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -53,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         from .walkthrough import trace_table
 
         print(trace_table(args.x, args.block_size))
+    elif args.command == "bench":
+        from .bench.cli import run_bench
+
+        return run_bench(args)
     return 0
 
 

@@ -14,21 +14,30 @@ against a cache) the last query sees every key; when ``Tq > Tk`` the first
                         q3 x .
                         q4 x x
 
-The helpers are written as plain scalar Python so that both the NumPy
-reference and the compiled kernels (which wrap them with ``numba.njit``) use
-the same rule.
+The scalar helpers are plain Python marked ``register_jitable``: the NumPy
+reference calls them as ordinary functions and the compiled kernels inline
+them, so both use the same rule. (Without Numba they stay plain Python.)
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+try:
+    from numba.extending import register_jitable as _jitable
+except ImportError:  # the reference works without Numba
 
+    def _jitable(fn):
+        return fn
+
+
+@_jitable
 def causal_offset(tq: int, tk: int) -> int:
     """Shift ``Tk - Tq`` between query row index and absolute position."""
     return tk - tq
 
 
+@_jitable
 def last_visible_key(i: int, tq: int, tk: int, causal: bool) -> int:
     """Largest key index query ``i`` may see (``-1`` when it sees none)."""
     if causal:
@@ -36,6 +45,7 @@ def last_visible_key(i: int, tq: int, tk: int, causal: bool) -> int:
     return tk - 1
 
 
+@_jitable
 def key_stop(q_stop: int, tq: int, tk: int, causal: bool) -> int:
     """Exclusive upper bound on the keys any query in ``[.., q_stop)`` sees.
 
@@ -44,6 +54,7 @@ def key_stop(q_stop: int, tq: int, tk: int, causal: bool) -> int:
     return max(0, last_visible_key(q_stop - 1, tq, tk, causal) + 1)
 
 
+@_jitable
 def tile_needs_mask(q_start: int, k_stop: int, tq: int, tk: int, causal: bool) -> bool:
     """Whether some key in ``[.., k_stop)`` is hidden from some query ``>= q_start``.
 

@@ -1,0 +1,134 @@
+"""What one benchmark case is, its FLOP count, and the named presets.
+
+A case is one attention problem ``q, k, v: (B, H, T, d)`` float32 with
+``Tq == Tk == T``, run either forward only (``fwd``) or forward then backward
+(``fwd+bwd``). Providers are timed on the same case side by side.
+
+FLOP convention (the one FlashAttention's benchmarks use, written next to the
+benchmark as the Triton tutorial does): the forward is two matmuls,
+``S = q k^T`` and ``O = P v``, each ``2 * B * H * Tq * Tk * d``, so
+``4 * B * H * Tq * Tk * d``; a causal mask halves it. The backward is five
+matmuls against the forward's two, i.e. 2.5x the forward, so
+``fwd+bwd = 3.5 x fwd``. The softmax ``exp`` is not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("fwd", "fwd+bwd")
+
+#: Providers that compute the whole problem in NumPy; they are limited to
+#: modest T so that a sweep finishes (numpy-naive also holds a T x T matrix).
+SLOW_PROVIDERS = frozenset({"numpy-naive", "numpy-tiled"})
+#: Above this T the slow providers are never run for fwd+bwd (minutes per call).
+SLOW_BWD_MAX_T = 2048
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark problem.
+
+    Attributes:
+        T: sequence length (queries and keys).
+        d: head dimension.
+        causal: bottom-right causal mask (identical to top-left as Tq == Tk).
+        mode: ``"fwd"`` or ``"fwd+bwd"``.
+        B, H: batch and heads.
+        providers: provider names for this case, or None for "whatever the
+            run selected" (presets use it to add numpy-naive to one row only).
+    """
+
+    T: int
+    d: int
+    causal: bool
+    mode: str
+    B: int = 1
+    H: int = 8
+    providers: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("T", "d", "B", "H"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def label(self) -> str:
+        """Short human name, e.g. ``fwd T=4096 d=64 causal``."""
+        mask = "causal" if self.causal else "full"
+        return f"{self.mode} T={self.T} d={self.d} {mask}"
+
+    @property
+    def flops(self) -> float:
+        return attention_flops(self.B, self.H, self.T, self.T, self.d, self.causal, self.mode)
+
+
+def attention_flops(B: int, H: int, tq: int, tk: int, d: int, causal: bool, mode: str) -> float:
+    """FLOPs of one attention call under the convention in the module docstring.
+
+    ``fwd = 4 * B * H * tq * tk * d`` (halved when causal) and
+    ``fwd+bwd = 3.5 * fwd`` (the backward is 2.5x the forward).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    fwd = 4.0 * B * H * tq * tk * d
+    if causal:
+        fwd /= 2.0
+    return fwd * 3.5 if mode == "fwd+bwd" else fwd
+
+
+def slow_skip_reason(provider: str, case: Case, max_slow_t: int) -> str | None:
+    """Why ``provider`` is not run on ``case`` (None when it is run).
+
+    The NumPy providers are 10-20x slower than a fused kernel; past these
+    limits one call takes tens of seconds to minutes and tells nothing new.
+    """
+    if provider not in SLOW_PROVIDERS:
+        return None
+    if case.T > max_slow_t:
+        return f"{provider} runs only up to T={max_slow_t} (--max-slow-T)"
+    if case.mode == "fwd+bwd" and case.T > SLOW_BWD_MAX_T:
+        return f"{provider} fwd+bwd runs only up to T={SLOW_BWD_MAX_T}"
+    return None
+
+
+def sweep(Ts, ds, causal: str, mode: str, B: int, H: int, providers=None) -> list[Case]:
+    """Cartesian product of ``Ts x ds x causal x mode`` as cases.
+
+    ``causal`` is ``"yes"``, ``"no"`` or ``"both"``; ``mode`` is ``"fwd"``,
+    ``"fwd+bwd"`` or ``"both"``.
+    """
+    flags = {"yes": (True,), "no": (False,), "both": (False, True)}[causal]
+    modes = MODES if mode == "both" else (mode,)
+    return [Case(T, d, c, m, B, H, providers) for m in modes for d in ds for T in Ts for c in flags]
+
+
+FAST = ("flashtile", "torch-sdpa")
+
+
+def issue_cases(B: int = 1, H: int = 8) -> list[Case]:
+    """The cases of the issue's table (fp32, B=1, H=8, d=64 unless said).
+
+    The main rows compare flashtile with torch SDPA; numpy-naive joins only
+    the fwd T=4096 non-causal row, which gives the "vs numpy-naive" figure.
+    """
+    return [
+        Case(4096, 64, False, "fwd", B, H, (*FAST, "numpy-naive")),
+        Case(4096, 64, True, "fwd", B, H, FAST),
+        Case(1024, 64, True, "fwd", B, H, FAST),
+        Case(1024, 64, False, "fwd", B, H, FAST),
+        Case(2048, 64, True, "fwd+bwd", B, H, FAST),
+        Case(2048, 64, False, "fwd+bwd", B, H, FAST),
+        Case(2048, 128, True, "fwd", B, H, FAST),
+    ]
+
+
+def quick_cases(B: int = 1, H: int = 2) -> list[Case]:
+    """A smoke run of a few seconds: tiny T, every provider, both modes."""
+    return sweep((64, 256), (32,), "both", "both", B, H)
+
+
+#: preset name -> (function building its cases, default H)
+PRESETS = {"issue": (issue_cases, 8), "quick": (quick_cases, 2)}

@@ -1,0 +1,118 @@
+"""The machine a benchmark ran on, and its matmul ceiling.
+
+Absolute times mean little without the machine: the header names the CPU,
+its cores and vector ISA, the library versions and thread count, and a
+measured float32 matmul rate. Attention is two matmuls plus an ``exp``, so
+NumPy's sgemm rate on this machine is the practical ceiling for GFLOP/s.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from importlib import metadata
+
+import numpy as np
+
+ISA_FLAGS = ("avx2", "fma", "avx512f")
+CEILING_N = 2048
+
+
+def _cpuinfo() -> tuple[str, list[str]]:
+    """(CPU model, ISA flags of interest present) from /proc/cpuinfo, if any."""
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        with open("/proc/cpuinfo") as fh:
+            text = fh.read()
+    except OSError:
+        return model, flags
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and value.strip():
+            model = value.strip()
+        elif key == "flags":
+            present = set(value.split())
+            flags = [f for f in ISA_FLAGS if f in present]
+            break  # every core reports the same flags
+    return model, flags
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _usable_cores() -> int | None:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count()
+
+
+def machine_info(torch_threads: int | None = None) -> dict:
+    """A JSON-ready description of this machine and the software stack.
+
+    ``torch_threads`` is passed in (rather than read here) so that describing
+    the machine never imports torch when no torch provider runs.
+    """
+    model, flags = _cpuinfo()
+    return {
+        "cpu": model,
+        "logical_cores": os.cpu_count(),
+        "usable_cores": _usable_cores(),
+        "isa": flags,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "numba": _version("numba"),
+        "torch": _version("torch"),
+        "torch_threads": torch_threads,
+        "flashtile": _version("flashtile"),
+    }
+
+
+def sgemm_gflops(n: int = CEILING_N, reps: int = 3) -> float:
+    """Best-of-``reps`` GFLOP/s of one ``(n, n) @ (n, n)`` float32 matmul in NumPy.
+
+    Best, not median: it is a ceiling, and the fastest run is the one least
+    disturbed by the rest of the machine.
+    """
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    out = np.empty_like(a)
+    np.matmul(a, b, out=out)  # warm-up: BLAS threads start, pages fault in
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        np.matmul(a, b, out=out)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n**3 / best / 1e9
+
+
+def header_lines(info: dict, ceiling: float | None) -> list[str]:
+    """The machine header as printable lines."""
+    isa = " ".join(info["isa"]) or "none of " + "/".join(ISA_FLAGS)
+    cores = f"{info['logical_cores']} logical"
+    if info["usable_cores"] not in (None, info["logical_cores"]):
+        cores += f", {info['usable_cores']} usable"
+    versions = f"numpy {info['numpy']}, numba {info['numba'] or '-'}, "
+    if info["torch"]:
+        versions += f"torch {info['torch']}"
+        if info["torch_threads"] is not None:
+            versions += f" ({info['torch_threads']} threads)"
+    else:
+        versions += "torch not installed"
+    lines = [
+        f"machine : {info['cpu']} ({cores}; ISA: {isa})",
+        f"software: python {info['python']}, {versions}",
+    ]
+    if ceiling is not None:
+        lines.append(
+            f"ceiling : NumPy sgemm {CEILING_N}^3 float32 = {ceiling:.0f} GFLOP/s (best of 3)"
+        )
+    return lines

@@ -1,0 +1,204 @@
+"""Attention implementations the benchmark compares, behind one small interface.
+
+Every provider takes float32 NumPy arrays ``q, k, v: (B, H, T, d)`` (and
+``dout: (B, H, T, d)`` for the backward), uses the default scale
+``1/sqrt(d)``, and returns NumPy arrays:
+
+* ``forward(q, k, v, causal) -> out (B, H, T, d)``
+* ``forward_backward(q, k, v, dout, causal) -> (out, dq, dk, dv)``, the
+  forward and the gradients of ``sum(out * dout)``, all in one timed call.
+
+Optional dependencies (torch, the compiled kernel) are imported lazily inside
+the provider, so ``flashtile demo`` never pays for them and a missing one only
+skips that provider with a note.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+
+import flashtile
+
+#: Keys per tile of the NumPy tiled reference (large tiles keep the matmuls
+#: BLAS-efficient; the result is the same for any block size).
+TILED_BLOCK = 128
+
+
+class Provider:
+    """One attention implementation. Subclasses set ``name`` and implement the calls."""
+
+    name = "?"
+    description = ""
+
+    def available(self) -> tuple[bool, str]:
+        """``(True, "")`` when usable here, else ``(False, why)``."""
+        return True, ""
+
+    def supports(self, mode: str) -> tuple[bool, str]:
+        """Whether ``mode`` (``"fwd"`` or ``"fwd+bwd"``) can run, and why not."""
+        return True, ""
+
+    def forward(self, q, k, v, causal: bool) -> np.ndarray:
+        raise NotImplementedError
+
+    def forward_backward(self, q, k, v, dout, causal: bool):
+        raise NotImplementedError
+
+
+def _load_flashtile_api():
+    """``(attention, attention_backward or None)``; ImportError if there is no kernel.
+
+    The fast kernel lives in ``flashtile.api`` and is re-exported at the top
+    level once finished; accept either place.
+    """
+    fwd = getattr(flashtile, "attention", None)
+    bwd = getattr(flashtile, "attention_backward", None)
+    if fwd is None:
+        try:
+            api = importlib.import_module("flashtile.api")
+        except ImportError as exc:
+            raise ImportError("flashtile.attention not available") from exc
+        fwd = getattr(api, "attention", None)
+        bwd = getattr(api, "attention_backward", None)
+    if fwd is None:
+        raise ImportError("flashtile.attention not available")
+    return fwd, bwd
+
+
+class FlashtileProvider(Provider):
+    """The compiled CPU kernel: ``flashtile.attention`` / ``attention_backward``."""
+
+    name = "flashtile"
+    description = "flashtile.attention (fused CPU kernel)"
+
+    def available(self):
+        try:
+            _load_flashtile_api()
+        except ImportError as exc:
+            return False, str(exc)
+        return True, ""
+
+    def supports(self, mode):
+        if mode == "fwd+bwd" and _load_flashtile_api()[1] is None:
+            return False, "flashtile.attention_backward not available"
+        return True, ""
+
+    def forward(self, q, k, v, causal):
+        attention, _ = _load_flashtile_api()
+        return attention(q, k, v, causal=causal)
+
+    def forward_backward(self, q, k, v, dout, causal):
+        attention, attention_backward = _load_flashtile_api()
+        out, lse = attention(q, k, v, causal=causal, return_lse=True)
+        dq, dk, dv = attention_backward(q, k, v, out, lse, dout, causal=causal)
+        return out, dq, dk, dv
+
+
+def _import_torch():
+    """Import torch; a separate function so tests can simulate its absence."""
+    import torch
+
+    return torch
+
+
+class TorchSDPAProvider(Provider):
+    """``torch.nn.functional.scaled_dot_product_attention`` on 4-D CPU tensors.
+
+    The inputs are passed 4-D on purpose: on CPU only 4-D inputs reach the C++
+    flash kernel, 3-D ones silently take the slow math path. ``is_causal`` is
+    top-left aligned in torch, which equals flashtile's bottom-right mask
+    because every case has ``Tq == Tk``.
+    """
+
+    name = "torch-sdpa"
+    description = "torch.nn.functional.scaled_dot_product_attention (4-D, CPU)"
+
+    def available(self):
+        try:
+            torch = _import_torch()
+        except ImportError:
+            return False, "torch not installed: pip install 'flashtile[torch]'"
+        return True, f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+    def forward(self, q, k, v, causal):
+        torch = _import_torch()
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        # from_numpy shares memory: no copy is timed.
+        qt, kt, vt = (torch.from_numpy(a) for a in (q, k, v))
+        with torch.no_grad():
+            out = sdpa(qt, kt, vt, is_causal=causal)
+        return out.numpy()
+
+    def forward_backward(self, q, k, v, dout, causal):
+        torch = _import_torch()
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        # Fresh leaves per call, so gradients never accumulate across reps.
+        qt, kt, vt = (torch.from_numpy(a).requires_grad_() for a in (q, k, v))
+        out = sdpa(qt, kt, vt, is_causal=causal)
+        out.backward(torch.from_numpy(dout))
+        return out.detach().numpy(), qt.grad.numpy(), kt.grad.numpy(), vt.grad.numpy()
+
+
+class NumpyNaiveProvider(Provider):
+    """``flashtile.naive_attention``: the dense ``(T, T)`` oracle, in float32.
+
+    Its backward is the dense textbook formula on the stored probabilities
+    ``P`` (``dV = P^T dO``, ``dS = P * (dO V^T - rowsum(dO * O))``,
+    ``dQ = scale dS K``, ``dK = scale dS^T Q``): what a plain NumPy user
+    would write.
+    """
+
+    name = "numpy-naive"
+    description = "flashtile.naive_attention (dense T x T, NumPy)"
+
+    def forward(self, q, k, v, causal):
+        return flashtile.naive_attention(q, k, v, causal)[0]
+
+    def forward_backward(self, q, k, v, dout, causal):
+        out, p = flashtile.naive_attention(q, k, v, causal)
+        scale = np.float32(1.0 / np.sqrt(q.shape[-1]))
+        dv = np.swapaxes(p, -1, -2) @ dout
+        dp = dout @ np.swapaxes(v, -1, -2)
+        ds = p * (dp - np.sum(dout * out, axis=-1, keepdims=True))
+        dq = (ds @ k) * scale
+        dk = (np.swapaxes(ds, -1, -2) @ q) * scale
+        return out, dq, dk, dv
+
+
+class NumpyTiledProvider(Provider):
+    """``flashtile.tiled_attention`` (block 128) and ``tiled_attention_backward``."""
+
+    name = "numpy-tiled"
+    description = f"flashtile.tiled_attention, block {TILED_BLOCK} (NumPy)"
+
+    def forward(self, q, k, v, causal):
+        return flashtile.tiled_attention(q, k, v, TILED_BLOCK, causal)
+
+    def forward_backward(self, q, k, v, dout, causal):
+        out, lse = flashtile.tiled_attention(q, k, v, TILED_BLOCK, causal, return_lse=True)
+        dq, dk, dv = flashtile.tiled_attention_backward(
+            q, k, v, out, dout, lse, TILED_BLOCK, causal
+        )
+        return out, dq, dk, dv
+
+
+#: name -> class, in the order the table lists them. torch-sdpa first: the
+#: other rows report their speed relative to it.
+PROVIDERS: dict[str, type[Provider]] = {
+    cls.name: cls
+    for cls in (TorchSDPAProvider, FlashtileProvider, NumpyNaiveProvider, NumpyTiledProvider)
+}
+
+
+def make_providers(names=None) -> list[Provider]:
+    """Instances for ``names`` (all when None), in the canonical order.
+
+    Raises ValueError naming the unknown ones and the valid choices.
+    """
+    names = list(PROVIDERS) if names is None else list(names)
+    unknown = [n for n in names if n not in PROVIDERS]
+    if unknown:
+        raise ValueError(f"unknown provider(s) {unknown}; choose from {list(PROVIDERS)}")
+    return [cls() for name, cls in PROVIDERS.items() if name in names]

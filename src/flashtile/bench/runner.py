@@ -1,0 +1,229 @@
+"""Verify, then time, every provider on every case, side by side.
+
+For one case the runner
+
+1. builds float32 inputs ``q, k, v, dout: (B, H, T, d)`` from a fixed seed;
+2. computes a float64 reference with :func:`flashtile.tiled_attention` (and
+   :func:`flashtile.tiled_attention_backward` for ``fwd+bwd``);
+3. calls each provider once and compares ``out`` (and ``dq, dk, dv``) with
+   the reference by the relative norm error ``||x - ref|| / ||ref||``; a
+   provider at or above :data:`TOLERANCE` is reported ``FAILED`` and never
+   timed (a fast wrong answer is not a result). This call is also the warm-up
+   (Numba compiles here, BLAS threads start);
+4. measures the peak extra memory of one call (see :mod:`.memory`);
+5. times the providers in interleaved rounds (A B C, C B A, A B C, ...) so
+   that slow drifts of a shared, noisy machine hit all of them alike, and
+   reports the median. A provider stops early once its timed calls add up to
+   ``time_budget`` seconds (at least one call is always timed).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from statistics import median
+
+import numpy as np
+
+import flashtile
+
+from .cases import Case, slow_skip_reason
+from .memory import peak_memory
+from .providers import Provider
+
+#: Relative norm error a float32 provider must stay under (float32 attention
+#: lands around 1e-7..1e-6; 1e-4 leaves room for long sums, not for bugs).
+TOLERANCE = 1e-4
+REFERENCE_BLOCK = 128
+SEED = 20240526
+
+
+@dataclass
+class Result:
+    """One provider on one case. ``status`` is ok, FAILED, ERROR or skipped."""
+
+    case: Case
+    provider: str
+    status: str = "ok"
+    note: str = ""
+    rel_err: float | None = None
+    errors: dict = field(default_factory=dict)  # per output: out, dq, dk, dv
+    times: list = field(default_factory=list)  # seconds, in call order
+    rss_peak: float | None = None  # bytes
+    traced_peak: float | None = None  # bytes
+    speedup_vs_torch: float | None = None
+    speedup_vs_naive: float | None = None
+
+    @property
+    def median_s(self) -> float | None:
+        return median(self.times) if self.times else None
+
+    @property
+    def gflops(self) -> float | None:
+        t = self.median_s
+        return self.case.flops / t / 1e9 if t else None
+
+
+def rel_err(x, ref) -> float:
+    """``||x - ref|| / ||ref||`` in float64; NaN/inf in ``x`` give inf."""
+    x = np.asarray(x, dtype=np.float64)
+    if x.shape != ref.shape:
+        raise ValueError(f"shape {x.shape}, expected {ref.shape}")
+    if not np.all(np.isfinite(x)):
+        return float("inf")
+    denom = float(np.linalg.norm(ref))
+    diff = float(np.linalg.norm(x - ref))
+    return diff / denom if denom > 0 else diff
+
+
+def make_inputs(case: Case) -> dict[str, np.ndarray]:
+    """Seeded standard-normal float32 ``q, k, v, dout: (B, H, T, d)``."""
+    rng = np.random.default_rng([SEED, case.B, case.H, case.T, case.d])
+    shape = (case.B, case.H, case.T, case.d)
+    return {n: rng.standard_normal(shape, dtype=np.float32) for n in ("q", "k", "v", "dout")}
+
+
+class ReferenceCache:
+    """Float64 reference results, shared by the cases that need the same ones."""
+
+    def __init__(self):
+        self._fwd: dict = {}
+        self._bwd: dict = {}
+
+    def get(self, case: Case, inputs) -> dict[str, np.ndarray]:
+        """``{"out": ...}``, plus ``dq, dk, dv`` for fwd+bwd, all float64."""
+        key = (case.B, case.H, case.T, case.d, case.causal)
+        q, k, v, dout = (inputs[n].astype(np.float64) for n in ("q", "k", "v", "dout"))
+        if key not in self._fwd:
+            self._fwd[key] = flashtile.tiled_attention(
+                q, k, v, REFERENCE_BLOCK, case.causal, return_lse=True
+            )
+        out, lse = self._fwd[key]
+        ref = {"out": out}
+        if case.mode == "fwd+bwd":
+            if key not in self._bwd:
+                self._bwd[key] = flashtile.tiled_attention_backward(
+                    q, k, v, out, dout, lse, REFERENCE_BLOCK, case.causal
+                )
+            ref.update(zip(("dq", "dk", "dv"), self._bwd[key], strict=True))
+        return ref
+
+
+def _call(provider: Provider, case: Case, inputs):
+    """A zero-argument function running ``provider`` on ``case`` once."""
+    q, k, v, dout = (inputs[n] for n in ("q", "k", "v", "dout"))
+    if case.mode == "fwd":
+        return lambda: (provider.forward(q, k, v, case.causal),)
+    return lambda: provider.forward_backward(q, k, v, dout, case.causal)
+
+
+def _verify(result: Result, call, ref) -> bool:
+    """Run ``call`` once, fill ``result``'s errors; True if it may be timed."""
+    try:
+        outputs = call()
+        names = list(ref)
+        if len(outputs) != len(names):
+            raise ValueError(f"returned {len(outputs)} arrays, expected {len(names)}")
+        result.errors = {n: rel_err(x, ref[n]) for n, x in zip(names, outputs, strict=True)}
+    except Exception as exc:  # a crashing provider must not stop the sweep
+        result.status, result.note = "ERROR", f"{type(exc).__name__}: {exc}"
+        return False
+    worst = max(result.errors, key=result.errors.get)
+    result.rel_err = result.errors[worst]
+    if not result.rel_err < TOLERANCE:
+        result.status = "FAILED"
+        result.note = f"{worst}: rel err {result.rel_err:.2e} >= {TOLERANCE:.0e}, not timed"
+        return False
+    return True
+
+
+class Progress:
+    """A one-line ``\\r`` progress indicator on stderr; silent when not a tty."""
+
+    def __init__(self, total: int, stream=None):
+        self.total, self.done = total, 0
+        self.stream = stream or sys.stderr
+        self.enabled = total > 1 and getattr(self.stream, "isatty", lambda: False)()
+
+    def show(self, text: str) -> None:
+        if self.enabled:
+            line = f"[{self.done}/{self.total}] {text}"
+            self.stream.write("\r" + line[:100].ljust(100))
+            self.stream.flush()
+
+    def step(self) -> None:
+        self.done += 1
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\r" + " " * 100 + "\r")
+            self.stream.flush()
+
+
+def run_case(
+    case: Case,
+    providers: list[Provider],
+    refs: ReferenceCache,
+    *,
+    reps: int = 5,
+    time_budget: float = 3.0,
+    max_slow_t: int = 4096,
+    measure_memory: bool = True,
+    progress: Progress | None = None,
+) -> list[Result]:
+    """Verify, measure and time ``providers`` on ``case``; one Result each.
+
+    ``providers`` must already be available (see :meth:`Provider.available`);
+    the case's own provider list, slow-provider limits and unsupported modes
+    are applied here and give ``skipped`` results with the reason.
+    """
+    progress = progress or Progress(0)
+    if case.providers is not None:
+        providers = [p for p in providers if p.name in case.providers]
+    results, calls = [], {}
+    inputs = make_inputs(case)
+    progress.show(f"{case.label}: float64 reference")
+    ref = refs.get(case, inputs)
+    for p in providers:
+        res = Result(case, p.name)
+        results.append(res)
+        reason = slow_skip_reason(p.name, case, max_slow_t)
+        ok, why = p.supports(case.mode)
+        if reason or not ok:
+            res.status, res.note = "skipped", reason or why
+            continue
+        progress.show(f"{case.label}: verify {p.name}")
+        call = _call(p, case, inputs)
+        if not _verify(res, call, ref):
+            continue
+        if measure_memory:
+            progress.show(f"{case.label}: memory {p.name}")
+            mem = peak_memory(call)
+            res.rss_peak, res.traced_peak = mem.rss, mem.traced
+        calls[p.name] = (res, call)
+
+    spent = dict.fromkeys(calls, 0.0)
+    order = list(calls)
+    for r in range(reps):
+        for name in order if r % 2 == 0 else order[::-1]:
+            res, call = calls[name]
+            if res.times and spent[name] >= time_budget:
+                continue  # adaptive: a slow provider gets fewer reps
+            progress.show(f"{case.label}: time {name} ({r + 1}/{reps})")
+            start = time.perf_counter()
+            call()
+            res.times.append(time.perf_counter() - start)
+            spent[name] += res.times[-1]
+
+    by_name = {res.provider: res for res in results}
+    for res in results:
+        for other, attr in (
+            ("torch-sdpa", "speedup_vs_torch"),
+            ("numpy-naive", "speedup_vs_naive"),
+        ):
+            base = by_name.get(other)
+            if res.median_s and base is not None and base.median_s:
+                setattr(res, attr, base.median_s / res.median_s)
+    progress.step()
+    return results

@@ -1,0 +1,121 @@
+"""Fused multi-threaded attention forward (Numba).
+
+One work item is one ``(batch, head, query block)``; the items run in a
+``prange``. For its ``block_q`` queries an item keeps the running max ``m_i``
+(in log2 units), the normaliser ``l_i`` and the unnormalised output ``acc``
+and walks the key/value blocks:
+
+    S   = (scale * log2(e) * Q_i) K_j^T        BLAS sgemm into a reused buffer
+    m'  = max(m_i, rowmax(S));  alpha = 2**(m_i - m')
+    P   = 2**(S - m')  (vectorised, in place);  l_i = alpha * l_i + rowsum(P)
+    acc = alpha * acc + P V_j                  BLAS sgemm, then one fused pass
+
+Folding ``scale * log2(e)`` into the query tile once makes every score an
+exponent of 2, so the inner loop is one subtract and a polynomial. Under the
+causal mask, key blocks beyond the last visible key are never visited and only
+the tiles that straddle the diagonal pay for per-row limits; masked entries
+are written as exact zeros rather than pushed through ``exp``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from ..masks import key_stop, last_visible_key, tile_needs_mask
+from .vexp import exp2_shifted
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+@njit(inline="always", cache=True)
+def zigzag(idx, n):
+    """Order 0, n-1, 1, n-2, ...: contiguous halves of it get equal causal work."""
+    half = idx // 2
+    return half if idx % 2 == 0 else n - 1 - half
+
+
+@njit(inline="always", fastmath=True, cache=True)
+def softmax_tile(s, m, l, alpha, bits, row0, col0, tq, tk, causal, masked):
+    """Online-softmax update of one score tile ``s (br, bc)`` in place.
+
+    On return ``s`` holds ``P = 2**(S - m_new)`` (exact zeros where masked),
+    ``m``/``l`` hold the updated state and ``alpha`` the per-row rescale.
+    Row ``r`` is query ``row0 + r``; column ``c`` is key ``col0 + c``.
+    """
+    br, bc = s.shape
+    for r in range(br):
+        row = s[r]
+        lim = bc
+        if masked:
+            lim = min(bc, last_visible_key(row0 + r, tq, tk, causal) + 1 - col0)
+        if lim <= 0:
+            row[:] = 0.0
+            alpha[r] = 1.0
+            continue
+        mx = row[0]
+        for c in range(1, lim):
+            mx = max(mx, row[c])
+        m_new = max(m[r], mx)
+        # First visible block of this row: m = -inf and nothing to rescale.
+        alpha[r] = 0.0 if m[r] == -np.inf else math.exp2(m[r] - m_new)
+        total = exp2_shifted(row, m_new, lim, bits)
+        row[lim:] = 0.0
+        l[r] = l[r] * alpha[r] + total
+        m[r] = m_new
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def forward_kernel(q, k, v, out, lse, scale, causal, block_q, block_k):
+    """``out``/``lse`` of attention for C-contiguous ``(B, H, T, d)`` arrays.
+
+    ``out (B, H, Tq, dv)`` and ``lse (B, H, Tq)`` (natural log) are written in
+    place. ``q``, ``k``, ``v``, ``out`` and ``lse`` share one dtype.
+    """
+    n_batch, n_head, tq, d = q.shape
+    tk = k.shape[2]
+    dv = v.shape[3]
+    n_qblocks = (tq + block_q - 1) // block_q
+    q_mult = q.dtype.type(scale * LOG2E)
+    for item in prange(n_batch * n_head * n_qblocks):
+        bh = item // n_qblocks
+        b = bh // n_head
+        h = bh % n_head
+        i0 = zigzag(item % n_qblocks, n_qblocks) * block_q
+        i1 = min(i0 + block_q, tq)
+        br = i1 - i0
+
+        q_tile = q[b, h, i0:i1] * q_mult  # scaled copy: q stays in cache
+        s_buf = np.empty(br * block_k, dtype=q.dtype)
+        pv = np.empty((br, dv), dtype=q.dtype)
+        acc = np.zeros((br, dv), dtype=q.dtype)
+        m = np.full(br, -np.inf, dtype=q.dtype)
+        l = np.zeros(br, dtype=q.dtype)
+        alpha = np.empty(br, dtype=q.dtype)
+        bits = np.empty(block_k, dtype=np.int32)
+
+        j_stop = key_stop(i1, tq, tk, causal)
+        for j0 in range(0, j_stop, block_k):
+            j1 = min(j0 + block_k, j_stop)
+            s = s_buf[: br * (j1 - j0)].reshape((br, j1 - j0))
+            np.dot(q_tile, k[b, h, j0:j1].T, s)
+            masked = causal and tile_needs_mask(i0, j1, tq, tk, causal)
+            softmax_tile(s, m, l, alpha, bits, i0, j0, tq, tk, causal, masked)
+            np.dot(s, v[b, h, j0:j1], pv)
+            for r in range(br):
+                a = alpha[r]
+                for c in range(dv):
+                    acc[r, c] = acc[r, c] * a + pv[r, c]
+
+        # Normalise once; rows that saw no key keep zeros and lse = -inf.
+        for r in range(br):
+            if l[r] > 0.0:
+                inv = 1.0 / l[r]
+                for c in range(dv):
+                    out[b, h, i0 + r, c] = acc[r, c] * inv
+                lse[b, h, i0 + r] = (m[r] + math.log2(l[r])) * LN2
+            else:
+                out[b, h, i0 + r, :] = 0.0
+                lse[b, h, i0 + r] = -np.inf
