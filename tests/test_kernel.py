@@ -1,0 +1,205 @@
+"""The fused CPU kernel (flashtile.attention / attention_backward) vs the reference.
+
+Small tile sizes are passed on purpose so that short sequences still cross
+many query/key tiles, partial edge tiles and the causal diagonal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from dense import dense_attention, rel_err
+
+import flashtile as ft
+
+SHAPES = [  # (Tq, Tk, d, dv)
+    (1, 1, 1, 1),
+    (7, 7, 3, 3),
+    (97, 97, 59, 59),
+    (97, 33, 64, 5),
+    (33, 97, 128, 64),
+    (1, 1025, 1, 2),
+    (1025, 1025, 64, 64),
+]
+TILES = [(16, 24), (128, 512)]
+
+
+def _inputs(rng, tq, tk, d, dv, dtype, lead=(2, 3)):
+    q = rng.standard_normal((*lead, tq, d)).astype(dtype)
+    k = rng.standard_normal((*lead, tk, d)).astype(dtype)
+    v = rng.standard_normal((*lead, tk, dv)).astype(dtype)
+    return q, k, v
+
+
+def _f64(*arrays):
+    return [a.astype(np.float64) for a in arrays]
+
+
+def _naive_f32_error(q, k, v, causal):
+    """Relative error the naive computation makes in float32 on the same inputs."""
+    out32, _ = ft.naive_attention(q, k, v, causal)
+    ref, _ = dense_attention(*_f64(q, k, v), causal)
+    return rel_err(out32, ref)
+
+
+@pytest.mark.parametrize("tiles", TILES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_matches_reference_float64(rng, shape, causal, tiles):
+    tq, tk, d, dv = shape
+    lead = (1, 2) if tq * tk > 10**5 else (2, 3)
+    q, k, v = _inputs(rng, tq, tk, d, dv, np.float64, lead)
+    out, lse = ft.attention(
+        q, k, v, causal=causal, return_lse=True, block_q=tiles[0], block_k=tiles[1]
+    )
+    ref, ref_lse = ft.tiled_attention(q, k, v, 64, causal, return_lse=True)
+    assert rel_err(out, ref) < 1e-12
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_float32_accuracy(rng, shape, causal):
+    """float32 error below 1e-5 and within 3x of naive float32 attention."""
+    tq, tk, d, dv = shape
+    q, k, v = _inputs(rng, tq, tk, d, dv, np.float32, (1, 2))
+    out, lse = ft.attention(q, k, v, causal=causal, return_lse=True, block_q=16, block_k=24)
+    assert out.dtype == np.float32 and lse.dtype == np.float32
+    ref, ref_lse = dense_attention(*_f64(q, k, v), causal)
+    err = rel_err(out, ref)
+    assert err < 1e-5
+    assert err <= 3 * max(_naive_f32_error(q, k, v, causal), 1e-7)
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tiles", TILES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES[:-1])
+def test_backward_matches_reference(rng, shape, causal, tiles):
+    tq, tk, d, dv = shape
+    q, k, v = _inputs(rng, tq, tk, d, dv, np.float64)
+    dout = rng.standard_normal((2, 3, tq, dv))
+    out, lse = ft.attention(q, k, v, causal=causal, return_lse=True)
+    grads = ft.attention_backward(
+        q, k, v, out, lse, dout, causal=causal, block_q=tiles[0], block_k=tiles[1]
+    )
+    ref = ft.tiled_attention_backward(q, k, v, out, dout, lse, 64, causal)
+    for got, want in zip(grads, ref, strict=True):
+        assert got.shape == want.shape
+        assert rel_err(got, want) < 1e-11
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_float32_and_deterministic(rng, causal):
+    q, k, v = _inputs(rng, 301, 257, 64, 64, np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    out, lse = ft.attention(q, k, v, causal=causal, return_lse=True)
+    first = ft.attention_backward(q, k, v, out, lse, dout, causal=causal, block_q=64, block_k=96)
+    again = ft.attention_backward(q, k, v, out, lse, dout, causal=causal, block_q=64, block_k=96)
+    ref = ft.tiled_attention_backward(*_f64(q, k, v, out, dout, lse), 128, causal)
+    for got, repeat, want in zip(first, again, ref, strict=True):
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, repeat)  # bit-identical
+        assert rel_err(got, want) < 1e-5
+
+
+def test_forward_is_deterministic(rng):
+    q, k, v = _inputs(rng, 200, 300, 64, 64, np.float32)
+    a = ft.attention(q, k, v, causal=True, block_q=32, block_k=64)
+    np.testing.assert_array_equal(a, ft.attention(q, k, v, causal=True, block_q=32, block_k=64))
+
+
+@pytest.mark.parametrize("ndim", [2, 3, 4])
+def test_ranks_and_scale(rng, ndim):
+    lead = (2, 3)[: ndim - 2]
+    q, k, v = _inputs(rng, 20, 30, 8, 5, np.float64, lead)
+    out, lse = ft.attention(q, k, v, scale=0.37, return_lse=True)
+    ref, ref_lse = dense_attention(q, k, v, scale=0.37)
+    assert out.shape == (*lead, 20, 5) and lse.shape == (*lead, 20)
+    assert rel_err(out, ref) < 1e-12
+    dout = rng.standard_normal(out.shape)
+    grads = ft.attention_backward(q, k, v, out, lse, dout, scale=0.37)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+def test_rows_that_see_no_key(rng):
+    """Tq > Tk causal: the first Tq - Tk queries see nothing -> zeros, -inf, zero grads."""
+    q, k, v = _inputs(rng, 40, 9, 16, 16, np.float32)
+    out, lse = ft.attention(q, k, v, causal=True, return_lse=True, block_q=16, block_k=4)
+    assert np.all(out[..., :31, :] == 0) and np.all(np.isneginf(lse[..., :31]))
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse[..., 31:]))
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    dq, dk, dv = ft.attention_backward(q, k, v, out, lse, dout, causal=True, block_q=16)
+    assert np.all(dq[..., :31, :] == 0)
+    assert all(np.all(np.isfinite(g)) for g in (dq, dk, dv))
+
+
+def test_float16_is_upcast_and_returned_as_float16(rng):
+    q, k, v = _inputs(rng, 50, 50, 32, 32, np.float16)
+    out, lse = ft.attention(q, k, v, causal=True, return_lse=True)
+    assert out.dtype == np.float16 and lse.dtype == np.float32
+    ref, _ = dense_attention(*_f64(q, k, v), True)
+    assert rel_err(out, ref) < 2e-3
+
+
+def test_non_contiguous_inputs(rng):
+    q, k, v = _inputs(rng, 33, 33, 16, 16, np.float64)
+    qt = np.ascontiguousarray(np.swapaxes(q, -1, -2)).swapaxes(-1, -2)  # strided view
+    out = ft.attention(qt, k[..., ::1, :], v, causal=True)
+    assert rel_err(out, dense_attention(q, k, v, True)[0]) < 1e-12
+
+
+def test_large_logits_do_not_overflow(rng):
+    q, k, v = _inputs(rng, 64, 64, 16, 16, np.float32)
+    out = ft.attention(q * 300, k * 300, v)
+    ref, _ = dense_attention(*_f64(q * 300, k * 300, v))
+    assert np.all(np.isfinite(out)) and rel_err(out, ref) < 1e-5
+
+
+def test_long_sequence_uses_linear_memory():
+    """T=16384: the dense scores would be 1 GiB; the kernel runs and stays exact."""
+    rng = np.random.default_rng(3)
+    q, k, v = _inputs(rng, 16384, 16384, 16, 16, np.float32, (1, 1))
+    out = ft.attention(q, k, v, causal=True)
+    rows = np.array([0, 1, 5000, 16383])
+    ref, _ = dense_attention(*_f64(q[..., rows, :], k, v), causal=False)
+    # Row i of causal attention is non-causal attention over keys [0, i].
+    for idx, row in enumerate(rows):
+        want, _ = dense_attention(*_f64(q[..., [row], :], k[..., : row + 1, :], v[..., : row + 1, :]))
+        assert rel_err(out[..., [row], :], want) < 1e-5
+    assert ref.shape == (1, 1, 4, 16)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"q": np.zeros((1, 1, 2, 3, 4, 8))}, ValueError, "6 dims"),
+        ({"k": np.zeros((1, 3, 9, 8))}, ValueError, "leading dims differ"),
+        ({"k": np.zeros((2, 3, 9, 7))}, ValueError, "d=8 but k has d=7"),
+        ({"v": np.zeros((2, 3, 8, 8))}, ValueError, "Tk=9"),
+        ({"q": np.zeros((2, 3, 4, 8), dtype=np.int32)}, TypeError, "int32"),
+        ({"causal": 1}, TypeError, "causal"),
+        ({"block_q": 0}, ValueError, "block_q must be >= 1"),
+        ({"scale": float("nan")}, ValueError, "scale must be finite"),
+    ],
+)
+def test_bad_inputs_give_clear_errors(kwargs, exc, match):
+    args = {
+        "q": np.zeros((2, 3, 4, 8)),
+        "k": np.zeros((2, 3, 9, 8)),
+        "v": np.zeros((2, 3, 9, 8)),
+    }
+    args.update(kwargs)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    with pytest.raises(exc, match=match):
+        ft.attention(q, k, v, **args)
+
+
+def test_backward_rejects_swapped_lse_and_dout(rng):
+    q, k, v = _inputs(rng, 5, 6, 4, 4, np.float64)
+    out, lse = ft.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match=r"has shape \(2, 3, 5\), expected"):
+        ft.attention_backward(q, k, v, out, out, lse)
