@@ -28,8 +28,9 @@ def merge_states(out_a, lse_a, out_b, lse_b):
         lse_a, lse_b: ``(..., T)`` natural-log normalisers (``-inf`` = no key).
 
     Returns:
-        ``(out, lse)`` with the broadcast shapes of the inputs; ``out`` has the
-        dtype of ``out_a``/``out_b``, ``lse`` that of the lse inputs.
+        ``(out, lse)`` with the shapes of the inputs (both partials must
+        have the same shapes); ``out`` has the dtype of ``out_a``/``out_b``,
+        ``lse`` that of the lse inputs.
         The merge is exact, commutative and associative up to rounding.
     """
     out_a = as_float_array(out_a, "out_a")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._validate import as_float_array, check_block_size
+from .._validate import as_float_array, check_block_size, compute_dtype
 
 
 def softmax(x, axis: int = -1) -> np.ndarray:
@@ -25,9 +25,11 @@ def softmax(x, axis: int = -1) -> np.ndarray:
     Slices that are entirely ``-inf`` give zeros instead of NaN.
     """
     x = as_float_array(x, "x")
-    weights = np.exp(x - _safe(np.max(x, axis=axis, keepdims=True)))
+    xc = x.astype(compute_dtype(x.dtype), copy=False)  # float16 sums in float32
+    weights = np.exp(xc - _safe(np.max(xc, axis=axis, keepdims=True)))
     total = np.sum(weights, axis=axis, keepdims=True)
-    return np.divide(weights, total, out=np.zeros_like(weights), where=total != 0)
+    probs = np.divide(weights, total, out=np.zeros_like(weights), where=total != 0)
+    return probs.astype(x.dtype, copy=False)
 
 
 @dataclass(frozen=True)
@@ -81,9 +83,9 @@ def online_softmax_steps(blocks: Iterable) -> Iterator[OnlineStep]:
             raise ValueError(f"block {index} has shape {block.shape}; blocks must be 1-D")
         if block.size == 0:
             continue
-        if m is None:
-            m = np.array(-np.inf, dtype=block.dtype)
-            ell = np.zeros((), dtype=block.dtype)
+        if m is None:  # the state accumulates in float32 for float16 blocks
+            m = np.array(-np.inf, dtype=compute_dtype(block.dtype))
+            ell = np.zeros((), dtype=m.dtype)
         m_new, ell, rescale, _ = online_update(m, ell, block)
         yield OnlineStep(index, block, float(block.max()), float(m), float(m_new),
                          float(rescale), float(ell))
@@ -114,10 +116,12 @@ def online_softmax(x, block_size: int) -> np.ndarray:
     block_size = check_block_size(block_size)
     if x.ndim == 0:
         raise ValueError("x is a scalar; online_softmax needs at least one axis")
-    m = np.full(x.shape[:-1], -np.inf, dtype=x.dtype)
-    ell = np.zeros(x.shape[:-1], dtype=x.dtype)
+    xc = x.astype(compute_dtype(x.dtype), copy=False)  # float16 sums in float32
+    m = np.full(x.shape[:-1], -np.inf, dtype=xc.dtype)
+    ell = np.zeros(x.shape[:-1], dtype=xc.dtype)
     for start in range(0, x.shape[-1], block_size):
-        m, ell, _, _ = online_update(m, ell, x[..., start : start + block_size])
-    weights = np.exp(x - _safe(m)[..., None])
+        m, ell, _, _ = online_update(m, ell, xc[..., start : start + block_size])
+    weights = np.exp(xc - _safe(m)[..., None])
     ell = ell[..., None]
-    return np.divide(weights, ell, out=np.zeros_like(weights), where=ell != 0)
+    probs = np.divide(weights, ell, out=np.zeros_like(weights), where=ell != 0)
+    return probs.astype(x.dtype, copy=False)
