@@ -47,9 +47,7 @@ def _prepare(q, k, v, causal, scale, block_q, block_k):
     return as4d(q), as4d(k), as4d(v), shapes, q.dtype, causal, scale, block_q, block_k
 
 
-def attention(
-    q, k, v, *, causal=False, scale=None, return_lse=False, block_q=None, block_k=None
-):
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False, block_q=None, block_k=None):
     """Exact attention ``softmax(q k^T * scale) v`` with the fused CPU kernel.
 
     Args:
@@ -114,9 +112,7 @@ def attention_backward(
     lse4 = like_q4(lse, ())
     dq, dk, dv = np.empty_like(q4), np.empty_like(k4), np.empty_like(v4)
     with single_threaded_blas():
-        backward_kernel(
-            q4, k4, v4, out4, lse4, dout4, dq, dk, dv, scale, causal, block_q, block_k
-        )
+        backward_kernel(q4, k4, v4, out4, lse4, dout4, dq, dk, dv, scale, causal, block_q, block_k)
     return tuple(
         g.reshape(np.shape(a)).astype(dtype, copy=False)
         for g, a in zip((dq, dk, dv), (q, k, v), strict=True)

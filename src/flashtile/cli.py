@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace = sub.add_parser("trace", help="the online softmax of a vector, block by block")
     trace.add_argument("--x", type=_parse_vector, required=True, help='e.g. "0 1 5 2 9"')
     trace.add_argument("--block-size", type=_positive_int, default=2)
-    # The bench options are light; its runner (and torch) is imported only on dispatch.
+    # bench.cli needs only NumPy; torch is imported when its provider is checked.
     from .bench.cli import add_bench_parser
 
     add_bench_parser(sub)

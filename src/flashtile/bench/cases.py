@@ -87,9 +87,10 @@ def slow_skip_reason(provider: str, case: Case, max_slow_t: int) -> str | None:
     """
     if provider not in SLOW_PROVIDERS:
         return None
-    if case.T > max_slow_t:
+    t = case.T
+    if t > max_slow_t:
         return f"{provider} runs only up to T={max_slow_t} (--max-slow-T)"
-    if case.mode == "fwd+bwd" and case.T > SLOW_BWD_MAX_T:
+    if case.mode == "fwd+bwd" and t > SLOW_BWD_MAX_T:
         return f"{provider} fwd+bwd runs only up to T={SLOW_BWD_MAX_T}"
     return None
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from .cases import PRESETS, sweep
-from .machine import machine_info, header_lines, sgemm_gflops
+from .machine import header_lines, machine_info, sgemm_gflops
 from .memory import rss_method
 from .providers import PROVIDERS, make_providers
 from .report import footnotes, format_table, plot, require_matplotlib, to_json
@@ -202,7 +202,7 @@ def run_bench(args, out=None) -> int:
     print("", file=out)
     print(format_table(results, markdown=args.markdown), file=out)
     print("", file=out)
-    for note in footnotes(memory_method):
+    for note in footnotes(results, memory_method):
         print(f"* {note}", file=out)
 
     if args.json:

@@ -75,8 +75,13 @@ def format_table(results: list[Result], markdown: bool = False) -> str:
     return "\n".join(out)
 
 
-def footnotes(memory_method: str | None) -> list[str]:
-    notes = [FLOP_NOTE, SPEEDUP_NOTE]
+def footnotes(results: list[Result], memory_method: str | None) -> list[str]:
+    """The definitions behind the table's columns, one line each."""
+    notes = [FLOP_NOTE]
+    if any(r.speedup_vs_torch is not None for r in results):
+        notes.append(SPEEDUP_NOTE)
+    if any(r.speedup_vs_naive is not None for r in results):
+        notes.append("vs naive = time(numpy-naive) / time(provider), same case")
     notes.append(
         f"rel err = max over outputs of ||x - ref|| / ||ref|| vs a float64 tiled reference; "
         f">= {TOLERANCE:.0e} is FAILED and not timed"
@@ -166,6 +171,9 @@ def plot(results: list[Result], path: str, ceiling: float | None = None) -> None
         if ceiling:
             ax.axhline(ceiling, color="grey", linestyle="--", linewidth=1, label="sgemm ceiling")
         ax.set_xscale("log", base=2)
+        ts = sorted({t for points in panels[key].values() for t, _ in points})
+        ax.set_xticks(ts, labels=[str(t) for t in ts])
+        ax.minorticks_off()
         ax.set_title(f"{mode}, {'causal' if causal else 'full'}, d={d}")
         ax.set_xlabel("T")
         ax.set_ylabel("GFLOP/s")

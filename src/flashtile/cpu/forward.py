@@ -2,12 +2,12 @@
 
 One work item is one ``(batch, head, query block)``; the items run in a
 ``prange``. For its ``block_q`` queries an item keeps the running max ``m_i``
-(in log2 units), the normaliser ``l_i`` and the unnormalised output ``acc``
+(in log2 units), the normaliser ``ell_i`` and the unnormalised output ``acc``
 and walks the key/value blocks:
 
     S   = (scale * log2(e) * Q_i) K_j^T        BLAS sgemm into a reused buffer
     m'  = max(m_i, rowmax(S));  alpha = 2**(m_i - m')
-    P   = 2**(S - m')  (vectorised, in place);  l_i = alpha * l_i + rowsum(P)
+    P   = 2**(S - m')  (vectorised, in place);  ell_i = alpha * ell_i + rowsum(P)
     acc = alpha * acc + P V_j                  BLAS sgemm, then one fused pass
 
 Folding ``scale * log2(e)`` into the query tile once makes every score an
@@ -30,6 +30,7 @@ from .vexp import exp2_shifted
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
+
 @njit(inline="always", cache=True)
 def zigzag(idx, n):
     """Order 0, n-1, 1, n-2, ...: contiguous halves of it get equal causal work."""
@@ -38,11 +39,11 @@ def zigzag(idx, n):
 
 
 @njit(inline="always", fastmath=True, cache=True)
-def softmax_tile(s, m, l, alpha, bits, row0, col0, tq, tk, causal, masked):
+def softmax_tile(s, m, ell, alpha, bits, row0, col0, tq, tk, causal, masked):
     """Online-softmax update of one score tile ``s (br, bc)`` in place.
 
     On return ``s`` holds ``P = 2**(S - m_new)`` (exact zeros where masked),
-    ``m``/``l`` hold the updated state and ``alpha`` the per-row rescale.
+    ``m``/``ell`` hold the updated state and ``alpha`` the per-row rescale.
     Row ``r`` is query ``row0 + r``; column ``c`` is key ``col0 + c``.
     """
     br, bc = s.shape
@@ -63,7 +64,7 @@ def softmax_tile(s, m, l, alpha, bits, row0, col0, tq, tk, causal, masked):
         alpha[r] = 0.0 if m[r] == -np.inf else math.exp2(m[r] - m_new)
         total = exp2_shifted(row, m_new, lim, bits)
         row[lim:] = 0.0
-        l[r] = l[r] * alpha[r] + total
+        ell[r] = ell[r] * alpha[r] + total
         m[r] = m_new
 
 
@@ -74,7 +75,7 @@ def forward_kernel(q, k, v, out, lse, scale, causal, block_q, block_k):
     ``out (B, H, Tq, dv)`` and ``lse (B, H, Tq)`` (natural log) are written in
     place. ``q``, ``k``, ``v``, ``out`` and ``lse`` share one dtype.
     """
-    n_batch, n_head, tq, d = q.shape
+    n_batch, n_head, tq, _ = q.shape
     tk = k.shape[2]
     dv = v.shape[3]
     n_qblocks = (tq + block_q - 1) // block_q
@@ -92,7 +93,7 @@ def forward_kernel(q, k, v, out, lse, scale, causal, block_q, block_k):
         pv = np.empty((br, dv), dtype=q.dtype)
         acc = np.zeros((br, dv), dtype=q.dtype)
         m = np.full(br, -np.inf, dtype=q.dtype)
-        l = np.zeros(br, dtype=q.dtype)
+        ell = np.zeros(br, dtype=q.dtype)
         alpha = np.empty(br, dtype=q.dtype)
         bits = np.empty(block_k, dtype=np.int32)
 
@@ -102,7 +103,7 @@ def forward_kernel(q, k, v, out, lse, scale, causal, block_q, block_k):
             s = s_buf[: br * (j1 - j0)].reshape((br, j1 - j0))
             np.dot(q_tile, k[b, h, j0:j1].T, s)
             masked = causal and tile_needs_mask(i0, j1, tq, tk, causal)
-            softmax_tile(s, m, l, alpha, bits, i0, j0, tq, tk, causal, masked)
+            softmax_tile(s, m, ell, alpha, bits, i0, j0, tq, tk, causal, masked)
             np.dot(s, v[b, h, j0:j1], pv)
             for r in range(br):
                 a = alpha[r]
@@ -111,11 +112,11 @@ def forward_kernel(q, k, v, out, lse, scale, causal, block_q, block_k):
 
         # Normalise once; rows that saw no key keep zeros and lse = -inf.
         for r in range(br):
-            if l[r] > 0.0:
-                inv = 1.0 / l[r]
+            if ell[r] > 0.0:
+                inv = 1.0 / ell[r]
                 for c in range(dv):
                     out[b, h, i0 + r, c] = acc[r, c] * inv
-                lse[b, h, i0 + r] = (m[r] + math.log2(l[r])) * LN2
+                lse[b, h, i0 + r] = (m[r] + math.log2(ell[r])) * LN2
             else:
                 out[b, h, i0 + r, :] = 0.0
                 lse[b, h, i0 + r] = -np.inf

@@ -87,8 +87,9 @@ def online_softmax_steps(blocks: Iterable) -> Iterator[OnlineStep]:
             m = np.array(-np.inf, dtype=compute_dtype(block.dtype))
             ell = np.zeros((), dtype=m.dtype)
         m_new, ell, rescale, _ = online_update(m, ell, block)
-        yield OnlineStep(index, block, float(block.max()), float(m), float(m_new),
-                         float(rescale), float(ell))
+        yield OnlineStep(
+            index, block, float(block.max()), float(m), float(m_new), float(rescale), float(ell)
+        )
         m = m_new
 
 

@@ -1,0 +1,211 @@
+"""``flashtile bench``: cases, verification before timing, output formats.
+
+Only the NumPy providers run here, at tiny sizes, so the file takes seconds;
+torch and the compiled kernel are simulated as absent where that matters.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from flashtile.bench import cases, memory, providers, runner
+from flashtile.bench.cases import Case, attention_flops
+from flashtile.cli import build_parser, main
+
+QUICK_NUMPY = ["bench", "--preset", "quick", "--reps", "2", "--no-ceiling"]
+NUMPY_ONLY = ["--providers", "numpy-naive", "numpy-tiled"]
+
+
+def test_quick_preset_runs_end_to_end_and_prints_a_table(capsys):
+    assert main(QUICK_NUMPY + NUMPY_ONLY) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("machine : ")
+    assert "H=2" in text
+    header = next(line for line in text.splitlines() if line.startswith("case "))
+    for column in ("provider", "ms", "GFLOP/s", "rel err", "+RSS MiB"):
+        assert column in header
+    for label in ("fwd T=64 d=32 full", "fwd+bwd T=256 d=32 causal"):
+        rows = [line for line in text.splitlines() if line.startswith(label)]
+        assert [row.split()[len(label.split())] for row in rows] == ["numpy-naive", "numpy-tiled"]
+    rows = [line for line in text.splitlines() if line.startswith("fwd")]
+    assert len(rows) == 16 and not [r for r in rows if "FAILED" in r or "ERROR" in r]
+
+
+def test_markdown_table(capsys):
+    assert main([*QUICK_NUMPY, "--providers", "numpy-tiled", "--markdown", "--no-memory"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("| case | provider | ms |") for line in lines)
+    assert any(line.startswith("| fwd T=64 d=32 full | numpy-tiled |") for line in lines)
+
+
+def test_a_wrong_provider_is_failed_and_never_timed(monkeypatch):
+    calls = []
+
+    def zeros(self, q, k, v, causal):
+        calls.append(q.shape)
+        return np.zeros_like(q)
+
+    monkeypatch.setattr(providers.NumpyTiledProvider, "forward", zeros)
+    case = Case(64, 16, False, "fwd", H=2)
+    good, bad = providers.make_providers(["numpy-naive", "numpy-tiled"])
+    results = runner.run_case(
+        case, [good, bad], runner.ReferenceCache(), reps=3, measure_memory=False
+    )
+    by_name = {r.provider: r for r in results}
+    assert by_name["numpy-tiled"].status == "FAILED"
+    assert by_name["numpy-tiled"].times == []
+    assert by_name["numpy-tiled"].rel_err == pytest.approx(1.0)  # ||0 - ref|| / ||ref||
+    assert len(calls) == 1  # the verification call only
+    assert by_name["numpy-naive"].status == "ok"
+    assert len(by_name["numpy-naive"].times) == 3
+
+
+def test_a_failed_provider_shows_in_the_table_and_exit_status(monkeypatch, capsys):
+    monkeypatch.setattr(
+        providers.NumpyTiledProvider, "forward", lambda self, q, k, v, causal: np.zeros_like(q)
+    )
+    args = [*QUICK_NUMPY, *NUMPY_ONLY, "--no-memory"]
+    assert main(args) == 1
+    rows = [line for line in capsys.readouterr().out.splitlines() if "numpy-tiled" in line]
+    fwd_rows = [row for row in rows if row.startswith("fwd ")]
+    assert fwd_rows and all("FAILED" in row and "not timed" in row for row in fwd_rows)
+
+
+def test_a_crashing_provider_is_an_error_not_a_crash(monkeypatch):
+    def boom(self, q, k, v, dout, causal):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(providers.NumpyTiledProvider, "forward_backward", boom)
+    case = Case(32, 8, True, "fwd+bwd", H=1)
+    [res] = runner.run_case(
+        case,
+        providers.make_providers(["numpy-tiled"]),
+        runner.ReferenceCache(),
+        measure_memory=False,
+    )
+    assert res.status == "ERROR" and "kernel exploded" in res.note and not res.times
+
+
+def test_flop_formula():
+    fwd = 4 * 1 * 8 * 4096 * 4096 * 64
+    assert attention_flops(1, 8, 4096, 4096, 64, False, "fwd") == fwd
+    assert attention_flops(1, 8, 4096, 4096, 64, True, "fwd") == fwd / 2
+    assert attention_flops(1, 8, 4096, 4096, 64, False, "fwd+bwd") == 3.5 * fwd
+    assert attention_flops(2, 4, 100, 300, 32, True, "fwd+bwd") == 3.5 * 2 * 2 * 4 * 100 * 300 * 32
+    assert Case(2048, 64, True, "fwd+bwd").flops == 3.5 * 2 * 8 * 2048**2 * 64
+    with pytest.raises(ValueError, match="mode must be one of"):
+        attention_flops(1, 1, 1, 1, 1, False, "bwd")
+
+
+def test_json_has_the_numbers_and_the_machine(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert main([*QUICK_NUMPY, "--providers", "numpy-tiled", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert {
+        "machine",
+        "ceiling_sgemm_gflops",
+        "config",
+        "notes",
+        "memory_method",
+        "flop_convention",
+        "tolerance",
+        "results",
+    } <= set(doc)
+    assert {"cpu", "logical_cores", "isa", "numpy", "numba", "torch"} <= set(doc["machine"])
+    assert doc["config"]["preset"] == "quick"
+    assert len(doc["results"]) == 8
+    rec = doc["results"][0]
+    assert {
+        "mode",
+        "T",
+        "d",
+        "causal",
+        "B",
+        "H",
+        "provider",
+        "status",
+        "flops",
+        "rel_err",
+        "times_ms",
+        "median_ms",
+        "gflops",
+        "speedup_vs_torch",
+        "rss_peak_mib",
+        "traced_peak_mib",
+    } <= set(rec)
+    assert rec["status"] == "ok" and rec["gflops"] > 0 and len(rec["times_ms"]) == 2
+    assert rec["flops"] == attention_flops(1, 2, rec["T"], rec["T"], 32, rec["causal"], rec["mode"])
+
+
+def test_missing_torch_is_skipped_with_a_note(monkeypatch, capsys):
+    def no_torch():
+        raise ImportError("No module named 'torch'")
+
+    monkeypatch.setattr(providers, "_import_torch", no_torch)
+    args = [*QUICK_NUMPY, "--providers", "torch-sdpa", "numpy-tiled", "--no-memory"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "note    : skipped torch-sdpa: torch not installed" in text
+    assert "providers: numpy-tiled" in text
+    assert not [line for line in text.splitlines() if line.startswith("fwd") and "torch" in line]
+
+
+def test_missing_kernel_is_skipped_with_a_note(monkeypatch):
+    def no_kernel():
+        raise ImportError("flashtile.attention not available")
+
+    monkeypatch.setattr(providers, "_load_flashtile_api", no_kernel)
+    assert providers.FlashtileProvider().available() == (
+        False,
+        "flashtile.attention not available",
+    )
+
+
+def test_slow_providers_are_limited():
+    big = Case(8192, 64, False, "fwd")
+    bwd = Case(4096, 64, False, "fwd+bwd")
+    assert cases.slow_skip_reason("numpy-naive", big, 4096)
+    assert cases.slow_skip_reason("numpy-naive", big, 8192) is None
+    assert cases.slow_skip_reason("numpy-tiled", bwd, 8192)
+    assert cases.slow_skip_reason("numpy-tiled", Case(2048, 64, False, "fwd+bwd"), 4096) is None
+    assert cases.slow_skip_reason("torch-sdpa", big, 1) is None
+
+
+def test_bare_bench_is_the_issue_preset():
+    from flashtile.bench.cli import _build_cases
+
+    built, preset, wanted = _build_cases(build_parser().parse_args(["bench"]))
+    assert preset == "issue" and len(built) == 7
+    assert wanted == ["torch-sdpa", "flashtile", "numpy-naive"]
+    assert [c for c in built if "numpy-naive" in c.providers] == [
+        Case(4096, 64, False, "fwd", 1, 8, ("flashtile", "torch-sdpa", "numpy-naive"))
+    ]
+
+
+def test_preset_and_case_options_conflict(capsys):
+    assert main(["bench", "--preset", "quick", "--T", "128"]) == 2
+    assert "--preset quick fixes the cases" in capsys.readouterr().err
+
+
+def test_bad_option_values_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--T", "0"])
+    assert "expected a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+    assert main([*QUICK_NUMPY, "--plot", str(tmp_path / "p.png")]) == 2
+    assert "pip install 'flashtile[plot]'" in capsys.readouterr().err
+
+
+def test_peak_rss_sees_a_large_allocation():
+    if memory.rss_method().startswith("ru_maxrss"):
+        pytest.skip("needs /proc/self/clear_refs (Linux) to reset the RSS peak")
+    size = 64 * 1024 * 1024
+    rss, method = memory.measure_rss(lambda: np.ones(size, dtype=np.uint8))
+    assert method == "hwm" and rss >= 0.9 * size
+    assert memory.measure_traced(lambda: np.ones(size, dtype=np.uint8)) >= size
