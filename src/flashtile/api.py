@@ -16,13 +16,29 @@ import numpy as np
 
 from ._validate import check_block_size, check_flag, check_qkv, check_same_shape, resolve_scale
 
-#: Default tile sizes (queries x keys). A 128 x 512 float32 score tile is
-#: 256 KiB: with the query tile and one K/V tile it stays in L2.
-BLOCK_Q = 128
-BLOCK_K = 512
+#: Default tile sizes (queries x keys), picked by a sweep on the 2-core
+#: machine (docs/benchmarks.md). Forward: a 256 x 512 float32 score tile is
+#: 512 KiB; with the query tile and one K/V tile (d=64) about 0.8 MiB stays
+#: in L2. The backward holds two score-sized tiles (P and dS), so it uses
+#: 256 x 256.
+FWD_BLOCKS = (256, 512)
+BWD_BLOCKS = (256, 256)
+#: The forward shrinks block_q (down to this) until every thread gets at
+#: least four work items, so short sequences still use all cores.
+MIN_BLOCK_Q = 32
 
 
-def _prepare(q, k, v, causal, scale, block_q, block_k):
+def _default_block_q(n_heads: int, tq: int, block_q: int) -> int:
+    """Halve ``block_q`` until ``B*H*ceil(Tq/block_q)`` items keep the cores busy."""
+    import numba
+
+    want = 4 * numba.get_num_threads()
+    while block_q > MIN_BLOCK_Q and n_heads * -(-tq // block_q) < want:
+        block_q //= 2
+    return block_q
+
+
+def _prepare(q, k, v, causal, scale, block_q, block_k, defaults):
     q, k, v, shapes = check_qkv(q, k, v)
     if q.ndim > 4:
         raise ValueError(
@@ -37,8 +53,9 @@ def _prepare(q, k, v, causal, scale, block_q, block_k):
         )
     causal = check_flag(causal, "causal")
     scale = resolve_scale(scale, shapes.d)
-    block_q = check_block_size(BLOCK_Q if block_q is None else block_q, "block_q")
-    block_k = check_block_size(BLOCK_K if block_k is None else block_k, "block_k")
+    block_q = check_block_size(defaults[0] if block_q is None else block_q, "block_q")
+    block_k = check_block_size(defaults[1] if block_k is None else block_k, "block_k")
+    block_q, block_k = min(block_q, shapes.tq), min(block_k, shapes.tk)  # buffers fit the data
     work = np.float64 if q.dtype == np.float64 else np.float32
 
     def as4d(a):
@@ -66,9 +83,12 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, block_q=No
     from .cpu.blas import single_threaded_blas
     from .cpu.forward import forward_kernel
 
+    auto_q = block_q is None
     q4, k4, v4, shapes, dtype, causal, scale, block_q, block_k = _prepare(
-        q, k, v, causal, scale, block_q, block_k
+        q, k, v, causal, scale, block_q, block_k, FWD_BLOCKS
     )
+    if auto_q:
+        block_q = _default_block_q(q4.shape[0] * q4.shape[1], shapes.tq, block_q)
     out = np.empty(q4.shape[:-1] + (shapes.dv,), dtype=q4.dtype)
     lse = np.empty(q4.shape[:-1], dtype=q4.dtype)
     with single_threaded_blas():
@@ -98,7 +118,7 @@ def attention_backward(
     from .cpu.blas import single_threaded_blas
 
     q4, k4, v4, shapes, dtype, causal, scale, block_q, block_k = _prepare(
-        q, k, v, causal, scale, block_q, block_k
+        q, k, v, causal, scale, block_q, block_k, BWD_BLOCKS
     )
     o_shape = shapes.batch + (shapes.tq, shapes.dv)
     out = check_same_shape(out, "out", o_shape, "the forward output")

@@ -22,7 +22,7 @@ from numba import njit, prange
 
 from ..masks import key_stop, last_visible_key, tile_needs_mask
 from .forward import LOG2E
-from .vexp import exp2_shifted
+from .rowops import exp2_shifted
 
 
 @njit(inline="always", fastmath=True, cache=True)

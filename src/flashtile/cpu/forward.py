@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..masks import key_stop, last_visible_key, tile_needs_mask
-from .vexp import exp2_shifted
+from .rowops import exp2_shifted, row_max
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -56,10 +56,7 @@ def softmax_tile(s, m, ell, alpha, bits, row0, col0, tq, tk, causal, masked):
             row[:] = 0.0
             alpha[r] = 1.0
             continue
-        mx = row[0]
-        for c in range(1, lim):
-            mx = max(mx, row[c])
-        m_new = max(m[r], mx)
+        m_new = max(m[r], row_max(row, lim))
         # First visible block of this row: m = -inf and nothing to rescale.
         alpha[r] = 0.0 if m[r] == -np.inf else math.exp2(m[r] - m_new)
         total = exp2_shifted(row, m_new, lim, bits)
