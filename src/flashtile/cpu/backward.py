@@ -21,11 +21,12 @@ import numpy as np
 from numba import njit, prange
 
 from ..masks import key_stop, last_visible_key, tile_needs_mask
+from . import FASTMATH
 from .forward import LOG2E
 from .rowops import exp2_shifted
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(fastmath=FASTMATH, cache=True)
 def probs_tile(s, lse2, bits, row0, col0, tq, tk, causal, masked):
     """``s = 2**(s - lse2[row])`` in place, exact zeros where masked.
 
@@ -45,7 +46,7 @@ def probs_tile(s, lse2, bits, row0, col0, tq, tk, causal, masked):
         row[lim:] = 0.0
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
 def backward_kernel(q, k, v, out, lse, dout, dq, dk, dv, scale, causal, block_q, block_k):
     """Write ``dq``, ``dk``, ``dv`` for C-contiguous ``(B, H, T, d)`` arrays."""
     n_batch, n_head, tq, d = q.shape

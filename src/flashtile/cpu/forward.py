@@ -1,12 +1,13 @@
 """Fused multi-threaded attention forward (Numba).
 
 One work item is one ``(batch, head, query block)``; the items run in a
-``prange``. For its ``block_q`` queries an item keeps the running max ``m_i``
-(in log2 units), the normaliser ``ell_i`` and the unnormalised output ``acc``
-and walks the key/value blocks:
+``prange``. For its ``block_q`` queries an item keeps a reference ``m_i`` at
+or above the running max (in log2 units, see :func:`softmax_tile`), the
+normaliser ``ell_i`` and the unnormalised output ``acc``, and walks the
+key/value blocks:
 
     S   = (scale * log2(e) * Q_i) K_j^T        BLAS sgemm into a reused buffer
-    m'  = max(m_i, rowmax(S));  alpha = 2**(m_i - m')
+    m'  = m_i, or max(S) + HEADROOM if S passed m_i;  alpha = 2**(m_i - m')
     P   = 2**(S - m')  (vectorised, in place);  ell_i = alpha * ell_i + rowsum(P)
     acc = alpha * acc + P V_j                  BLAS sgemm, then one fused pass
 
@@ -25,10 +26,14 @@ import numpy as np
 from numba import njit, prange
 
 from ..masks import key_stop, last_visible_key, tile_needs_mask
+from . import FASTMATH
 from .rowops import exp2_shifted, row_max
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+#: How far (log2 units) the reference ``m`` sits above a row's max: every
+#: ``P <= 2**-10``, so a 512-wide tile sums to <= 0.5 unless a score jumped.
+HEADROOM = 10.0
 
 
 @njit(inline="always", cache=True)
@@ -38,13 +43,38 @@ def zigzag(idx, n):
     return half if idx % 2 == 0 else n - 1 - half
 
 
-@njit(inline="always", fastmath=True, cache=True)
-def softmax_tile(s, m, ell, alpha, bits, row0, col0, tq, tk, causal, masked):
+@njit(fastmath=FASTMATH, cache=True)
+def rebase_row(row, lim, q_row, k_tile, bits):
+    """Recompute ``row[:lim] = k_tile @ q_row``, exponentiate against a new
+    reference ``max + HEADROOM`` and return ``(reference, row sum)``.
+
+    The rare path of :func:`softmax_tile`; kept out of line so that the hot
+    loops stay small.
+    """
+    for c in range(lim):
+        acc = row.dtype.type(0.0)
+        for t in range(q_row.shape[0]):
+            acc += q_row[t] * k_tile[c, t]
+        row[c] = acc
+    m_new = row_max(row, lim) + HEADROOM
+    return m_new, exp2_shifted(row, m_new, lim, bits)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def softmax_tile(s, m, ell, alpha, bits, row0, col0, tq, tk, causal, masked, q_tile, k_tile):
     """Online-softmax update of one score tile ``s (br, bc)`` in place.
 
     On return ``s`` holds ``P = 2**(S - m_new)`` (exact zeros where masked),
     ``m``/``ell`` hold the updated state and ``alpha`` the per-row rescale.
     Row ``r`` is query ``row0 + r``; column ``c`` is key ``col0 + c``.
+
+    ``m`` is a *reference* at or above the running max, not the max itself:
+    a row's first visible tile sets it to ``max + HEADROOM``. Later tiles are
+    exponentiated against the old reference straight away, with no max pass
+    and no rescale, which is exact for any reference. Only when a score rises
+    above the reference (some ``P > 1``, which a row sum ``<= 1`` rules out
+    cheaply) is that row's score recomputed from ``q_tile`` and ``k_tile``
+    and the reference raised, as in the textbook update.
     """
     br, bc = s.shape
     for r in range(br):
@@ -56,16 +86,22 @@ def softmax_tile(s, m, ell, alpha, bits, row0, col0, tq, tk, causal, masked):
             row[:] = 0.0
             alpha[r] = 1.0
             continue
-        m_new = max(m[r], row_max(row, lim))
-        # First visible block of this row: m = -inf and nothing to rescale.
-        alpha[r] = 0.0 if m[r] == -np.inf else math.exp2(m[r] - m_new)
-        total = exp2_shifted(row, m_new, lim, bits)
+        m_new = m[r]
+        if m_new == -np.inf:  # first visible tile: nothing to rescale
+            m_new = row_max(row, lim) + HEADROOM
+            total = exp2_shifted(row, m_new, lim, bits)
+        else:
+            total = exp2_shifted(row, m_new, lim, bits)
+            if total > 1.0 and row_max(row, lim) > 1.0:
+                # A score passed the reference: rebuild this row and raise it.
+                m_new, total = rebase_row(row, lim, q_tile[r], k_tile, bits)
+        alpha[r] = 1.0 if m_new == m[r] else math.exp2(m[r] - m_new)  # 0 if m = -inf
         row[lim:] = 0.0
         ell[r] = ell[r] * alpha[r] + total
         m[r] = m_new
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
 def forward_kernel(q, k, v, out, lse, scale, causal, block_q, block_k):
     """``out``/``lse`` of attention for C-contiguous ``(B, H, T, d)`` arrays.
 
@@ -98,9 +134,10 @@ def forward_kernel(q, k, v, out, lse, scale, causal, block_q, block_k):
         for j0 in range(0, j_stop, block_k):
             j1 = min(j0 + block_k, j_stop)
             s = s_buf[: br * (j1 - j0)].reshape((br, j1 - j0))
-            np.dot(q_tile, k[b, h, j0:j1].T, s)
+            k_tile = k[b, h, j0:j1]
+            np.dot(q_tile, k_tile.T, s)
             masked = causal and tile_needs_mask(i0, j1, tq, tk, causal)
-            softmax_tile(s, m, ell, alpha, bits, i0, j0, tq, tk, causal, masked)
+            softmax_tile(s, m, ell, alpha, bits, i0, j0, tq, tk, causal, masked, q_tile, k_tile)
             np.dot(s, v[b, h, j0:j1], pv)
             for r in range(br):
                 a = alpha[r]

@@ -28,6 +28,8 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from . import FASTMATH
+
 # Coefficients of 2**f on [-1, 0], fitted for minimal maximum *relative*
 # error (iteratively reweighted least squares on Chebyshev nodes, in float64,
 # then rounded to float32): max relative error 2.1e-7, about float32 epsilon.
@@ -41,7 +43,7 @@ _C6 = np.float32(0.00010851110710063949)
 _LOW = np.float32(-126.0)
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(fastmath=FASTMATH, cache=True)
 def row_max(row, n):
     """``max(row[:n])`` for ``n >= 1``, vectorised by eight partial maxima."""
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = row[0]
@@ -61,7 +63,7 @@ def row_max(row, n):
     return mx
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(fastmath=FASTMATH, cache=True)
 def exp2_shifted_f32(row, shift, n, bits):
     """``row[:n] = 2**(row[:n] - shift)`` in place; ``bits`` is int32 scratch.
 
@@ -90,7 +92,7 @@ def exp2_shifted_f32(row, shift, n, bits):
     return total
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(fastmath=FASTMATH, cache=True)
 def exp2_shifted_f64(row, shift, n, bits):
     """float64 twin of :func:`exp2_shifted_f32` using ``math.exp2``."""
     total = 0.0
@@ -109,7 +111,7 @@ def exp2_shifted(row, shift, n, bits):
     raise NotImplementedError("exp2_shifted is only available inside Numba kernels")
 
 
-@overload(exp2_shifted, inline="always", fastmath=True)
+@overload(exp2_shifted, fastmath=FASTMATH)
 def _exp2_shifted_overload(row, shift, n, bits):
     if row.dtype == types.float32:
 
