@@ -217,3 +217,13 @@ def test_scores_that_keep_rising_across_tiles(rng, dtype):
     ref, ref_lse = dense_attention(*_f64(q, k, v))
     tol = 1e-5 if dtype == np.float32 else 1e-12
     assert rel_err(out, ref) < tol and rel_err(lse, ref_lse) < tol
+
+
+def test_nan_in_a_query_row_stays_in_that_row(rng):
+    q, k, v = _inputs(rng, 20, 30, 8, 8, np.float32)
+    q[0, 1, 5, 3] = np.nan
+    out = ft.attention(q, k, v, block_q=8, block_k=8)
+    assert np.all(np.isnan(out[0, 1, 5]))
+    mask = np.ones(out.shape[:-1], dtype=bool)
+    mask[0, 1, 5] = False
+    assert np.all(np.isfinite(out[mask]))

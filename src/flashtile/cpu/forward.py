@@ -146,11 +146,11 @@ def forward_kernel(q, k, v, out, lse, scale, causal, block_q, block_k):
 
         # Normalise once; rows that saw no key keep zeros and lse = -inf.
         for r in range(br):
-            if ell[r] > 0.0:
+            if ell[r] == 0.0:  # saw no key (a NaN row is not caught here: it stays NaN)
+                out[b, h, i0 + r, :] = 0.0
+                lse[b, h, i0 + r] = -np.inf
+            else:
                 inv = 1.0 / ell[r]
                 for c in range(dv):
                     out[b, h, i0 + r, c] = acc[r, c] * inv
                 lse[b, h, i0 + r] = (m[r] + math.log2(ell[r])) * LN2
-            else:
-                out[b, h, i0 + r, :] = 0.0
-                lse[b, h, i0 + r] = -np.inf

@@ -71,7 +71,7 @@ def exp2_shifted_f32(row, shift, n, bits):
     """
     for j in range(n):
         x = row[j] - shift
-        x = x if x > _LOW else _LOW
+        x = _LOW if x < _LOW else x  # NaN stays NaN (the comparison is False)
         xi = np.int32(x)  # truncates toward zero: f = x - xi lies in (-1, 0]
         f = x - np.float32(xi)
         p = _C6
