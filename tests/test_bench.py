@@ -153,17 +153,6 @@ def test_missing_torch_is_skipped_with_a_note(monkeypatch, capsys):
     assert not [line for line in text.splitlines() if line.startswith("fwd") and "torch" in line]
 
 
-def test_missing_kernel_is_skipped_with_a_note(monkeypatch):
-    def no_kernel():
-        raise ImportError("flashtile.attention not available")
-
-    monkeypatch.setattr(providers, "_load_flashtile_api", no_kernel)
-    assert providers.FlashtileProvider().available() == (
-        False,
-        "flashtile.attention not available",
-    )
-
-
 def test_slow_providers_are_limited():
     big = Case(8192, 64, False, "fwd")
     bwd = Case(4096, 64, False, "fwd+bwd")

@@ -8,14 +8,12 @@ Every provider takes float32 NumPy arrays ``q, k, v: (B, H, T, d)`` (and
 * ``forward_backward(q, k, v, dout, causal) -> (out, dq, dk, dv)``, the
   forward and the gradients of ``sum(out * dout)``, all in one timed call.
 
-Optional dependencies (torch, the compiled kernel) are imported lazily inside
-the provider, so ``flashtile demo`` never pays for them and a missing one only
-skips that provider with a note.
+torch is an optional dependency, imported lazily inside its provider, so
+``flashtile demo`` never pays for it and its absence only skips that provider
+with a note.
 """
 
 from __future__ import annotations
-
-import importlib
 
 import numpy as np
 
@@ -36,35 +34,11 @@ class Provider:
         """``(True, "")`` when usable here, else ``(False, why)``."""
         return True, ""
 
-    def supports(self, mode: str) -> tuple[bool, str]:
-        """Whether ``mode`` (``"fwd"`` or ``"fwd+bwd"``) can run, and why not."""
-        return True, ""
-
     def forward(self, q, k, v, causal: bool) -> np.ndarray:
         raise NotImplementedError
 
     def forward_backward(self, q, k, v, dout, causal: bool):
         raise NotImplementedError
-
-
-def _load_flashtile_api():
-    """``(attention, attention_backward or None)``; ImportError if there is no kernel.
-
-    The fast kernel lives in ``flashtile.api`` and is re-exported at the top
-    level once finished; accept either place.
-    """
-    fwd = getattr(flashtile, "attention", None)
-    bwd = getattr(flashtile, "attention_backward", None)
-    if fwd is None:
-        try:
-            api = importlib.import_module("flashtile.api")
-        except ImportError as exc:
-            raise ImportError("flashtile.attention not available") from exc
-        fwd = getattr(api, "attention", None)
-        bwd = getattr(api, "attention_backward", None)
-    if fwd is None:
-        raise ImportError("flashtile.attention not available")
-    return fwd, bwd
 
 
 class FlashtileProvider(Provider):
@@ -73,26 +47,12 @@ class FlashtileProvider(Provider):
     name = "flashtile"
     description = "flashtile.attention (fused CPU kernel)"
 
-    def available(self):
-        try:
-            _load_flashtile_api()
-        except ImportError as exc:
-            return False, str(exc)
-        return True, ""
-
-    def supports(self, mode):
-        if mode == "fwd+bwd" and _load_flashtile_api()[1] is None:
-            return False, "flashtile.attention_backward not available"
-        return True, ""
-
     def forward(self, q, k, v, causal):
-        attention, _ = _load_flashtile_api()
-        return attention(q, k, v, causal=causal)
+        return flashtile.attention(q, k, v, causal=causal)
 
     def forward_backward(self, q, k, v, dout, causal):
-        attention, attention_backward = _load_flashtile_api()
-        out, lse = attention(q, k, v, causal=causal, return_lse=True)
-        dq, dk, dv = attention_backward(q, k, v, out, lse, dout, causal=causal)
+        out, lse = flashtile.attention(q, k, v, causal=causal, return_lse=True)
+        dq, dk, dv = flashtile.attention_backward(q, k, v, out, lse, dout, causal=causal)
         return out, dq, dk, dv
 
 
