@@ -80,7 +80,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, block_q=No
         ``out (..., Tq, dv)`` in the input dtype, and ``lse`` if asked. A query
         that sees no key gets a zero row and ``lse = -inf``.
     """
-    from .cpu.blas import single_threaded_blas
+    from .cpu.blas import gemm_for, single_threaded_blas
     from .cpu.forward import forward_kernel
 
     auto_q = block_q is None
@@ -92,7 +92,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, block_q=No
     out = np.empty(q4.shape[:-1] + (shapes.dv,), dtype=q4.dtype)
     lse = np.empty(q4.shape[:-1], dtype=q4.dtype)
     with single_threaded_blas():
-        forward_kernel(q4, k4, v4, out, lse, scale, causal, block_q, block_k)
+        forward_kernel(q4, k4, v4, out, lse, scale, causal, block_q, block_k, gemm_for(q4.dtype))
     out = out.reshape(shapes.batch + out.shape[-2:]).astype(dtype, copy=False)
     if return_lse:
         return out, lse.reshape(shapes.batch + lse.shape[-1:])
@@ -115,7 +115,7 @@ def attention_backward(
         deterministic (bit-identical from run to run).
     """
     from .cpu.backward import backward_kernel
-    from .cpu.blas import single_threaded_blas
+    from .cpu.blas import gemm_for, single_threaded_blas
 
     q4, k4, v4, shapes, dtype, causal, scale, block_q, block_k = _prepare(
         q, k, v, causal, scale, block_q, block_k, BWD_BLOCKS
@@ -132,7 +132,22 @@ def attention_backward(
     lse4 = like_q4(lse, ())
     dq, dk, dv = np.empty_like(q4), np.empty_like(k4), np.empty_like(v4)
     with single_threaded_blas():
-        backward_kernel(q4, k4, v4, out4, lse4, dout4, dq, dk, dv, scale, causal, block_q, block_k)
+        backward_kernel(
+            q4,
+            k4,
+            v4,
+            out4,
+            lse4,
+            dout4,
+            dq,
+            dk,
+            dv,
+            scale,
+            causal,
+            block_q,
+            block_k,
+            gemm_for(q4.dtype),
+        )
     return tuple(
         g.reshape(np.shape(a)).astype(dtype, copy=False)
         for g, a in zip((dq, dk, dv), (q, k, v), strict=True)

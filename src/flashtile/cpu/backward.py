@@ -10,9 +10,10 @@ can see it::
     dV_j += P^T dO_i            dP = dO_i V_j^T
     dS   = P * (dP - D_i)       dQ_i += scale * dS K_j     dK_j += scale * dS^T Q_i
 
-with ``D = rowsum(dO * O)``. Five BLAS products per tile, one recomputed
-exponential. Heads are the unit of parallelism, so ``B * H`` below the core
-count leaves cores idle (a known limit, see docs/benchmarks.md).
+with ``D = rowsum(dO * O)``. Five BLAS products per tile (three of them
+accumulate straight into the gradients), one recomputed exponential. Heads
+are the unit of parallelism, so ``B * H`` below the core count leaves cores
+idle (a known limit, see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from numba import njit, prange
 
 from ..masks import key_stop, last_visible_key, tile_needs_mask
 from . import FASTMATH
+from .blas import gemm
 from .forward import LOG2E
 from .rowops import exp2_shifted
 
@@ -47,9 +49,13 @@ def probs_tile(s, lse2, bits, row0, col0, tq, tk, causal, masked):
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def backward_kernel(q, k, v, out, lse, dout, dq, dk, dv, scale, causal, block_q, block_k):
-    """Write ``dq``, ``dk``, ``dv`` for C-contiguous ``(B, H, T, d)`` arrays."""
-    n_batch, n_head, tq, d = q.shape
+def backward_kernel(q, k, v, out, lse, dout, dq, dk, dv, scale, causal, block_q, block_k, gemm_fn):
+    """Write ``dq``, ``dk``, ``dv`` for C-contiguous ``(B, H, T, d)`` arrays.
+
+    ``gemm_fn`` is :func:`.blas.gemm_for` of the arrays' dtype. The three
+    gradients accumulate in place through ``gemm`` with ``beta = 1``.
+    """
+    n_batch, n_head, tq, _ = q.shape
     tk = k.shape[2]
     dvw = v.shape[3]
     q_mult = q.dtype.type(scale * LOG2E)
@@ -61,56 +67,44 @@ def backward_kernel(q, k, v, out, lse, dout, dq, dk, dv, scale, causal, block_q,
         qs = qh * q_mult
         doh = dout[b, h]
         lse2 = lse[b, h] * q.dtype.type(LOG2E)
-        delta = np.empty(tq, dtype=q.dtype)
+        delta = np.empty(tq, dtype=q.dtype)  # D_i = dO_i . O_i
         for i in range(tq):
             acc = q.dtype.type(0.0)
             for c in range(dvw):
                 acc += doh[i, c] * out[b, h, i, c]
             delta[i] = acc
-        dqh = dq[b, h]
+        dqh, dkh, dvh = dq[b, h], dk[b, h], dv[b, h]
         dqh[:] = 0.0
+        dkh[:] = 0.0
+        dvh[:] = 0.0
         p_buf = np.empty(block_q * block_k, dtype=q.dtype)
-        dp_buf = np.empty(block_q * block_k, dtype=q.dtype)
-        dq_tmp = np.empty(block_q * d, dtype=q.dtype)
-        dk_tmp = np.empty(block_k * d, dtype=q.dtype)
-        dv_tmp = np.empty(block_k * dvw, dtype=q.dtype)
+        ds_buf = np.empty(block_q * block_k, dtype=q.dtype)
         bits = np.empty(block_k, dtype=np.int32)
 
         j_stop = key_stop(tq, tq, tk, causal)
         for j0 in range(0, j_stop, block_k):
             j1 = min(j0 + block_k, j_stop)
             bc = j1 - j0
-            kj = k[b, h, j0:j1]
-            vj = v[b, h, j0:j1]
-            dk_acc = np.zeros((bc, d), dtype=q.dtype)
-            dv_acc = np.zeros((bc, dvw), dtype=q.dtype)
-            dk_t = dk_tmp[: bc * d].reshape((bc, d))
-            dv_t = dv_tmp[: bc * dvw].reshape((bc, dvw))
+            kj, vj = k[b, h, j0:j1], v[b, h, j0:j1]
+            dkj, dvj = dkh[j0:j1], dvh[j0:j1]
             # First query that sees key j0 (bottom-right causal): i + tk - tq >= j0.
             i_first = max(0, j0 - (tk - tq)) if causal else 0
             for i0 in range((i_first // block_q) * block_q, tq, block_q):
                 i1 = min(i0 + block_q, tq)
                 br = i1 - i0
+                # C-contiguous tiles: contiguous rows let LLVM vectorise.
                 p = p_buf[: br * bc].reshape((br, bc))
-                dp = dp_buf[: br * bc].reshape((br, bc))
-                np.dot(qs[i0:i1], kj.T, p)
+                ds = ds_buf[: br * bc].reshape((br, bc))
+                gemm(gemm_fn, qs[i0:i1], kj, p, False, True, 0.0)
                 masked = causal and tile_needs_mask(i0, j1, tq, tk, causal)
                 probs_tile(p, lse2[i0:i1], bits, i0, j0, tq, tk, causal, masked)
-                np.dot(p.T, doh[i0:i1], dv_t)
-                dv_acc += dv_t
-                np.dot(doh[i0:i1], vj.T, dp)
+                gemm(gemm_fn, p, doh[i0:i1], dvj, True, False, 1.0)  # dV_j += P^T dO_i
+                gemm(gemm_fn, doh[i0:i1], vj, ds, False, True, 0.0)  # dP = dO_i V_j^T
                 for r in range(br):
                     dr = delta[i0 + r]
                     for c in range(bc):
-                        dp[r, c] = p[r, c] * (dp[r, c] - dr)  # dS, in place
-                dq_t = dq_tmp[: br * d].reshape((br, d))
-                np.dot(dp, kj, dq_t)
-                dqh[i0:i1] += dq_t
-                np.dot(dp.T, qh[i0:i1], dk_t)
-                dk_acc += dk_t
-            dk[b, h, j0:j1] = dk_acc * g_mult
-            dv[b, h, j0:j1] = dv_acc
+                        ds[r, c] = p[r, c] * (ds[r, c] - dr)  # dS = P * (dP - D)
+                gemm(gemm_fn, ds, kj, dqh[i0:i1], False, False, 1.0)  # dQ_i += dS K_j
+                gemm(gemm_fn, ds, qh[i0:i1], dkj, True, False, 1.0)  # dK_j += dS^T Q_i
         dqh *= g_mult
-        if j_stop < tk:
-            dk[b, h, j_stop:] = 0.0
-            dv[b, h, j_stop:] = 0.0
+        dkh *= g_mult

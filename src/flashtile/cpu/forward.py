@@ -6,10 +6,10 @@ or above the running max (in log2 units, see :func:`softmax_tile`), the
 normaliser ``ell_i`` and the unnormalised output ``acc``, and walks the
 key/value blocks:
 
-    S   = (scale * log2(e) * Q_i) K_j^T        BLAS sgemm into a reused buffer
+    S   = (scale * log2(e) * Q_i) K_j^T        BLAS gemm into a reused buffer
     m'  = m_i, or max(S) + HEADROOM if S passed m_i;  alpha = 2**(m_i - m')
     P   = 2**(S - m')  (vectorised, in place);  ell_i = alpha * ell_i + rowsum(P)
-    acc = alpha * acc + P V_j                  BLAS sgemm, then one fused pass
+    acc = alpha * acc + P V_j                  rescale rows, then gemm with beta = 1
 
 Folding ``scale * log2(e)`` into the query tile once makes every score an
 exponent of 2, so the inner loop is one subtract and a polynomial. Under the
@@ -27,6 +27,7 @@ from numba import njit, prange
 
 from ..masks import key_stop, last_visible_key, tile_needs_mask
 from . import FASTMATH
+from .blas import gemm
 from .rowops import exp2_shifted, row_max
 
 LOG2E = 1.4426950408889634
@@ -102,11 +103,12 @@ def softmax_tile(s, m, ell, alpha, bits, row0, col0, tq, tk, causal, masked, q_t
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def forward_kernel(q, k, v, out, lse, scale, causal, block_q, block_k):
+def forward_kernel(q, k, v, out, lse, scale, causal, block_q, block_k, gemm_fn):
     """``out``/``lse`` of attention for C-contiguous ``(B, H, T, d)`` arrays.
 
     ``out (B, H, Tq, dv)`` and ``lse (B, H, Tq)`` (natural log) are written in
-    place. ``q``, ``k``, ``v``, ``out`` and ``lse`` share one dtype.
+    place. ``q``, ``k``, ``v``, ``out`` and ``lse`` share one dtype, and
+    ``gemm_fn`` is :func:`.blas.gemm_for` of it.
     """
     n_batch, n_head, tq, _ = q.shape
     tk = k.shape[2]
@@ -123,7 +125,6 @@ def forward_kernel(q, k, v, out, lse, scale, causal, block_q, block_k):
 
         q_tile = q[b, h, i0:i1] * q_mult  # scaled copy: q stays in cache
         s_buf = np.empty(br * block_k, dtype=q.dtype)
-        pv = np.empty((br, dv), dtype=q.dtype)
         acc = np.zeros((br, dv), dtype=q.dtype)
         m = np.full(br, -np.inf, dtype=q.dtype)
         ell = np.zeros(br, dtype=q.dtype)
@@ -133,16 +134,16 @@ def forward_kernel(q, k, v, out, lse, scale, causal, block_q, block_k):
         j_stop = key_stop(i1, tq, tk, causal)
         for j0 in range(0, j_stop, block_k):
             j1 = min(j0 + block_k, j_stop)
+            # A C-contiguous (br, bc) view: contiguous rows let LLVM vectorise.
             s = s_buf[: br * (j1 - j0)].reshape((br, j1 - j0))
             k_tile = k[b, h, j0:j1]
-            np.dot(q_tile, k_tile.T, s)
+            gemm(gemm_fn, q_tile, k_tile, s, False, True, 0.0)
             masked = causal and tile_needs_mask(i0, j1, tq, tk, causal)
             softmax_tile(s, m, ell, alpha, bits, i0, j0, tq, tk, causal, masked, q_tile, k_tile)
-            np.dot(s, v[b, h, j0:j1], pv)
             for r in range(br):
-                a = alpha[r]
-                for c in range(dv):
-                    acc[r, c] = acc[r, c] * a + pv[r, c]
+                if alpha[r] != 1.0:  # most rows keep their reference: nothing to rescale
+                    acc[r] *= alpha[r]
+            gemm(gemm_fn, s, v[b, h, j0:j1], acc, False, False, 1.0)  # acc += P V_j
 
         # Normalise once; rows that saw no key keep zeros and lse = -inf.
         for r in range(br):
