@@ -26,8 +26,8 @@ demo: $(VENV)/.installed
 	$(BIN)/flashtile demo
 
 test: $(VENV)/.dev-installed
-	$(BIN)/ruff check src tests examples
-	$(BIN)/ruff format --check src tests examples
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
 
 bench: $(VENV)/.bench-installed
