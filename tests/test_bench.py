@@ -198,3 +198,14 @@ def test_peak_rss_sees_a_large_allocation():
     rss, method = memory.measure_rss(lambda: np.ones(size, dtype=np.uint8))
     assert method == "hwm" and rss >= 0.9 * size
     assert memory.measure_traced(lambda: np.ones(size, dtype=np.uint8)) >= size
+
+
+def test_startup_measures_cold_then_warm_in_new_processes():
+    from flashtile.bench.startup import measure_startup, startup_lines
+
+    times = measure_startup()
+    assert set(times) == {"cold", "warm"}
+    for t in times.values():
+        assert 0 < t["forward"] <= t["forward+backward"]
+    assert times["warm"]["forward+backward"] < times["cold"]["forward+backward"]
+    assert [line.split(":")[1].split()[0] for line in startup_lines(times)] == ["cold", "warm"]

@@ -19,6 +19,7 @@ from .memory import rss_method
 from .providers import PROVIDERS, make_providers
 from .report import footnotes, format_table, plot, require_matplotlib, to_json
 from .runner import Progress, ReferenceCache, run_case
+from .startup import measure_startup, startup_lines
 
 SWEEP_OPTIONS = ("T", "d", "causal", "mode")
 DEFAULT_T = (1024, 4096)
@@ -104,6 +105,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
     p.add_argument("--no-ceiling", action="store_true", help="skip the sgemm ceiling measurement")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory calls")
+    p.add_argument(
+        "--startup",
+        action="store_true",
+        help="also time import + first call in new processes, cold (empty Numba cache) and warm",
+    )
     return p
 
 
@@ -176,6 +182,11 @@ def run_bench(args, out=None) -> int:
     )
     for note in notes:
         print(f"note    : {note}", file=out)
+    startup = None
+    if args.startup:
+        startup = measure_startup()
+        for line in startup_lines(startup):
+            print(line, file=out)
     out.flush()
     if not providers:
         print("flashtile bench: error: no provider is available", file=sys.stderr)
@@ -208,7 +219,7 @@ def run_bench(args, out=None) -> int:
     if args.json:
         config = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
         config["preset"] = preset
-        text = to_json(results, info, ceiling, config, notes, memory_method)
+        text = to_json(results, info, ceiling, config, notes, memory_method, startup)
         Path(args.json).write_text(text + "\n")
         print(f"wrote {args.json}", file=out)
     if args.plot:

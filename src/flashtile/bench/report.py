@@ -125,7 +125,8 @@ def result_record(r: Result) -> dict:
     }
 
 
-def to_json(results, machine: dict, ceiling, config: dict, notes, memory_method) -> str:
+def to_json(results, machine: dict, ceiling, config: dict, notes, memory_method, startup=None):
+    """Everything one run measured, as indented JSON text."""
     doc = {
         "machine": machine,
         "ceiling_sgemm_gflops": ceiling,
@@ -135,6 +136,7 @@ def to_json(results, machine: dict, ceiling, config: dict, notes, memory_method)
         "flop_convention": FLOP_NOTE,
         "tolerance": TOLERANCE,
         "results": [result_record(r) for r in results],
+        "startup_seconds": startup,
     }
     return json.dumps(doc, indent=2)
 
