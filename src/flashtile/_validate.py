@@ -64,19 +64,23 @@ def resolve_scale(scale, head_dim: int) -> float:
 
 
 class AttentionShapes(NamedTuple):
-    """Sizes of one attention call, layout ``(..., T, d)``."""
+    """Sizes of one attention call, layout ``(..., H, T, d)``."""
 
-    batch: tuple[int, ...]  # broadcast leading dims of q, k and v
+    batch: tuple[int, ...]  # broadcast leading dims of q, k and v (query heads last)
     tq: int
     tk: int
     d: int
     dv: int
+    group: int = 1  # query heads per kv head (GQA/MQA); 1 = one kv head each
 
 
 def check_qkv(q, k, v) -> tuple[np.ndarray, np.ndarray, np.ndarray, AttentionShapes]:
     """Validate ``q (..., Tq, d)``, ``k (..., Tk, d)``, ``v (..., Tk, dv)``.
 
-    Leading dims broadcast against each other. The three arrays must share one
+    Leading dims broadcast against each other, except that the head axis
+    (third from the end) may be grouped: ``k``/``v`` with ``Hkv`` heads serve
+    ``Hq`` query heads when ``Hkv`` divides ``Hq`` (GQA/MQA; query head ``h``
+    reads kv head ``h // (Hq // Hkv)``). The three arrays must share one
     floating dtype. Empty sequences and zero-width heads are refused.
     """
     q = as_float_array(q, "q")
@@ -112,15 +116,27 @@ def check_qkv(q, k, v) -> tuple[np.ndarray, np.ndarray, np.ndarray, AttentionSha
                 f"{label} is 0 (q {q.shape}, k {k.shape}, v {v.shape}): "
                 f"empty sequences and zero-width heads are not supported"
             )
+    group = 1
+    if q.ndim >= 3 and k.ndim >= 3 and v.ndim >= 3:
+        hq, hkv = q.shape[-3], k.shape[-3]
+        if v.shape[-3] == hkv and 1 < hkv < hq:
+            if hq % hkv:
+                raise ValueError(
+                    f"Hq={hq} and Hkv={hkv}: for grouped-query attention Hq must be a "
+                    f"multiple of Hkv (q {q.shape}, k {k.shape})"
+                )
+            group = hq // hkv
     try:
-        batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        kv_lead = (*k.shape[:-3], k.shape[-3] * group) if group > 1 else k.shape[:-2]
+        batch = np.broadcast_shapes(q.shape[:-2], kv_lead, kv_lead)
+        batch = np.broadcast_shapes(batch, v.shape[:-2] if group == 1 else kv_lead)
     except ValueError:
         raise ValueError(
             f"leading dims do not broadcast: q {q.shape[:-2]}, k {k.shape[:-2]}, "
             f"v {v.shape[:-2]} (layout is (..., T, d); give each a shape that "
             f"broadcasts, e.g. (B, H, T, d) or (1, H, T, d))"
         ) from None
-    return q, k, v, AttentionShapes(batch, tq, tk, d, dv)
+    return q, k, v, AttentionShapes(batch, tq, tk, d, dv, group)
 
 
 def check_same_shape(arr, name: str, expected: tuple[int, ...], hint: str) -> np.ndarray:

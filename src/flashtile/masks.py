@@ -1,18 +1,30 @@
 """Which keys each query may see: the one source of truth for masking.
 
-Causal alignment is *bottom-right*: query ``i`` of ``Tq`` sits at absolute
-position ``i + (Tk - Tq)``, so it sees key ``j`` iff ``j <= i + Tk - Tq``.
-When ``Tq == Tk`` this is the usual lower triangle. When ``Tq < Tk`` (decoding
-against a cache) the last query sees every key; when ``Tq > Tk`` the first
-``Tq - Tk`` queries see no key at all and produce zeros (lse ``-inf``)::
+Positions. Query ``i`` of ``Tq`` sits at absolute position ``p = i + Tk - Tq``
+(*bottom-right* alignment) and key ``j`` at position ``j``. A query sees key
+``j`` when all of these hold:
 
-    Tq=2, Tk=5          Tq=5, Tk=2          Tq=Tk=3
-    k: 0 1 2 3 4        k: 0 1              k: 0 1 2
-    q0 x x x x .        q0 . .              q0 x . .
-    q1 x x x x x        q1 . .              q1 x x .
-                        q2 . .              q2 x x x
-                        q3 x .
-                        q4 x x
+- ``causal``: ``j <= p``;
+- ``window=(left, right)``: ``p - left <= j <= p + right`` (a negative side
+  is unbounded; with ``causal`` the right side is at most 0);
+- key padding: ``j < kv_len`` (the sequence's valid keys; alignment still
+  uses ``Tk``, padding only hides keys);
+- an optional boolean ``mask[i, j]`` (True = keep), applied elementwise.
+
+Pictures (``x`` = visible)::
+
+    causal, Tq=2, Tk=5     causal, Tq=5, Tk=2     causal + window=(2, 0), Tq=3, Tk=6
+    k: 0 1 2 3 4           k: 0 1                 k: 0 1 2 3 4 5
+    q0 x x x x .           q0 . .   <- no key     q0 . x x x . .    (p = 3)
+    q1 x x x x x           q1 . .                 q1 . . x x x .    (p = 4)
+                           q2 . .                 q2 . . . x x x    (p = 5)
+                           q3 x .
+                           q4 x x
+
+For every query the positional rules leave one contiguous key range
+``[lo, hi)`` (:func:`key_bounds`), and ``lo`` and ``hi`` never decrease as
+``i`` grows: a block of queries ``[i0, i1)`` needs keys ``[lo(i0), hi(i1-1))``
+only, which is how every kernel skips whole tiles.
 
 The scalar helpers are plain Python marked ``register_jitable``: the NumPy
 reference calls them as ordinary functions and the compiled kernels inline
@@ -20,6 +32,8 @@ them, so both use the same rule. (Without Numba they stay plain Python.)
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,41 +46,147 @@ except ImportError:  # the reference works without Numba
 
 
 @_jitable
-def causal_offset(tq: int, tk: int) -> int:
-    """Shift ``Tk - Tq`` between query row index and absolute position."""
-    return tk - tq
+def key_bounds(i, tq, tk, causal, left, right, kv_len):
+    """Keys ``[lo, hi)`` that query ``i`` may see by position (empty: ``hi <= lo``).
 
-
-@_jitable
-def last_visible_key(i: int, tq: int, tk: int, causal: bool) -> int:
-    """Largest key index query ``i`` may see (``-1`` when it sees none)."""
+    ``left``/``right`` < 0 mean unbounded; ``kv_len`` is the number of valid
+    keys (``tk`` without padding).
+    """
+    p = i + tk - tq
+    hi = kv_len
     if causal:
-        return min(i + tk - tq, tk - 1)
-    return tk - 1
+        hi = min(hi, p + 1)
+    if right >= 0:
+        hi = min(hi, p + right + 1)
+    lo = 0
+    if left >= 0:
+        lo = max(lo, p - left)
+    return lo, max(lo, hi)
 
 
 @_jitable
-def key_stop(q_stop: int, tq: int, tk: int, causal: bool) -> int:
-    """Exclusive upper bound on the keys any query in ``[.., q_stop)`` sees.
-
-    Key blocks starting at or after this bound are skipped entirely.
-    """
-    return max(0, last_visible_key(q_stop - 1, tq, tk, causal) + 1)
+def block_key_range(i0, i1, tq, tk, causal, left, right, kv_len):
+    """Keys ``[lo, hi)`` that any query in ``[i0, i1)`` may see."""
+    lo, _ = key_bounds(i0, tq, tk, causal, left, right, kv_len)
+    _, hi = key_bounds(i1 - 1, tq, tk, causal, left, right, kv_len)
+    return lo, max(lo, hi)
 
 
 @_jitable
-def tile_needs_mask(q_start: int, k_stop: int, tq: int, tk: int, causal: bool) -> bool:
-    """Whether some key in ``[.., k_stop)`` is hidden from some query ``>= q_start``.
+def tile_fully_visible(i0, i1, j0, j1, tq, tk, causal, left, right, kv_len):
+    """Whether every query in ``[i0, i1)`` sees every key in ``[j0, j1)``.
 
-    When False the tile is fully visible and needs no elementwise mask.
+    When True the tile needs no per-row limits (the common case away from
+    the edges of the band).
     """
-    return last_visible_key(q_start, tq, tk, causal) < k_stop - 1
+    lo, _ = key_bounds(i1 - 1, tq, tk, causal, left, right, kv_len)
+    _, hi = key_bounds(i0, tq, tk, causal, left, right, kv_len)
+    return lo <= j0 and hi >= j1
 
 
-def visible(q_idx: np.ndarray, k_idx: np.ndarray, tq: int, tk: int, causal: bool) -> np.ndarray:
-    """Boolean ``(len(q_idx), len(k_idx))`` tile: True where query sees key."""
-    q_idx = np.asarray(q_idx)
-    k_idx = np.asarray(k_idx)
-    if not causal:
-        return np.ones((q_idx.size, k_idx.size), dtype=bool)
-    return k_idx[None, :] <= q_idx[:, None] + causal_offset(tq, tk)
+def normalize_window(window, causal: bool) -> tuple[int, int]:
+    """``window`` as ``(left, right)`` ints with -1 = unbounded; causal caps right at 0."""
+    if window is None:
+        left, right = -1, -1
+    else:
+        try:
+            left, right = window
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"window must be a pair (left, right), got {window!r}: "
+                f"e.g. window=(256, 0) for a causal sliding window of 257 keys"
+            ) from None
+        sides = []
+        for name, side in (("left", left), ("right", right)):
+            if side is None:
+                side = -1
+            if isinstance(side, bool) or not isinstance(side, (int, np.integer)):
+                raise TypeError(f"window {name} must be an int or None, got {side!r}")
+            if side < -1:
+                raise ValueError(
+                    f"window {name}={side}: use a count >= 0, or -1 / None for unbounded"
+                )
+            sides.append(int(side))
+        left, right = sides
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def visible(q_idx, k_idx, tq, tk, causal, left=-1, right=-1, kv_len=None) -> np.ndarray:
+    """Boolean ``(len(q_idx), len(k_idx))`` tile of the positional rules.
+
+    ``kv_len`` may be an int or an array ``(B,)``; then the result gets a
+    leading batch axis ``(B, 1, nq, nk)`` ready to broadcast over heads.
+    """
+    q_idx = np.asarray(q_idx)[:, None]
+    k_idx = np.asarray(k_idx)[None, :]
+    p = q_idx + tk - tq
+    keep = np.ones((q_idx.shape[0], k_idx.shape[1]), dtype=bool)
+    if causal:
+        keep &= k_idx <= p
+    if right >= 0:
+        keep &= k_idx <= p + right
+    if left >= 0:
+        keep &= k_idx >= p - left
+    if kv_len is None:
+        return keep
+    kv_len = np.asarray(kv_len)
+    if kv_len.ndim == 0:
+        return keep & (k_idx < kv_len)
+    return keep & (k_idx < kv_len[:, None, None, None])
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """A boolean mask summarised per tile, for skipping (FlexAttention's BlockMask).
+
+    Attributes:
+        mask: ``(Bm, Hm, Tq, Tk)`` bool, True = keep (``Bm``/``Hm`` may be 1).
+        block_q, block_k: the tile sizes of the summary.
+        states: ``(Bm, Hm, ceil(Tq/block_q), ceil(Tk/block_k))`` int8:
+            0 = no entry kept (the tile is skipped), 1 = partial (the kernel
+            reads the mask), 2 = every entry kept (no elementwise mask).
+    """
+
+    mask: np.ndarray
+    block_q: int
+    block_k: int
+    states: np.ndarray
+
+    EMPTY, PARTIAL, FULL = 0, 1, 2
+
+    def counts(self) -> dict[str, int]:
+        """How many tiles are empty, partial and full."""
+        return {
+            name: int(np.count_nonzero(self.states == value))
+            for name, value in (("empty", 0), ("partial", 1), ("full", 2))
+        }
+
+
+def block_mask(mask, block_q: int, block_k: int) -> BlockMask:
+    """Summarise a boolean mask ``(..., Tq, Tk)`` (up to 4 dims) into tile states.
+
+    Build it once and pass it as ``mask=`` to reuse the summary across calls;
+    the kernels use their own tile sizes when these differ.
+    """
+    from ._validate import check_block_size
+
+    mask = np.asarray(mask)
+    if mask.dtype != bool:
+        raise TypeError(f"block_mask needs a boolean mask (True = keep), got dtype {mask.dtype}")
+    if not 2 <= mask.ndim <= 4:
+        raise ValueError(f"mask has shape {mask.shape}; expected (Tq, Tk) up to (B, H, Tq, Tk)")
+    block_q = check_block_size(block_q, "block_q")
+    block_k = check_block_size(block_k, "block_k")
+    mask4 = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    bm, hm, tq, tk = mask4.shape
+    nq, nk = -(-tq // block_q), -(-tk // block_k)
+    padded = np.zeros((bm, hm, nq * block_q, nk * block_k), dtype=np.int32)
+    counts = np.zeros_like(padded)
+    padded[..., :tq, :tk] = mask4
+    counts[..., :tq, :tk] = 1
+    kept = padded.reshape(bm, hm, nq, block_q, nk, block_k).sum(axis=(3, 5))
+    size = counts.reshape(bm, hm, nq, block_q, nk, block_k).sum(axis=(3, 5))
+    states = np.where(kept == 0, 0, np.where(kept == size, 2, 1)).astype(np.int8)
+    return BlockMask(np.ascontiguousarray(mask4), block_q, block_k, states)

@@ -12,80 +12,129 @@ input dtype, ``lse`` the accumulation dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from .._validate import check_block_size, check_flag, check_qkv, compute_dtype, resolve_scale
-from ..masks import key_stop, tile_needs_mask, visible
+from .._validate import AttentionShapes, check_block_size, check_qkv, compute_dtype, resolve_scale
+from ..masks import block_key_range, visible
+from ..variants import Variants, resolve_variants
 from .softmax import online_update, softmax
 
 
-def _prepare(q, k, v, causal, scale):
-    """Validate, resolve the scale and cast to the accumulation dtype."""
+@dataclass(frozen=True)
+class _Problem:
+    """One validated call: arrays in the accumulation dtype plus the variants.
+
+    ``k``/``v`` are already repeated per query head for GQA (the reference may
+    copy; the kernels never do).
+    """
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    shapes: AttentionShapes
+    variants: Variants
+    scale: float
+    out_dtype: np.dtype
+
+    @property
+    def key_range(self) -> tuple[int, int]:
+        """Keys any query may see by position: blocks outside are skipped."""
+        sh, va = self.shapes, self.variants
+        return block_key_range(0, sh.tq, sh.tq, sh.tk, va.causal, va.left, va.right, sh.tk)
+
+
+def _prepare(q, k, v, causal, scale, variants) -> _Problem:
+    """Validate, resolve the scale and variants, cast to the accumulation dtype."""
     q, k, v, shapes = check_qkv(q, k, v)
-    causal = check_flag(causal, "causal")
     scale = resolve_scale(scale, shapes.d)
+    va = resolve_variants(shapes, causal=causal, **variants)
     acc = compute_dtype(q.dtype)
-    return (
-        q.astype(acc, copy=False),
-        k.astype(acc, copy=False),
-        v.astype(acc, copy=False),
-        shapes,
-        causal,
-        scale,
-        q.dtype,
-    )
+    if shapes.group > 1:
+        k, v = (np.repeat(a, shapes.group, axis=-3) for a in (k, v))
+    cast = (a.astype(acc, copy=False) for a in (q, k, v))
+    return _Problem(*cast, shapes, va, scale, q.dtype)
 
 
-def _scores(q, k, start, stop, shapes, causal, scale):
-    """Scaled scores of every query against keys ``[start, stop)``, masked."""
-    s = (q @ np.swapaxes(k[..., start:stop, :], -1, -2)) * scale
-    if tile_needs_mask(0, stop, shapes.tq, shapes.tk, causal):
-        keep = visible(np.arange(shapes.tq), np.arange(start, stop), shapes.tq, shapes.tk, causal)
-        s = np.where(keep, s, -np.inf).astype(s.dtype, copy=False)
-    return s
+def _scores(pb: _Problem, start: int, stop: int):
+    """Scores of every query against keys ``[start, stop)``, all variants applied.
+
+    Returns ``(s, dcap)``: ``s (..., Tq, stop - start)`` with ``-inf`` where
+    hidden, and ``dcap = ds_capped/ds`` (the softcap derivative) or None.
+    """
+    sh, va = pb.shapes, pb.variants
+    s = (pb.q @ np.swapaxes(pb.k[..., start:stop, :], -1, -2)) * pb.scale
+    dcap = None
+    if va.softcap is not None:
+        t = np.tanh(s / va.softcap)
+        s, dcap = va.softcap * t, 1.0 - t * t
+    q_idx, k_idx = np.arange(sh.tq), np.arange(start, stop)
+    if va.alibi is not None:
+        dist = np.abs((q_idx + sh.tk - sh.tq)[:, None] - k_idx[None, :])
+        s = s - va.alibi * dist
+    if va.mask_add is not None:
+        s = s + va.mask_add[..., start:stop]
+    keep = visible(q_idx, k_idx, sh.tq, sh.tk, va.causal, va.left, va.right, va.kv_lengths)
+    if va.mask_bool is not None:
+        keep = keep & va.mask_bool[..., start:stop]
+    s = np.where(keep, s, -np.inf).astype(pb.q.dtype, copy=False)
+    return s, dcap
 
 
-def naive_attention(q, k, v, causal: bool = False, *, scale=None):
+def naive_attention(q, k, v, causal: bool = False, *, scale=None, **variants):
     """Dense attention ``softmax(q k^T * scale) v`` that materialises every score.
 
     Returns ``(out, weights)``: ``out (..., Tq, dv)`` and the probability matrix
     ``weights (..., Tq, Tk)``. This is the oracle the tiled paths are checked
-    against; its memory is ``O(Tq * Tk)``.
+    against; its memory is ``O(Tq * Tk)``. ``variants`` are the keywords of
+    :func:`flashtile.variants.resolve_variants` (window, alibi_slopes,
+    softcap, kv_lengths, key_padding_mask, mask).
     """
-    q, k, v, shapes, causal, scale, out_dtype = _prepare(q, k, v, causal, scale)
-    weights = softmax(_scores(q, k, 0, shapes.tk, shapes, causal, scale), axis=-1)
-    return (weights @ v).astype(out_dtype, copy=False), weights.astype(out_dtype, copy=False)
+    pb = _prepare(q, k, v, causal, scale, variants)
+    weights = softmax(_scores(pb, 0, pb.shapes.tk)[0], axis=-1)
+    out = weights @ pb.v
+    return out.astype(pb.out_dtype, copy=False), weights.astype(pb.out_dtype, copy=False)
 
 
 def tiled_attention(
-    q, k, v, block_size: int, causal: bool = False, *, scale=None, return_lse: bool = False
+    q,
+    k,
+    v,
+    block_size: int,
+    causal: bool = False,
+    *,
+    scale=None,
+    return_lse: bool = False,
+    **variants,
 ):
     """Exact attention that streams K/V in blocks of ``block_size`` keys.
 
     Per query row it keeps only the running max ``m``, the normaliser ``ell``
     and the unnormalised output; each ``(Tq, block_size)`` score tile is folded
     in with :func:`online_update` and discarded. Key blocks that no query can
-    see under the causal mask are never visited.
+    see (causal, window) are never visited. ``variants`` as in
+    :func:`naive_attention`.
 
     Returns ``out (..., Tq, dv)``, and with ``return_lse=True`` also
     ``lse = m + log(ell)`` of shape ``(..., Tq)`` (``-inf`` for empty rows).
     """
-    q, k, v, shapes, causal, scale, out_dtype = _prepare(q, k, v, causal, scale)
+    pb = _prepare(q, k, v, causal, scale, variants)
     block_size = check_block_size(block_size)
-    state_shape = shapes.batch + (shapes.tq,)
-    m = np.full(state_shape, -np.inf, dtype=q.dtype)
-    ell = np.zeros(state_shape, dtype=q.dtype)
-    numerator = np.zeros(state_shape + (shapes.dv,), dtype=q.dtype)
-    stop_all = key_stop(shapes.tq, shapes.tq, shapes.tk, causal)
-    for start in range(0, stop_all, block_size):
-        stop = min(start + block_size, stop_all)
-        s = _scores(q, k, start, stop, shapes, causal, scale)
-        m, ell, rescale, p = online_update(m, ell, s)
-        numerator = numerator * rescale[..., None] + p @ v[..., start:stop, :]
+    sh = pb.shapes
+    state_shape = sh.batch + (sh.tq,)
+    m = np.full(state_shape, -np.inf, dtype=pb.q.dtype)
+    ell = np.zeros(state_shape, dtype=pb.q.dtype)
+    numerator = np.zeros(state_shape + (sh.dv,), dtype=pb.q.dtype)
+    first, last = pb.key_range
+    for start in range(first, last, block_size):
+        stop = min(start + block_size, last)
+        m, ell, rescale, p = online_update(m, ell, _scores(pb, start, stop)[0])
+        numerator = numerator * rescale[..., None] + p @ pb.v[..., start:stop, :]
     # Normalise once at the end; empty rows (ell = 0) stay zero.
     denom = ell[..., None]
     out = np.divide(numerator, denom, out=np.zeros_like(numerator), where=denom != 0)
-    out = out.astype(out_dtype, copy=False)
+    out = out.astype(pb.out_dtype, copy=False)
     if not return_lse:
         return out
     with np.errstate(divide="ignore"):

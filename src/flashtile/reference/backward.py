@@ -7,6 +7,8 @@ same key blocks again, rebuilds each probability tile exactly as
     dV_j += P^T dO            dP = dO V_j^T
     dS    = P * (dP - D)      dQ  += scale * dS K_j      dK_j += scale * dS^T Q
 
+(with softcap, ``dS`` is multiplied by ``1 - tanh(s / softcap)**2``).
+
 No ``Tq x Tk`` array is ever stored; each tile is ``(Tq, block_size)``.
 """
 
@@ -15,7 +17,6 @@ from __future__ import annotations
 import numpy as np
 
 from .._validate import check_block_size, check_same_shape
-from ..masks import key_stop
 from .attention import _prepare, _scores
 
 
@@ -29,7 +30,7 @@ def _sum_to_shape(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def tiled_attention_backward(
-    q, k, v, out, dout, lse, block_size: int, causal: bool = False, *, scale=None
+    q, k, v, out, dout, lse, block_size: int, causal: bool = False, *, scale=None, **variants
 ):
     """Gradients ``(dq, dk, dv)`` of :func:`tiled_attention` by recomputation.
 
@@ -41,38 +42,51 @@ def tiled_attention_backward(
         dout: upstream gradient, same shape as ``out``.
         lse: ``(batch..., Tq)`` from ``tiled_attention(..., return_lse=True)``.
         block_size: keys per recomputed tile (any value gives the same result).
-        causal, scale: as in the forward.
+        causal, scale, variants: as in the forward. With ``softcap`` the chain
+            rule through ``tanh`` is applied; masks and ALiBi are constants.
 
     Returns:
         ``dq``, ``dk``, ``dv`` with the shapes and dtypes of ``q``, ``k``,
-        ``v``. Rows that saw no key (``lse = -inf``) contribute nothing.
+        ``v`` (summed over a query-head group for GQA). Rows that saw no key
+        (``lse = -inf``) contribute nothing.
     """
     in_shapes = [np.shape(a) for a in (q, k, v)]
-    q, k, v, shapes, causal, scale, out_dtype = _prepare(q, k, v, causal, scale)
+    pb = _prepare(q, k, v, causal, scale, variants)
     block_size = check_block_size(block_size)
-    o_shape = shapes.batch + (shapes.tq, shapes.dv)
-    out = check_same_shape(out, "out", o_shape, "the forward output").astype(q.dtype)
-    dout = check_same_shape(dout, "dout", o_shape, "the gradient of the output").astype(q.dtype)
-    lse = check_same_shape(lse, "lse", o_shape[:-1], "from return_lse=True").astype(q.dtype)
+    sh, dt = pb.shapes, pb.q.dtype
+    o_shape = sh.batch + (sh.tq, sh.dv)
+    out = check_same_shape(out, "out", o_shape, "the forward output").astype(dt)
+    dout = check_same_shape(dout, "dout", o_shape, "the gradient of the output").astype(dt)
+    lse = check_same_shape(lse, "lse", o_shape[:-1], "from return_lse=True").astype(dt)
 
     delta = np.sum(dout * out, axis=-1)  # D_i = dO_i . O_i = sum_j P_ij dP_ij
     # exp(S - (+inf)) = 0 makes every probability of an empty row vanish.
-    origin = np.where(np.isneginf(lse), np.inf, lse).astype(q.dtype, copy=False)
-    dq = np.zeros(shapes.batch + (shapes.tq, shapes.d), dtype=q.dtype)
-    dk = np.zeros(shapes.batch + (shapes.tk, shapes.d), dtype=q.dtype)
-    dv = np.zeros(shapes.batch + (shapes.tk, shapes.dv), dtype=q.dtype)
-    stop_all = key_stop(shapes.tq, shapes.tq, shapes.tk, causal)
-    for start in range(0, stop_all, block_size):
-        stop = min(start + block_size, stop_all)
-        p = np.exp(_scores(q, k, start, stop, shapes, causal, scale) - origin[..., None])
-        pt = np.swapaxes(p, -1, -2)
-        dv[..., start:stop, :] = pt @ dout
-        dp = dout @ np.swapaxes(v[..., start:stop, :], -1, -2)
+    origin = np.where(np.isneginf(lse), np.inf, lse).astype(dt, copy=False)
+    dq = np.zeros(sh.batch + (sh.tq, sh.d), dtype=dt)
+    dk = np.zeros(sh.batch + (sh.tk, sh.d), dtype=dt)
+    dv = np.zeros(sh.batch + (sh.tk, sh.dv), dtype=dt)
+    first, last = pb.key_range
+    for start in range(first, last, block_size):
+        stop = min(start + block_size, last)
+        s, dcap = _scores(pb, start, stop)
+        p = np.exp(s - origin[..., None])
+        dv[..., start:stop, :] = np.swapaxes(p, -1, -2) @ dout
+        dp = dout @ np.swapaxes(pb.v[..., start:stop, :], -1, -2)
         ds = p * (dp - delta[..., None])
-        dq += (ds @ k[..., start:stop, :]) * scale
-        dk[..., start:stop, :] = (np.swapaxes(ds, -1, -2) @ q) * scale
+        if dcap is not None:
+            ds = ds * dcap  # through softcap * tanh(s / softcap)
+        dq += (ds @ pb.k[..., start:stop, :]) * pb.scale
+        dk[..., start:stop, :] = (np.swapaxes(ds, -1, -2) @ pb.q) * pb.scale
+    if sh.group > 1:  # fold the repeated kv heads back onto their group
+        dk, dv = (_sum_groups(g, sh.group) for g in (dk, dv))
     grads = (
-        _sum_to_shape(g, s).astype(out_dtype, copy=False)
+        _sum_to_shape(g, s).astype(pb.out_dtype, copy=False)
         for g, s in zip((dq, dk, dv), in_shapes, strict=True)
     )
     return tuple(grads)
+
+
+def _sum_groups(grad: np.ndarray, group: int) -> np.ndarray:
+    """``(..., Hq, T, d)`` -> ``(..., Hq // group, T, d)`` summing each group."""
+    *lead, hq, t, d = grad.shape
+    return grad.reshape(*lead, hq // group, group, t, d).sum(axis=-3)

@@ -1,0 +1,183 @@
+"""The attention variants: one keyword set, validated once, shared by every path.
+
+``resolve_variants`` turns the user's keywords into a :class:`Variants`
+record that the NumPy reference and the compiled kernels both read, so the
+semantics cannot drift apart. The score of query ``i`` and key ``j`` is built
+in this order (``p = i + Tk - Tq`` is the query's position)::
+
+    s = scale * q_i . k_j
+    s = softcap * tanh(s / softcap)          if softcap
+    s = s - slope[h] * |p - j|               if alibi_slopes (ALiBi)
+    s = s + mask[i, j]                       if mask is a float array
+    s = -inf where hidden                    causal, window, padding, bool mask
+
+and a row whose every score is ``-inf`` gives zeros and ``lse = -inf``.
+Visibility by position (causal, window, padding) is :mod:`flashtile.masks`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._validate import AttentionShapes
+from .masks import BlockMask, normalize_window
+
+
+@dataclass(frozen=True)
+class Variants:
+    """Normalised variant keywords (see the module docstring for semantics).
+
+    Attributes:
+        causal: bottom-right causal mask.
+        left, right: window sides, -1 = unbounded (``right <= 0`` if causal).
+        alibi: float64 slopes shaped to broadcast over ``(..., Hq, 1, 1)``
+            scores, or None.
+        softcap: the cap (> 0) or None.
+        kv_lengths: ``(B,)`` int64 valid keys per batch entry, or None.
+        mask_bool: bool array broadcastable to ``(..., Tq, Tk)``, or None.
+        mask_add: float array broadcastable to ``(..., Tq, Tk)``, or None.
+        block_mask: the user's :class:`BlockMask` when one was passed.
+    """
+
+    causal: bool = False
+    left: int = -1
+    right: int = -1
+    alibi: np.ndarray | None = None
+    softcap: float | None = None
+    kv_lengths: np.ndarray | None = None
+    mask_bool: np.ndarray | None = None
+    mask_add: np.ndarray | None = None
+    block_mask: BlockMask | None = None
+
+
+def _heads_and_batch(shapes: AttentionShapes, what: str) -> tuple[int, int]:
+    if len(shapes.batch) < 1:
+        raise ValueError(f"{what} needs a head axis: pass (H, T, d) or (B, H, T, d) arrays")
+    heads = shapes.batch[-1]
+    batch = shapes.batch[-2] if len(shapes.batch) >= 2 else 1
+    return batch, heads
+
+
+def _check_alibi(alibi_slopes, shapes: AttentionShapes) -> np.ndarray:
+    slopes = np.asarray(alibi_slopes)
+    if slopes.dtype.kind not in "fiu":
+        raise TypeError(f"alibi_slopes must be real numbers, got dtype {slopes.dtype}")
+    batch, heads = _heads_and_batch(shapes, "alibi_slopes")
+    if slopes.shape == (heads,):
+        return slopes.astype(np.float64)[:, None, None]
+    if len(shapes.batch) >= 2 and slopes.shape == (batch, heads):
+        return slopes.astype(np.float64)[:, :, None, None]
+    raise ValueError(
+        f"alibi_slopes has shape {slopes.shape}; expected (Hq,) = ({heads},) or "
+        f"(B, Hq) = ({batch}, {heads}), one slope per query head"
+    )
+
+
+def _check_softcap(softcap) -> float | None:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a positive number or None, got {softcap!r}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be finite and > 0 (e.g. 50.0), got {softcap}")
+    return float(softcap)
+
+
+def _check_padding(kv_lengths, key_padding_mask, shapes: AttentionShapes):
+    """``(kv_lengths or None, key padding as a (B, 1, 1, Tk) bool mask or None)``."""
+    if kv_lengths is not None and key_padding_mask is not None:
+        raise ValueError("pass kv_lengths or key_padding_mask, not both (they say the same)")
+    if kv_lengths is None and key_padding_mask is None:
+        return None, None
+    if len(shapes.batch) != 2:
+        raise ValueError(
+            f"key padding needs 4-D (B, H, T, d) inputs, got leading dims {shapes.batch}"
+        )
+    batch = shapes.batch[0]
+    if kv_lengths is not None:
+        lengths = np.asarray(kv_lengths)
+        if lengths.dtype.kind not in "iu":
+            raise TypeError(f"kv_lengths must be integers, got dtype {lengths.dtype}")
+        if lengths.shape != (batch,):
+            raise ValueError(f"kv_lengths has shape {lengths.shape}, expected (B,) = ({batch},)")
+        if lengths.size and (lengths.min() < 0 or lengths.max() > shapes.tk):
+            raise ValueError(
+                f"kv_lengths must lie in [0, Tk={shapes.tk}], got min {lengths.min()} "
+                f"and max {lengths.max()}"
+            )
+        return lengths.astype(np.int64), None
+    kpm = np.asarray(key_padding_mask)
+    if kpm.dtype != bool:
+        raise TypeError(f"key_padding_mask must be boolean (True = keep), got {kpm.dtype}")
+    if kpm.shape != (batch, shapes.tk):
+        raise ValueError(
+            f"key_padding_mask has shape {kpm.shape}, expected (B, Tk) = ({batch}, {shapes.tk})"
+        )
+    return None, kpm[:, None, None, :]
+
+
+def _check_mask(mask, shapes: AttentionShapes):
+    """``(bool mask or None, additive mask or None, BlockMask or None)``."""
+    if mask is None:
+        return None, None, None
+    blocks = None
+    if isinstance(mask, BlockMask):
+        blocks, mask = mask, mask.mask
+    mask = np.asarray(mask)
+    target = (*shapes.batch, shapes.tq, shapes.tk)
+    try:
+        np.broadcast_shapes(mask.shape, target)
+        fits = mask.ndim <= len(target) and np.broadcast_shapes(mask.shape, target) == target
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"mask has shape {mask.shape}, which does not broadcast to (..., Tq, Tk) = {target}"
+        )
+    if mask.dtype == bool:
+        return mask, None, blocks
+    if mask.dtype.kind != "f":
+        raise TypeError(
+            f"mask has dtype {mask.dtype}: pass a bool mask (True = keep) or a float mask "
+            f"added to the scores (-inf = hidden)"
+        )
+    return None, mask, None
+
+
+def resolve_variants(
+    shapes: AttentionShapes,
+    *,
+    causal=False,
+    window=None,
+    alibi_slopes=None,
+    softcap=None,
+    kv_lengths=None,
+    key_padding_mask=None,
+    mask=None,
+) -> Variants:
+    """Validate the variant keywords against ``shapes`` and normalise them."""
+    from ._validate import check_flag
+
+    causal = check_flag(causal, "causal")
+    left, right = normalize_window(window, causal)
+    alibi = None if alibi_slopes is None else _check_alibi(alibi_slopes, shapes)
+    lengths, padding = _check_padding(kv_lengths, key_padding_mask, shapes)
+    mask_bool, mask_add, blocks = _check_mask(mask, shapes)
+    if padding is not None:
+        mask_bool = padding if mask_bool is None else (mask_bool & padding)
+        blocks = None  # the summary no longer describes the combined mask
+    return Variants(
+        causal=causal,
+        left=left,
+        right=right,
+        alibi=alibi,
+        softcap=_check_softcap(softcap),
+        kv_lengths=lengths,
+        mask_bool=mask_bool,
+        mask_add=mask_add,
+        block_mask=blocks,
+    )
