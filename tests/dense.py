@@ -104,3 +104,238 @@ def rel_err(a, ref) -> float:
     diff = float(np.linalg.norm((a - ref).ravel()))
     denom = float(np.linalg.norm(ref.ravel()))
     return diff / denom if denom > 0 else diff
+
+
+# --------------------------------------------------------------------------------------
+# Variants: GQA/MQA, sliding window, ALiBi, softcap, key padding, masks, varlen.
+#
+# Written directly from the formulas on the materialised (B, Hq, Tq, Tk) score
+# matrix; K/V are repeated per query head for GQA (fine for an oracle). The
+# score pipeline, in order:
+#
+#     s = scale * q.k
+#     s = softcap * tanh(s / softcap)          if softcap
+#     s = s - slope[b, h] * |p - j|            if alibi_slopes   (p = i + Tk - Tq)
+#     s = s + mask                             if mask is a float array
+#     s = -inf where the key is not visible    (causal, window, padding, bool mask,
+#                                               float mask == -inf)
+# --------------------------------------------------------------------------------------
+
+
+def _window_sides(window, causal: bool):
+    """``(left, right)`` with ``None`` for an unbounded side; causal caps right at 0."""
+    left = right = None
+    if window is not None:
+        left, right = window
+        left = None if left is None or left == -1 else int(left)
+        right = None if right is None or right == -1 else int(right)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def variant_visibility(
+    shape,
+    causal: bool = False,
+    *,
+    window=None,
+    kv_lengths=None,
+    key_padding_mask=None,
+    mask=None,
+) -> np.ndarray:
+    """Boolean ``(B, Hq, Tq, Tk)`` array: True where query ``i`` may see key ``j``.
+
+    Query ``i`` sits at absolute position ``p = i + Tk - Tq``. A float ``mask``
+    hides the entries where it is ``-inf``.
+    """
+    b, _, tq, tk = shape
+    p = np.arange(tq)[:, None] + (tk - tq)
+    j = np.arange(tk)[None, :]
+    left, right = _window_sides(window, causal)
+    vis = np.ones((tq, tk), dtype=bool)
+    if left is not None:
+        vis &= j >= p - left
+    if right is not None:
+        vis &= j <= p + right
+    vis = np.broadcast_to(vis, shape).copy()
+    if kv_lengths is not None:
+        lengths = np.asarray(kv_lengths).reshape(b)
+        vis &= (np.arange(tk)[None, :] < lengths[:, None])[:, None, None, :]
+    if key_padding_mask is not None:
+        vis &= np.asarray(key_padding_mask, dtype=bool).reshape(b, tk)[:, None, None, :]
+    if mask is not None:
+        m = np.asarray(mask)
+        keep = m if m.dtype == bool else m != -np.inf
+        vis &= np.broadcast_to(keep, shape)
+    return vis
+
+
+def _variant_problem(q, k, v, causal, scale, variants):
+    """Everything the forward and backward oracles share, in float64."""
+    unknown = set(variants) - {
+        "window",
+        "alibi_slopes",
+        "softcap",
+        "kv_lengths",
+        "key_padding_mask",
+        "mask",
+    }
+    if unknown:
+        raise TypeError(f"unknown variant keywords {sorted(unknown)}")
+    q, k, v = _f64(q, k, v)
+    b, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"oracle: Hq={hq} is not a multiple of Hkv={hkv}")
+    group = hq // hkv
+    kr = np.repeat(k, group, axis=1)  # query head h reads kv head h // group
+    vr = np.repeat(v, group, axis=1)
+    sc = _scale(d, scale)
+    raw = sc * np.einsum("bhid,bhjd->bhij", q, kr)
+    s = raw
+    softcap = variants.get("softcap")
+    if softcap is not None:
+        s = softcap * np.tanh(raw / softcap)
+    slopes = variants.get("alibi_slopes")
+    if slopes is not None:
+        slopes = np.asarray(slopes, dtype=np.float64)
+        slopes = slopes[None, :] if slopes.ndim == 1 else slopes  # (1 or B, Hq)
+        dist = np.abs(np.arange(tq)[:, None] + (tk - tq) - np.arange(tk)[None, :])
+        s = s - slopes[:, :, None, None] * dist
+    mask = variants.get("mask")
+    if mask is not None and np.asarray(mask).dtype != bool:
+        s = s + np.asarray(mask, dtype=np.float64)
+    vis = variant_visibility(
+        (b, hq, tq, tk),
+        causal,
+        window=variants.get("window"),
+        kv_lengths=variants.get("kv_lengths"),
+        key_padding_mask=variants.get("key_padding_mask"),
+        mask=mask,
+    )
+    s = np.where(vis, s, -np.inf)
+    sees_any = vis.any(axis=-1)  # (B, Hq, Tq)
+    row_max = np.where(sees_any, np.max(s, axis=-1), 0.0)
+    e = np.exp(s - row_max[..., None])  # exactly 0 where hidden
+    ell = e.sum(axis=-1)
+    p = e / np.where(sees_any, ell, 1.0)[..., None]
+    return {
+        "q": q,
+        "kr": kr,
+        "vr": vr,
+        "raw": raw,
+        "p": p,
+        "vis": vis,
+        "sees_any": sees_any,
+        "row_max": row_max,
+        "ell": ell,
+        "scale": sc,
+        "group": group,
+        "softcap": softcap,
+    }
+
+
+def dense_variant_attention(q, k, v, causal: bool = False, scale=None, **variants):
+    """``(out, lse)`` in float64 for ``q (B, Hq, Tq, d)``, ``k/v (B, Hkv, Tk, d/dv)``.
+
+    ``variants``: ``window``, ``alibi_slopes``, ``softcap``, ``kv_lengths``,
+    ``key_padding_mask``, ``mask`` (bool: True = keep; float: added). Rows that
+    see no key give ``out = 0`` and ``lse = -inf``.
+    """
+    pb = _variant_problem(q, k, v, causal, scale, variants)
+    out = np.einsum("bhij,bhjv->bhiv", pb["p"], pb["vr"])
+    out = np.where(pb["sees_any"][..., None], out, 0.0)
+    sees = pb["sees_any"]
+    lse = np.full(sees.shape, -np.inf)
+    lse[sees] = pb["row_max"][sees] + np.log(pb["ell"][sees])
+    return out, lse
+
+
+def dense_variant_probabilities(q, k, v, causal: bool = False, scale=None, **variants):
+    """The ``(B, Hq, Tq, Tk)`` attention weights (zero where hidden)."""
+    return _variant_problem(q, k, v, causal, scale, variants)["p"]
+
+
+def dense_variant_backward(q, k, v, dout, causal: bool = False, scale=None, **variants):
+    """``(dq, dk, dv)`` of ``sum(dense_variant_attention(...)[0] * dout)`` in float64.
+
+    Same textbook formulas as :func:`dense_attention_backward`, then the softcap
+    chain rule ``dS_raw = dS * (1 - tanh(s / softcap)^2)`` (ALiBi and an additive
+    mask do not depend on q or k), and the GQA sum over each query-head group.
+    """
+    pb = _variant_problem(q, k, v, causal, scale, variants)
+    (dout,) = _f64(dout)
+    p, kr, vr, qq = pb["p"], pb["kr"], pb["vr"], pb["q"]
+    dv_rep = np.einsum("bhij,bhiv->bhjv", p, dout)
+    dp = np.einsum("bhiv,bhjv->bhij", dout, vr)
+    ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True))
+    if pb["softcap"] is not None:
+        ds = ds * (1.0 - np.tanh(pb["raw"] / pb["softcap"]) ** 2)
+    dq = pb["scale"] * np.einsum("bhij,bhjd->bhid", ds, kr)
+    dk_rep = pb["scale"] * np.einsum("bhij,bhid->bhjd", ds, qq)
+    b, hq, tk = dk_rep.shape[0], dk_rep.shape[1], dk_rep.shape[2]
+    g = pb["group"]
+    dk = dk_rep.reshape(b, hq // g, g, tk, -1).sum(axis=2)
+    dv = dv_rep.reshape(b, hq // g, g, tk, -1).sum(axis=2)
+    return dq, dk, dv
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    cq = [int(x) for x in np.asarray(cu_seqlens_q)]
+    ck = [int(x) for x in np.asarray(cu_seqlens_k)]
+    assert len(cq) == len(ck)
+    return [(s, cq[s], cq[s + 1], ck[s], ck[s + 1]) for s in range(len(cq) - 1)]
+
+
+def _varlen_slopes(alibi_slopes, s):
+    if alibi_slopes is None:
+        return None
+    slopes = np.asarray(alibi_slopes, dtype=np.float64)
+    return slopes if slopes.ndim == 1 else slopes[s]
+
+
+def dense_varlen_attention(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, scale=None, **variants
+):
+    """Packed batches: ``q (Hq, total_q, d)``; each sequence through the dense oracle.
+
+    ``variants``: ``window``, ``alibi_slopes`` ((Hq,) or (S, Hq)), ``softcap``.
+    """
+    q, k, v = _f64(q, k, v)
+    hq, total_q = q.shape[:2]
+    scale = _scale(q.shape[-1], scale)
+    out = np.zeros((hq, total_q, v.shape[-1]))
+    lse = np.full((hq, total_q), -np.inf)
+    for s, qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if qb == qa or kb == ka:
+            continue  # no queries, or queries that see no key: zeros and -inf
+        kw = dict(variants, alibi_slopes=_varlen_slopes(variants.get("alibi_slopes"), s))
+        o, o_lse = dense_variant_attention(
+            q[None, :, qa:qb], k[None, :, ka:kb], v[None, :, ka:kb], causal, scale, **kw
+        )
+        out[:, qa:qb], lse[:, qa:qb] = o[0], o_lse[0]
+    return out, lse
+
+
+def dense_varlen_backward(
+    q, k, v, dout, cu_seqlens_q, cu_seqlens_k, causal: bool = False, scale=None, **variants
+):
+    """``(dq, dk, dv)`` of ``sum(dense_varlen_attention(...)[0] * dout)``."""
+    q, k, v, dout = _f64(q, k, v, dout)
+    scale = _scale(q.shape[-1], scale)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for s, qa, qb, ka, kb in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if qb == qa or kb == ka:
+            continue
+        kw = dict(variants, alibi_slopes=_varlen_slopes(variants.get("alibi_slopes"), s))
+        g = dense_variant_backward(
+            q[None, :, qa:qb],
+            k[None, :, ka:kb],
+            v[None, :, ka:kb],
+            dout[None, :, qa:qb],
+            causal,
+            scale,
+            **kw,
+        )
+        dq[:, qa:qb], dk[:, ka:kb], dv[:, ka:kb] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv

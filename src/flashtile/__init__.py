@@ -5,7 +5,8 @@ align bottom-right when ``Tq != Tk``; rows that see no key give zeros and
 ``lse = -inf``; ``lse`` is the natural-log normaliser ``m + log(ell)``.
 """
 
-from .api import attention, attention_backward
+from .api import attention, attention_backward, varlen_attention, varlen_attention_backward
+from .masks import BlockMask, block_mask
 from .merge import merge_states
 from .reference import (
     attention_memory_elements,
@@ -21,9 +22,11 @@ from .reference import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockMask",
     "attention",
     "attention_backward",
     "attention_memory_elements",
+    "block_mask",
     "merge_states",
     "naive_attention",
     "online_attention",
@@ -32,4 +35,6 @@ __all__ = [
     "softmax",
     "tiled_attention",
     "tiled_attention_backward",
+    "varlen_attention",
+    "varlen_attention_backward",
 ]

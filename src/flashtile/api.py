@@ -1,8 +1,15 @@
-"""The fast public API: validate, lay out, call the compiled CPU kernel.
+"""The fast public API: validate, plan the work, call the compiled CPU kernel.
 
-Arrays are ``(B, H, T, d)`` (also ``(H, T, d)`` and ``(T, d)``); ``q``, ``k``
-and ``v`` must have identical leading dims (broadcasting would mean copying
-K/V per head, which this path refuses to do silently).
+Arrays are ``(B, H, T, d)`` (also ``(H, T, d)`` and ``(T, d)``). ``q`` and
+``k``/``v`` share the batch dim; ``k``/``v`` may have fewer heads than ``q``
+(GQA/MQA, ``Hq % Hkv == 0``) and are never copied per query head. Packed
+variable-length batches go through :func:`varlen_attention`.
+
+Variants (keyword-only, the same on every function, semantics in
+:mod:`flashtile.variants` and :mod:`flashtile.masks`): ``window=(left,
+right)``, ``alibi_slopes``, ``softcap``, ``kv_lengths`` or
+``key_padding_mask``, and ``mask`` (bool = keep, float = added, or a
+:class:`~flashtile.masks.BlockMask`).
 
 dtypes: float32 and float64 run natively (the running state accumulates in
 the input dtype). float16 inputs are upcast to float32, computed, and the
@@ -14,123 +21,260 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._validate import check_block_size, check_flag, check_qkv, check_same_shape, resolve_scale
+from ._validate import check_block_size, check_qkv, check_same_shape, resolve_scale
+from .masks import BlockMask, block_key_range, block_mask
+from .variants import resolve_variants
 
-#: Default tile sizes (queries x keys), picked by a sweep on the 2-core
-#: machine (docs/benchmarks.md). Forward: a 256 x 512 float32 score tile is
-#: 512 KiB; with the query tile and one K/V tile (d=64) about 0.8 MiB stays
-#: in L2. The backward holds two score-sized tiles (P and dS), so it uses
-#: 256 x 256.
+#: Default tile sizes (query rows per item x keys), picked by sweeps on the
+#: 2-core machine (docs/benchmarks.md). Forward: a 256 x 512 float32 score
+#: tile is 512 KiB; with the query tile and one K/V tile (d=64) about 0.8 MiB
+#: stays in L2. The backward holds two score-sized tiles, so 256 x 256. With
+#: GQA the rows are shared by the group's query heads.
 FWD_BLOCKS = (256, 512)
 BWD_BLOCKS = (256, 256)
-#: The forward shrinks block_q (down to this) until every thread gets at
-#: least four work items, so short sequences still use all cores.
-MIN_BLOCK_Q = 32
+#: block_q never goes below this when it shrinks for GQA groups or to give
+#: every thread at least four work items.
+MIN_BLOCK_Q = 16
+LOG2E = 1.4426950408889634
 
 
-def _default_block_q(n_heads: int, tq: int, block_q: int) -> int:
-    """Halve ``block_q`` until ``B*H*ceil(Tq/block_q)`` items keep the cores busy."""
-    import numba
+class _Plan:
+    """One call, laid out for the kernels (see :func:`_plan`)."""
 
-    want = 4 * numba.get_num_threads()
-    while block_q > MIN_BLOCK_Q and n_heads * -(-tq // block_q) < want:
-        block_q //= 2
-    return block_q
+    def __init__(self, q4, k4, v4, seqs, variants, kernel_variants, scale, dtype, out_shape):
+        self.q4, self.k4, self.v4 = q4, k4, v4
+        self.seqs = seqs
+        self.variants = variants
+        self.kv = kernel_variants
+        self.scale = scale
+        self.dtype = dtype
+        self.out_shape = out_shape  # the caller's layout, for reshaping results back
 
 
-def _prepare(q, k, v, causal, scale, block_q, block_k, defaults):
-    q, k, v, shapes = check_qkv(q, k, v)
+def _as4d(a, work):
+    return np.ascontiguousarray(a.reshape((1,) * (4 - a.ndim) + a.shape), dtype=work)
+
+
+def _mask4(mask, work=None):
+    """A broadcastable mask as 4 dims, contiguous (optionally cast)."""
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    return np.ascontiguousarray(mask if work is None else mask.astype(work))
+
+
+def _block_states(va, mask4, block_q, block_k, tq, tk):
+    """``(Bm, Hm, ceil(Tq/block_q), ceil(Tk/block_k))`` tile states of the bool mask."""
+    blocks = va.block_mask
+    if blocks is None or (blocks.block_q, blocks.block_k) != (block_q, block_k):
+        # Size-1 (broadcast) dims summarise as one block each, then broadcast.
+        bq = block_q if mask4.shape[2] > 1 else 1
+        bk = block_k if mask4.shape[3] > 1 else 1
+        blocks = block_mask(mask4, bq, bk)
+    nq, nk = -(-tq // block_q), -(-tk // block_k)
+    shape = (*blocks.states.shape[:2], nq, nk)
+    return np.ascontiguousarray(np.broadcast_to(blocks.states, shape))
+
+
+def _kernel_variants(va, work, block_q, block_k, tq, tk, batch_heads):
+    from .cpu.tiles import KernelVariants
+
+    empty_f = np.zeros((0, 0, 0, 0), dtype=work)
+    alibi = np.zeros((0, 0), dtype=work)
+    if va.alibi is not None:
+        slopes = va.alibi.reshape(-1, batch_heads[1]) if va.alibi.ndim == 4 else va.alibi
+        alibi = np.ascontiguousarray(slopes.reshape(-1, batch_heads[1]) * LOG2E, dtype=work)
+    mask_add = empty_f if va.mask_add is None else _mask4(va.mask_add * LOG2E, work)
+    mask_bool = np.zeros((0, 0, 0, 0), dtype=np.bool_)
+    states = np.zeros((0, 0, 0, 0), dtype=np.int8)
+    if va.mask_bool is not None:
+        mask_bool = _mask4(va.mask_bool)
+        states = _block_states(va, mask_bool, block_q, block_k, tq, tk)
+    softcap = 0.0 if va.softcap is None else va.softcap * LOG2E
+    return KernelVariants(va.causal, va.left, va.right, softcap, alibi, mask_add, mask_bool, states)
+
+
+def _check_layout(q, k, v):
     if q.ndim > 4:
         raise ValueError(
             f"q has {q.ndim} dims {q.shape}; flashtile.attention takes (B, H, T, d), "
             f"(H, T, d) or (T, d): merge extra leading dims into B"
         )
-    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+    if not (q.ndim == k.ndim == v.ndim and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
         raise ValueError(
             f"leading dims differ: q {q.shape}, k {k.shape}, v {v.shape}; "
-            f"flashtile.attention needs the same (B, H) for q, k and v "
-            f"(use np.broadcast_to(...).copy() if you really want copies)"
+            f"flashtile.attention needs the same batch for q, k and v, and k, v with "
+            f"Hq or a divisor of Hq heads (use np.broadcast_to(...).copy() for copies)"
         )
-    causal = check_flag(causal, "causal")
+    if q.ndim >= 3 and not (k.shape[-3] == v.shape[-3] and q.shape[-3] % k.shape[-3] == 0):
+        raise ValueError(
+            f"Hq={q.shape[-3]}, k has {k.shape[-3]} heads and v {v.shape[-3]}: k and v need "
+            f"the same number of heads Hkv, and Hq must be a multiple of Hkv"
+        )
+
+
+def _plan(q, k, v, causal, scale, variants, block_q, block_k, defaults) -> tuple:
+    """Validate one batched call and lay it out for the kernels.
+
+    Returns ``(plan, block_q, block_k)``: 4-D contiguous arrays in the work
+    dtype, one ``seqs`` row ``(b, 0, Tq, 0, Tk, kv_len)`` per batch entry,
+    the variants in kernel form and the tile sizes.
+    """
+    q, k, v, shapes = check_qkv(q, k, v)
+    _check_layout(q, k, v)
     scale = resolve_scale(scale, shapes.d)
+    va = resolve_variants(shapes, causal=causal, **variants)
+    group = shapes.group
+    block_q, block_k = _block_sizes(block_q, block_k, defaults, group, shapes.tq, shapes.tk)
+    work = np.float64 if q.dtype == np.float64 else np.float32
+    q4, k4, v4 = (_as4d(a, work) for a in (q, k, v))
+    n_batch = q4.shape[0]
+    kv_len = np.full(n_batch, shapes.tk) if va.kv_lengths is None else va.kv_lengths
+    seqs = np.zeros((n_batch, 6), dtype=np.int64)
+    seqs[:, 0] = np.arange(n_batch)
+    seqs[:, 2], seqs[:, 4], seqs[:, 5] = shapes.tq, shapes.tk, kv_len
+    kv = _kernel_variants(va, work, block_q, block_k, shapes.tq, shapes.tk, q4.shape[:2])
+    out_shape = shapes.batch + (shapes.tq,)
+    return _Plan(q4, k4, v4, seqs, va, kv, scale, q.dtype, out_shape), block_q, block_k
+
+
+def _block_sizes(block_q, block_k, defaults, group, tq, tk):
+    explicit_q = block_q is not None
     block_q = check_block_size(defaults[0] if block_q is None else block_q, "block_q")
     block_k = check_block_size(defaults[1] if block_k is None else block_k, "block_k")
-    block_q, block_k = min(block_q, shapes.tq), min(block_k, shapes.tk)  # buffers fit the data
-    work = np.float64 if q.dtype == np.float64 else np.float32
-
-    def as4d(a):
-        return np.ascontiguousarray(a.reshape((1,) * (4 - a.ndim) + a.shape), dtype=work)
-
-    return as4d(q), as4d(k), as4d(v), shapes, q.dtype, causal, scale, block_q, block_k
+    if not explicit_q:  # a GQA group shares the tile's rows
+        block_q = max(MIN_BLOCK_Q, block_q // group)
+    return min(block_q, tq), min(block_k, tk)  # buffers fit the data
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False, block_q=None, block_k=None):
+def _forward_items(plan, block_q, auto_q) -> tuple[np.ndarray, int]:
+    """Work items ``(sequence, kv head, i0)``, balanced for a static schedule.
+
+    Returns ``(items, block_q)``; with ``auto_q`` block_q is halved (down to
+    MIN_BLOCK_Q) until every thread gets at least four items.
+    """
+    import numba
+
+    want = 4 * numba.get_num_threads()
+    while True:
+        items, costs = _enumerate_items(plan, block_q)
+        if not auto_q or len(items) >= want or block_q <= MIN_BLOCK_Q:
+            return _balance(items, costs), block_q
+        block_q = max(MIN_BLOCK_Q, block_q // 2)
+
+
+def _enumerate_items(plan, block_q):
+    kv = plan.kv
+    n_kv = plan.k4.shape[1]
+    items, costs = [], []
+    for s, (_, _, tq, _, tk, kv_len) in enumerate(plan.seqs.tolist()):
+        for i0 in range(0, tq, block_q):
+            i1 = min(i0 + block_q, tq)
+            lo, hi = block_key_range(i0, i1, tq, tk, kv.causal, kv.left, kv.right, kv_len)
+            for hk in range(n_kv):
+                items.append((s, hk, i0))
+                costs.append((i1 - i0) * (hi - lo) + 1)
+    return np.array(items, dtype=np.int64).reshape(-1, 3), np.array(costs)
+
+
+def _balance(items: np.ndarray, costs: np.ndarray) -> np.ndarray:
+    """Order items so that contiguous equal-count chunks carry similar work.
+
+    Numba's ``prange`` hands each thread one contiguous run of items. Sorting
+    by cost and interleaving from both ends (largest, smallest, second
+    largest, ...) puts a heavy and a light item next to each other, so every
+    run gets about the same total (causal, windows, varlen lengths).
+    """
+    order = np.argsort(-costs, kind="stable")
+    zig = np.empty_like(order)
+    half = (len(order) + 1) // 2
+    zig[0::2] = order[:half]
+    zig[1::2] = order[half:][::-1]
+    return np.ascontiguousarray(items[zig])
+
+
+def _backward_items(plan) -> np.ndarray:
+    """``(sequence, kv head)`` items, heavy and light interleaved."""
+    n_kv = plan.k4.shape[1]
+    seqs = plan.seqs
+    items = np.array(
+        [(s, hk) for s in range(len(seqs)) for hk in range(n_kv)], dtype=np.int64
+    ).reshape(-1, 2)
+    costs = (seqs[items[:, 0], 2] * seqs[items[:, 0], 4]).astype(np.float64)
+    return _balance(items, costs)
+
+
+def _run_forward(plan, block_q, block_k, auto_q):
+    from .cpu.blas import gemm_for, single_threaded_blas
+    from .cpu.forward import forward_kernel
+
+    items, block_q = _forward_items(plan, block_q, auto_q)
+    if auto_q and plan.kv.states.size:  # the block map follows the final block_q
+        tq, tk = plan.q4.shape[2], plan.k4.shape[2]
+        states = _block_states(plan.variants, plan.kv.mask_bool, block_q, block_k, tq, tk)
+        plan.kv = plan.kv._replace(states=states)
+    out = np.empty(plan.q4.shape[:-1] + (plan.v4.shape[-1],), dtype=plan.q4.dtype)
+    lse = np.empty(plan.q4.shape[:-1], dtype=plan.q4.dtype)
+    with single_threaded_blas():
+        forward_kernel(
+            plan.q4,
+            plan.k4,
+            plan.v4,
+            out,
+            lse,
+            plan.seqs,
+            items,
+            plan.scale,
+            plan.kv,
+            block_q,
+            block_k,
+            gemm_for(plan.q4.dtype),
+        )
+    return out, lse
+
+
+def attention(
+    q, k, v, *, causal=False, scale=None, return_lse=False, block_q=None, block_k=None, **variants
+):
     """Exact attention ``softmax(q k^T * scale) v`` with the fused CPU kernel.
 
     Args:
-        q: ``(B, H, Tq, d)``, or ``(H, Tq, d)`` or ``(Tq, d)``.
-        k: ``(B, H, Tk, d)``; v: ``(B, H, Tk, dv)`` (same leading dims as q).
+        q: ``(B, Hq, Tq, d)``, or ``(Hq, Tq, d)`` or ``(Tq, d)``.
+        k: ``(B, Hkv, Tk, d)``; v: ``(B, Hkv, Tk, dv)``; ``Hkv`` divides ``Hq``.
         causal: mask keys after each query, aligned bottom-right: query ``i``
             sees key ``j`` iff ``j <= i + Tk - Tq`` (see :mod:`flashtile.masks`).
         scale: score multiplier, default ``1/sqrt(d)``.
         return_lse: also return ``lse = log(sum_j exp(score_ij))`` ``(..., Tq)``.
         block_q, block_k: tile sizes (tuning knobs; any value is exact).
+        **variants: ``window``, ``alibi_slopes``, ``softcap``, ``kv_lengths``,
+            ``key_padding_mask``, ``mask`` (see :mod:`flashtile.variants`).
 
     Returns:
         ``out (..., Tq, dv)`` in the input dtype, and ``lse`` if asked. A query
         that sees no key gets a zero row and ``lse = -inf``.
     """
-    from .cpu.blas import gemm_for, single_threaded_blas
-    from .cpu.forward import forward_kernel
-
-    auto_q = block_q is None
-    q4, k4, v4, shapes, dtype, causal, scale, block_q, block_k = _prepare(
-        q, k, v, causal, scale, block_q, block_k, FWD_BLOCKS
-    )
-    if auto_q:
-        block_q = _default_block_q(q4.shape[0] * q4.shape[1], shapes.tq, block_q)
-    out = np.empty(q4.shape[:-1] + (shapes.dv,), dtype=q4.dtype)
-    lse = np.empty(q4.shape[:-1], dtype=q4.dtype)
-    with single_threaded_blas():
-        forward_kernel(q4, k4, v4, out, lse, scale, causal, block_q, block_k, gemm_for(q4.dtype))
-    out = out.reshape(shapes.batch + out.shape[-2:]).astype(dtype, copy=False)
+    plan, block_q_, block_k_ = _plan(q, k, v, causal, scale, variants, block_q, block_k, FWD_BLOCKS)
+    out, lse = _run_forward(plan, block_q_, block_k_, auto_q=block_q is None)
+    out = out.reshape(plan.out_shape + out.shape[-1:]).astype(plan.dtype, copy=False)
     if return_lse:
-        return out, lse.reshape(shapes.batch + lse.shape[-1:])
+        return out, lse.reshape(plan.out_shape)
     return out
 
 
-def attention_backward(
-    q, k, v, out, lse, dout, *, causal=False, scale=None, block_q=None, block_k=None
-):
-    """Gradients ``(dq, dk, dv)`` of :func:`attention`, recomputing score tiles.
-
-    Args:
-        q, k, v, causal, scale: exactly as passed to the forward.
-        out, lse: the forward's output and ``lse`` (``return_lse=True``).
-        dout: gradient of the loss w.r.t. ``out``, same shape as ``out``.
-
-    Returns:
-        ``dq``, ``dk``, ``dv`` with the shapes and dtype of ``q``, ``k``, ``v``.
-        Nothing of size ``Tq x Tk`` is allocated. Parallel over ``(B, H)``;
-        deterministic (bit-identical from run to run).
-    """
+def _run_backward(plan, out, lse, dout, block_q, block_k):
     from .cpu.backward import backward_kernel
     from .cpu.blas import gemm_for, single_threaded_blas
 
-    q4, k4, v4, shapes, dtype, causal, scale, block_q, block_k = _prepare(
-        q, k, v, causal, scale, block_q, block_k, BWD_BLOCKS
-    )
-    o_shape = shapes.batch + (shapes.tq, shapes.dv)
+    q4, k4, v4 = plan.q4, plan.k4, plan.v4
+    o_shape = plan.out_shape + (v4.shape[-1],)
     out = check_same_shape(out, "out", o_shape, "the forward output")
     dout = check_same_shape(dout, "dout", o_shape, "the gradient of out")
-    lse = check_same_shape(lse, "lse", o_shape[:-1], "from return_lse=True")
+    lse = check_same_shape(lse, "lse", plan.out_shape, "from return_lse=True")
 
     def like_q4(a, last):
         return np.ascontiguousarray(a, dtype=q4.dtype).reshape(q4.shape[:-1] + last)
 
-    out4, dout4 = like_q4(out, (shapes.dv,)), like_q4(dout, (shapes.dv,))
+    out4, dout4 = like_q4(out, (v4.shape[-1],)), like_q4(dout, (v4.shape[-1],))
     lse4 = like_q4(lse, ())
-    dq, dk, dv = np.empty_like(q4), np.empty_like(k4), np.empty_like(v4)
+    dq, dk, dv = np.empty_like(q4), np.zeros_like(k4), np.zeros_like(v4)
     with single_threaded_blas():
         backward_kernel(
             q4,
@@ -142,13 +286,158 @@ def attention_backward(
             dq,
             dk,
             dv,
-            scale,
-            causal,
+            plan.seqs,
+            _backward_items(plan),
+            plan.scale,
+            plan.kv,
             block_q,
             block_k,
             gemm_for(q4.dtype),
         )
+    return dq, dk, dv
+
+
+def attention_backward(
+    q, k, v, out, lse, dout, *, causal=False, scale=None, block_q=None, block_k=None, **variants
+):
+    """Gradients ``(dq, dk, dv)`` of :func:`attention`, recomputing score tiles.
+
+    Args:
+        q, k, v, causal, scale, variants: exactly as passed to the forward.
+        out, lse: the forward's output and ``lse`` (``return_lse=True``).
+        dout: gradient of the loss w.r.t. ``out``, same shape as ``out``.
+
+    Returns:
+        ``dq``, ``dk``, ``dv`` with the shapes and dtype of ``q``, ``k``, ``v``
+        (GQA: ``dk``/``dv`` summed over each group). Nothing of size
+        ``Tq x Tk`` is allocated. Parallel over ``(batch, kv head)``;
+        deterministic (bit-identical from run to run). Not differentiated:
+        masks and ALiBi slopes (constants).
+    """
+    plan, block_q, block_k = _plan(q, k, v, causal, scale, variants, block_q, block_k, BWD_BLOCKS)
+    grads = _run_backward(plan, out, lse, dout, block_q, block_k)
     return tuple(
-        g.reshape(np.shape(a)).astype(dtype, copy=False)
-        for g, a in zip((dq, dk, dv), (q, k, v), strict=True)
+        g.reshape(np.shape(a)).astype(plan.dtype, copy=False)
+        for g, a in zip(grads, (q, k, v), strict=True)
     )
+
+
+def _check_cu_seqlens(cu, name: str, total: int) -> np.ndarray:
+    cu = np.asarray(cu)
+    if cu.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be int32 or int64 offsets, got dtype {cu.dtype}")
+    if cu.ndim != 1 or cu.size < 2:
+        raise ValueError(f"{name} has shape {cu.shape}; expected (S + 1,) offsets, S >= 1")
+    if cu[0] != 0 or cu[-1] != total or np.any(np.diff(cu) < 0):
+        raise ValueError(
+            f"{name} = {cu.tolist()[:8]}{'...' if cu.size > 8 else ''} must start at 0, never "
+            f"decrease, and end at the packed length {total}"
+        )
+    return cu.astype(np.int64)
+
+
+def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, variants, blocks, defaults):
+    for name, arr in (("q", q), ("k", k), ("v", v)):
+        if np.ndim(arr) != 3:
+            raise ValueError(
+                f"{name} has shape {np.shape(arr)}; varlen_attention takes packed "
+                f"(H, total, d) arrays"
+            )
+    for key in ("mask", "key_padding_mask", "kv_lengths"):
+        if variants.get(key) is not None:
+            raise ValueError(
+                f"{key} is not supported by varlen_attention: sequence boundaries already "
+                f"come from cu_seqlens; use flashtile.attention on a padded batch for masks"
+            )
+    q, k, v, shapes = check_qkv(q, k, v)
+    _check_layout(q, k, v)
+    cq = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", shapes.tq)
+    ck = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", shapes.tk)
+    if cq.size != ck.size:
+        raise ValueError(
+            f"cu_seqlens_q has {cq.size - 1} sequences but cu_seqlens_k has {ck.size - 1}"
+        )
+    scale = resolve_scale(scale, shapes.d)
+    va = resolve_variants(shapes, causal=causal, **variants)
+    lq, lk = np.diff(cq), np.diff(ck)
+    block_q, block_k = _block_sizes(
+        *blocks, defaults, shapes.group, max(lq.max(), 1), max(lk.max(), 1)
+    )
+    work = np.float64 if q.dtype == np.float64 else np.float32
+    q4, k4, v4 = (_as4d(a, work) for a in (q, k, v))
+    seqs = np.stack([np.zeros_like(cq[:-1]), cq[:-1], lq, ck[:-1], lk, lk], axis=1)
+    keep = lq > 0
+    seqs = np.ascontiguousarray(seqs[keep])
+    kv = _kernel_variants(va, work, block_q, block_k, shapes.tq, shapes.tk, q4.shape[:2])
+    plan = _Plan(q4, k4, v4, seqs, va, kv, scale, q.dtype, shapes.batch + (shapes.tq,))
+    return plan, block_q, block_k
+
+
+def varlen_attention(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    causal=False,
+    scale=None,
+    return_lse=False,
+    block_q=None,
+    block_k=None,
+    **variants,
+):
+    """Attention over packed variable-length sequences, no padding computed.
+
+    Args:
+        q: ``(Hq, total_q, d)``; k: ``(Hkv, total_k, d)``; v: ``(Hkv, total_k, dv)``.
+        cu_seqlens_q, cu_seqlens_k: ``(S + 1,)`` int32/int64 offsets; sequence
+            ``s`` is queries ``[cu_q[s], cu_q[s+1])`` and keys
+            ``[cu_k[s], cu_k[s+1])``. Each sequence is attended on its own,
+            with causal/window/ALiBi positions aligned bottom-right within it.
+        causal, scale, return_lse, block_q, block_k: as in :func:`attention`.
+        **variants: ``window``, ``alibi_slopes`` (``(Hq,)``), ``softcap``.
+
+    Returns:
+        ``out (Hq, total_q, dv)`` and, if asked, ``lse (Hq, total_q)``.
+    """
+    plan, bq, bk = _varlen_plan(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, variants, (block_q, block_k), FWD_BLOCKS
+    )
+    out4, lse4 = _run_forward(plan, bq, bk, auto_q=block_q is None)
+    out = out4[0].astype(plan.dtype, copy=False)
+    return (out, lse4[0]) if return_lse else out
+
+
+def varlen_attention_backward(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    causal=False,
+    scale=None,
+    block_q=None,
+    block_k=None,
+    **variants,
+):
+    """Gradients ``(dq, dk, dv)`` of :func:`varlen_attention` (packed layout)."""
+    plan, bq, bk = _varlen_plan(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, variants, (block_q, block_k), BWD_BLOCKS
+    )
+    grads = _run_backward(plan, out, lse, dout, bq, bk)
+    return tuple(g[0].astype(plan.dtype, copy=False) for g in grads)
+
+
+__all__ = [
+    "BlockMask",
+    "attention",
+    "attention_backward",
+    "block_mask",
+    "varlen_attention",
+    "varlen_attention_backward",
+]

@@ -1,19 +1,19 @@
 """Fused attention backward by recomputation (Numba).
 
-One work item is one ``(batch, head)``: it owns that head's ``dq``, ``dk`` and
-``dv`` outright, so items never write to the same memory (no races, no
-atomics) and the order of every sum is fixed (bit-identical results run to
-run). Within a head, for each key block ``j`` and each query block ``i`` that
-can see it::
+One work item is one ``(sequence, kv head)``: it owns that kv head's ``dk``
+and ``dv`` and the ``dq`` of its query heads (GQA groups stack as in the
+forward), so items never write to the same memory (no races, no atomics) and
+the order of every sum is fixed (bit-identical results run to run). For each
+query block ``i`` and each key block ``j`` it can see::
 
     P    = 2**(scale*log2(e) * Q_i K_j^T - lse_i*log2(e))   recomputed, never stored
     dV_j += P^T dO_i            dP = dO_i V_j^T
     dS   = P * (dP - D_i)       dQ_i += scale * dS K_j     dK_j += scale * dS^T Q_i
 
-with ``D = rowsum(dO * O)``. Five BLAS products per tile (three of them
-accumulate straight into the gradients), one recomputed exponential. Heads
-are the unit of parallelism, so ``B * H`` below the core count leaves cores
-idle (a known limit, see docs/benchmarks.md).
+with ``D = rowsum(dO * O)`` (softcap multiplies ``dS`` by ``1 - tanh**2``).
+Five BLAS products per tile (three accumulate straight into the gradients),
+one recomputed exponential. Items are the unit of parallelism, so fewer
+``(sequence, kv head)`` pairs than cores leave cores idle (a known limit).
 """
 
 from __future__ import annotations
@@ -21,90 +21,139 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..masks import key_stop, last_visible_key, tile_needs_mask
+from ..masks import block_key_range, tile_fully_visible
 from . import FASTMATH
 from .blas import gemm
-from .forward import LOG2E
+from .forward import LOG2E, load_q_tile
 from .rowops import exp2_shifted
+from .tiles import needs_transform, row_bounds, tile_state, transform_row
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def probs_tile(s, lse2, bits, row0, col0, tq, tk, causal, masked):
-    """``s = 2**(s - lse2[row])`` in place, exact zeros where masked.
+def probs_tile(s, lse2, tanh_buf, geo, kv, full, read_bool, bits):
+    """``s = 2**(s - lse2[row])`` in place with every variant, exact zeros where hidden.
 
-    ``lse2`` is the natural-log lse times ``log2(e)``; ``-inf`` rows (queries
-    that saw no key) become all zeros.
+    ``geo`` as in :func:`.forward.softmax_tile`. ``lse2`` is the natural-log
+    lse times ``log2(e)`` per stacked row; ``-inf`` rows (queries that saw no
+    key) become all zeros. With softcap, ``tanh_buf`` (shaped like ``s``)
+    receives ``tanh(s / cap)`` for the chain rule.
     """
-    br, bc = s.shape
-    for r in range(br):
+    b, h0, br, i0, j0, tq, tk, kv_len = geo
+    rows, bc = s.shape
+    transform = needs_transform(kv)
+    for r in range(rows):
         row = s[r]
-        lim = bc
-        if masked:
-            lim = min(bc, last_visible_key(row0 + r, tq, tk, causal) + 1 - col0)
-        if lim <= 0 or lse2[r] == -np.inf:
+        i = i0 + r % br
+        lo, hi = 0, bc
+        if not full:
+            lo, hi = row_bounds(i, j0, j0 + bc, tq, tk, kv_len, kv)
+        if hi <= lo or lse2[r] == -np.inf:
             row[:] = 0.0
             continue
-        exp2_shifted(row, lse2[r], lim, bits)
-        row[lim:] = 0.0
+        seg = row[lo:hi]
+        if transform:
+            tanh_row = tanh_buf[r, lo:hi] if tanh_buf.size > 0 else tanh_buf[0:0, 0]
+            transform_row(seg, j0 + lo, i, tq, tk, b, h0 + r // br, kv, read_bool, tanh_row)
+        exp2_shifted(seg, lse2[r], hi - lo, bits)
+        row[:lo] = 0.0
+        row[hi:] = 0.0
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def backward_kernel(q, k, v, out, lse, dout, dq, dk, dv, scale, causal, block_q, block_k, gemm_fn):
-    """Write ``dq``, ``dk``, ``dv`` for C-contiguous ``(B, H, T, d)`` arrays.
+def backward_kernel(
+    q, k, v, out, lse, dout, dq, dk, dv, seqs, items, scale, kv, block_q, block_k, gemm_fn
+):
+    """Write ``dq``, ``dk``, ``dv`` for C-contiguous 4-D arrays.
 
-    ``gemm_fn`` is :func:`.blas.gemm_for` of the arrays' dtype. The three
-    gradients accumulate in place through ``gemm`` with ``beta = 1``.
+    Arrays, ``seqs``, ``kv`` and ``gemm_fn`` as in :func:`.forward.forward_kernel`;
+    ``items (N, 2)`` are ``(sequence, kv head)`` pairs: an item owns that kv
+    head's ``dk``/``dv`` rows and its query heads' ``dq`` rows of the sequence,
+    so no two items write the same memory. The gradients accumulate in place
+    through ``gemm`` with ``beta = 1``.
     """
-    n_batch, n_head, tq, _ = q.shape
-    tk = k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    d = q.shape[3]
     dvw = v.shape[3]
-    q_mult = q.dtype.type(scale * LOG2E)
-    g_mult = q.dtype.type(scale)
-    for bh in prange(n_batch * n_head):
-        b = bh // n_head
-        h = bh % n_head
-        qh = q[b, h]
-        qs = qh * q_mult
-        doh = dout[b, h]
-        lse2 = lse[b, h] * q.dtype.type(LOG2E)
-        delta = np.empty(tq, dtype=q.dtype)  # D_i = dO_i . O_i
-        for i in range(tq):
-            acc = q.dtype.type(0.0)
-            for c in range(dvw):
-                acc += doh[i, c] * out[b, h, i, c]
-            delta[i] = acc
-        dqh, dkh, dvh = dq[b, h], dk[b, h], dv[b, h]
-        dqh[:] = 0.0
+    dt = q.dtype.type
+    q_mult = dt(scale * LOG2E)
+    for n in prange(items.shape[0]):
+        sq, hk = items[n, 0], items[n, 1]
+        b, qs0, tq, ks0, tk, kv_len = seqs[sq]
+        h0 = hk * group
+        rows_max = group * min(block_q, tq)
+        q_tile = np.empty((rows_max, d), dtype=q.dtype)  # scaled, for the scores
+        q_raw = np.empty((rows_max, d), dtype=q.dtype)  # unscaled, for dK
+        do_tile = np.empty((rows_max, dvw), dtype=q.dtype)
+        dq_tile = np.empty((rows_max, d), dtype=q.dtype)
+        lse2 = np.empty(rows_max, dtype=q.dtype)
+        delta = np.empty(rows_max, dtype=q.dtype)
+        p_buf = np.empty(rows_max * block_k, dtype=q.dtype)
+        ds_buf = np.empty(rows_max * block_k, dtype=q.dtype)
+        tanh_buf = np.empty(rows_max * block_k if kv.softcap > 0.0 else 0, dtype=q.dtype)
+        bits = np.empty(block_k, dtype=np.int32)
+        dkh = dk[b, hk, ks0 : ks0 + tk]
+        dvh = dv[b, hk, ks0 : ks0 + tk]
         dkh[:] = 0.0
         dvh[:] = 0.0
-        p_buf = np.empty(block_q * block_k, dtype=q.dtype)
-        ds_buf = np.empty(block_q * block_k, dtype=q.dtype)
-        bits = np.empty(block_k, dtype=np.int32)
+        for g in range(group):
+            dq[b, h0 + g, qs0 : qs0 + tq] = 0.0
 
-        j_stop = key_stop(tq, tq, tk, causal)
-        for j0 in range(0, j_stop, block_k):
-            j1 = min(j0 + block_k, j_stop)
-            bc = j1 - j0
-            kj, vj = k[b, h, j0:j1], v[b, h, j0:j1]
-            dkj, dvj = dkh[j0:j1], dvh[j0:j1]
-            # First query that sees key j0 (bottom-right causal): i + tk - tq >= j0.
-            i_first = max(0, j0 - (tk - tq)) if causal else 0
-            for i0 in range((i_first // block_q) * block_q, tq, block_q):
-                i1 = min(i0 + block_q, tq)
-                br = i1 - i0
+        # Query blocks outer (the stacked q/dO tiles are gathered once each),
+        # key blocks inner; dK/dV rows accumulate across query blocks.
+        for i0 in range(0, tq, block_q):
+            br = min(block_q, tq - i0)
+            rows = group * br
+            qt, qr = q_tile[:rows], q_raw[:rows]
+            dot, dqt = do_tile[:rows], dq_tile[:rows]
+            load_q_tile(q, b, h0, group, qs0, i0, br, q_mult, qt)
+            load_q_tile(q, b, h0, group, qs0, i0, br, dt(1.0), qr)
+            load_q_tile(dout, b, h0, group, qs0, i0, br, dt(1.0), dot)
+            dqt[:] = 0.0
+            for r in range(rows):
+                h = h0 + r // br
+                i = qs0 + i0 + r % br
+                lse2[r] = lse[b, h, i] * dt(LOG2E)
+                acc = dt(0.0)
+                for c in range(dvw):
+                    acc += dout[b, h, i, c] * out[b, h, i, c]
+                delta[r] = acc  # D_i = dO_i . O_i
+            lo, hi = block_key_range(i0, i0 + br, tq, tk, kv.causal, kv.left, kv.right, kv_len)
+            if kv.states.size > 0:
+                lo = (lo // block_k) * block_k
+            for j0 in range(lo, hi, block_k):
+                j1 = min(j0 + block_k, hi)
+                bc = j1 - j0
+                state = tile_state(kv, b, h0, group, i0 // block_q, j0 // block_k)
+                if state == 0:
+                    continue
+                kj = k[b, hk, ks0 + j0 : ks0 + j1]
+                vj = v[b, hk, ks0 + j0 : ks0 + j1]
                 # C-contiguous tiles: contiguous rows let LLVM vectorise.
-                p = p_buf[: br * bc].reshape((br, bc))
-                ds = ds_buf[: br * bc].reshape((br, bc))
-                gemm(gemm_fn, qs[i0:i1], kj, p, False, True, 0.0)
-                masked = causal and tile_needs_mask(i0, j1, tq, tk, causal)
-                probs_tile(p, lse2[i0:i1], bits, i0, j0, tq, tk, causal, masked)
-                gemm(gemm_fn, p, doh[i0:i1], dvj, True, False, 1.0)  # dV_j += P^T dO_i
-                gemm(gemm_fn, doh[i0:i1], vj, ds, False, True, 0.0)  # dP = dO_i V_j^T
-                for r in range(br):
-                    dr = delta[i0 + r]
+                p = p_buf[: rows * bc].reshape((rows, bc))
+                ds = ds_buf[: rows * bc].reshape((rows, bc))
+                has_tanh = 1 if tanh_buf.size else 0
+                tb = tanh_buf[: rows * bc * has_tanh].reshape((rows * has_tanh, bc))
+                gemm(gemm_fn, qt, kj, p, False, True, 0.0)
+                full = tile_fully_visible(
+                    i0, i0 + br, j0, j1, tq, tk, kv.causal, kv.left, kv.right, kv_len
+                )
+                geo = (b, h0, br, i0, j0, tq, tk, kv_len)
+                probs_tile(p, lse2, tb, geo, kv, full, state == 1, bits)
+                gemm(gemm_fn, p, dot, dvh[j0:j1], True, False, 1.0)  # dV_j += P^T dO_i
+                gemm(gemm_fn, dot, vj, ds, False, True, 0.0)  # dP = dO_i V_j^T
+                for r in range(rows):
+                    dr = delta[r]
                     for c in range(bc):
                         ds[r, c] = p[r, c] * (ds[r, c] - dr)  # dS = P * (dP - D)
-                gemm(gemm_fn, ds, kj, dqh[i0:i1], False, False, 1.0)  # dQ_i += dS K_j
-                gemm(gemm_fn, ds, qh[i0:i1], dkj, True, False, 1.0)  # dK_j += dS^T Q_i
-        dqh *= g_mult
-        dkh *= g_mult
+                if tanh_buf.size:
+                    for r in range(rows):
+                        for c in range(bc):
+                            ds[r, c] *= 1.0 - tb[r, c] * tb[r, c]  # through softcap's tanh
+                gemm(gemm_fn, ds, kj, dqt, False, False, 1.0)  # dQ_i += dS K_j
+                gemm(gemm_fn, ds, qr, dkh[j0:j1], True, False, 1.0)  # dK_j += dS^T Q_i
+            for r in range(rows):
+                h = h0 + r // br
+                i = qs0 + i0 + r % br
+                for c in range(d):
+                    dq[b, h, i, c] = dqt[r, c] * scale
+        dkh *= dt(scale)

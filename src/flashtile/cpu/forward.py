@@ -1,10 +1,12 @@
 """Fused multi-threaded attention forward (Numba).
 
-One work item is one ``(batch, head, query block)``; the items run in a
-``prange``. For its ``block_q`` queries an item keeps a reference ``m_i`` at
-or above the running max (in log2 units, see :func:`softmax_tile`), the
-normaliser ``ell_i`` and the unnormalised output ``acc``, and walks the
-key/value blocks:
+One work item is one ``(sequence, kv head, query block)``: the block's
+queries of every query head that reads that kv head, stacked into one tile
+(:mod:`.tiles`), so each K/V tile is loaded once per group. The items run in
+a ``prange`` in the order :func:`flashtile.api` plans. Per row an item keeps
+a reference ``m_i`` at or above the running max (in log2 units, see
+:func:`softmax_tile`), the normaliser ``ell_i`` and the unnormalised output
+``acc``, and walks the key/value blocks its queries can see:
 
     S   = (scale * log2(e) * Q_i) K_j^T        BLAS gemm into a reused buffer
     m'  = m_i, or max(S) + HEADROOM if S passed m_i;  alpha = 2**(m_i - m')
@@ -12,10 +14,10 @@ key/value blocks:
     acc = alpha * acc + P V_j                  rescale rows, then gemm with beta = 1
 
 Folding ``scale * log2(e)`` into the query tile once makes every score an
-exponent of 2, so the inner loop is one subtract and a polynomial. Under the
-causal mask, key blocks beyond the last visible key are never visited and only
-the tiles that straddle the diagonal pay for per-row limits; masked entries
-are written as exact zeros rather than pushed through ``exp``.
+exponent of 2, so the inner loop is one subtract and a polynomial. Key blocks
+outside the causal/window band (or empty in a block mask) are never visited;
+only tiles that cross the band's edges pay for per-row limits, and hidden
+entries are written as exact zeros.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ..masks import key_stop, last_visible_key, tile_needs_mask
+from ..masks import block_key_range, tile_fully_visible
 from . import FASTMATH
 from .blas import gemm
 from .rowops import exp2_shifted, row_max
+from .tiles import needs_transform, row_bounds, tile_state, transform_row
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -37,37 +40,37 @@ LN2 = 0.6931471805599453
 HEADROOM = 10.0
 
 
-@njit(inline="always", cache=True)
-def zigzag(idx, n):
-    """Order 0, n-1, 1, n-2, ...: contiguous halves of it get equal causal work."""
-    half = idx // 2
-    return half if idx % 2 == 0 else n - 1 - half
-
-
 @njit(fastmath=FASTMATH, cache=True)
-def rebase_row(row, lim, q_row, k_tile, bits):
-    """Recompute ``row[:lim] = k_tile @ q_row``, exponentiate against a new
-    reference ``max + HEADROOM`` and return ``(reference, row sum)``.
+def rebase_row(seg, q_row, k_rows, col0, i, tq, tk, b, h, kv, read_bool, bits):
+    """Recompute ``seg = k_rows @ q_row`` with every variant, exponentiate
+    against a new reference ``max + HEADROOM``; return ``(reference, sum)``.
 
     The rare path of :func:`softmax_tile`; kept out of line so that the hot
     loops stay small.
     """
-    for c in range(lim):
-        acc = row.dtype.type(0.0)
+    n = seg.shape[0]
+    for c in range(n):
+        acc = seg.dtype.type(0.0)
         for t in range(q_row.shape[0]):
-            acc += q_row[t] * k_tile[c, t]
-        row[c] = acc
-    m_new = row_max(row, lim) + HEADROOM
-    return m_new, exp2_shifted(row, m_new, lim, bits)
+            acc += q_row[t] * k_rows[c, t]
+        seg[c] = acc
+    if needs_transform(kv):
+        transform_row(seg, col0, i, tq, tk, b, h, kv, read_bool, seg[:0])
+    m_new = row_max(seg, n) + HEADROOM
+    return m_new, exp2_shifted(seg, m_new, n, bits)
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def softmax_tile(s, m, ell, alpha, bits, row0, col0, tq, tk, causal, masked, q_tile, k_tile):
-    """Online-softmax update of one score tile ``s (br, bc)`` in place.
+def softmax_tile(s, m, ell, alpha, bits, q_tile, k_tile, geo, kv, full, read_bool):
+    """Online-softmax update of one stacked score tile ``s (rows, bc)`` in place.
 
-    On return ``s`` holds ``P = 2**(S - m_new)`` (exact zeros where masked),
-    ``m``/``ell`` hold the updated state and ``alpha`` the per-row rescale.
-    Row ``r`` is query ``row0 + r``; column ``c`` is key ``col0 + c``.
+    ``geo = (b, h0, br, i0, j0, tq, tk, kv_len)`` places the tile: row ``r``
+    is query ``i0 + r % br`` of head ``h0 + r // br`` in batch ``b``; column
+    ``c`` is key ``j0 + c``. ``full`` says every row sees every column by
+    position; ``read_bool`` whether the boolean mask must be read.
+
+    On return ``s`` holds ``P = 2**(S - m_new)`` (exact zeros where hidden),
+    ``m``/``ell`` the updated state and ``alpha`` the per-row rescale.
 
     ``m`` is a *reference* at or above the running max, not the max itself:
     a row's first visible tile sets it to ``max + HEADROOM``. Later tiles are
@@ -77,81 +80,122 @@ def softmax_tile(s, m, ell, alpha, bits, row0, col0, tq, tk, causal, masked, q_t
     cheaply) is that row's score recomputed from ``q_tile`` and ``k_tile``
     and the reference raised, as in the textbook update.
     """
-    br, bc = s.shape
-    for r in range(br):
+    b, h0, br, i0, j0, tq, tk, kv_len = geo
+    rows, bc = s.shape
+    transform = needs_transform(kv)
+    for r in range(rows):
         row = s[r]
-        lim = bc
-        if masked:
-            lim = min(bc, last_visible_key(row0 + r, tq, tk, causal) + 1 - col0)
-        if lim <= 0:
+        i = i0 + r % br
+        h = h0 + r // br
+        lo, hi = 0, bc
+        if not full:
+            lo, hi = row_bounds(i, j0, j0 + bc, tq, tk, kv_len, kv)
+        alpha[r] = 1.0
+        if hi <= lo:
             row[:] = 0.0
-            alpha[r] = 1.0
             continue
+        seg = row[lo:hi]
+        n = hi - lo
+        if transform:
+            transform_row(seg, j0 + lo, i, tq, tk, b, h, kv, read_bool, seg[:0])
         m_new = m[r]
-        if m_new == -np.inf:  # first visible tile: nothing to rescale
-            m_new = row_max(row, lim) + HEADROOM
-            total = exp2_shifted(row, m_new, lim, bits)
+        if m_new == -np.inf:  # first visible tile: set the reference
+            mx = row_max(seg, n)
+            if mx == -np.inf:  # every score hidden by a mask: still empty
+                row[:] = 0.0
+                continue
+            m_new = mx + HEADROOM
+            total = exp2_shifted(seg, m_new, n, bits)
         else:
-            total = exp2_shifted(row, m_new, lim, bits)
-            if total > 1.0 and row_max(row, lim) > 1.0:
+            total = exp2_shifted(seg, m_new, n, bits)
+            if total > 1.0 and row_max(seg, n) > 1.0:
                 # A score passed the reference: rebuild this row and raise it.
-                m_new, total = rebase_row(row, lim, q_tile[r], k_tile, bits)
-        alpha[r] = 1.0 if m_new == m[r] else math.exp2(m[r] - m_new)  # 0 if m = -inf
-        row[lim:] = 0.0
+                m_new, total = rebase_row(
+                    seg, q_tile[r], k_tile[lo:hi], j0 + lo, i, tq, tk, b, h, kv, read_bool, bits
+                )
+            alpha[r] = 1.0 if m_new == m[r] else math.exp2(m[r] - m_new)
+        row[:lo] = 0.0
+        row[hi:] = 0.0
         ell[r] = ell[r] * alpha[r] + total
         m[r] = m_new
 
 
+@njit(fastmath=FASTMATH, cache=True)
+def load_q_tile(q, b, h0, group, qs0, i0, br, mult, out):
+    """Stack ``group`` heads' queries ``[i0, i0 + br)`` into ``out``, scaled."""
+    for g in range(group):
+        src = q[b, h0 + g, qs0 + i0 : qs0 + i0 + br]
+        dst = out[g * br : (g + 1) * br]
+        for r in range(br):
+            for c in range(q.shape[3]):
+                dst[r, c] = src[r, c] * mult
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def forward_kernel(q, k, v, out, lse, scale, causal, block_q, block_k, gemm_fn):
-    """``out``/``lse`` of attention for C-contiguous ``(B, H, T, d)`` arrays.
+def forward_kernel(q, k, v, out, lse, seqs, items, scale, kv, block_q, block_k, gemm_fn):
+    """``out``/``lse`` of attention for C-contiguous 4-D arrays.
 
-    ``out (B, H, Tq, dv)`` and ``lse (B, H, Tq)`` (natural log) are written in
-    place. ``q``, ``k``, ``v``, ``out`` and ``lse`` share one dtype, and
-    ``gemm_fn`` is :func:`.blas.gemm_for` of it.
+    Args:
+        q: ``(NB, Hq, TQ, d)``; k, v: ``(NB, Hkv, TK, d / dv)``.
+        out: ``(NB, Hq, TQ, dv)``, lse: ``(NB, Hq, TQ)`` (natural log), written.
+        seqs: ``(S, 6)`` int64 rows ``(b, q_start, Tq, k_start, Tk, kv_len)``:
+            sequence ``s`` is queries ``q_start + [0, Tq)`` and keys
+            ``k_start + [0, Tk)`` of batch entry ``b`` (one per batch entry,
+            or one per packed sequence for varlen), ``kv_len`` valid keys.
+        items: ``(N, 3)`` int64 rows ``(s, kv head, i0)``, in the order the
+            threads should take them (:func:`flashtile.api._plan`).
+        kv: :class:`KernelVariants`. gemm_fn: :func:`.blas.gemm_for` of the dtype.
     """
-    n_batch, n_head, tq, _ = q.shape
-    tk = k.shape[2]
+    group = q.shape[1] // k.shape[1]
     dv = v.shape[3]
-    n_qblocks = (tq + block_q - 1) // block_q
     q_mult = q.dtype.type(scale * LOG2E)
-    for item in prange(n_batch * n_head * n_qblocks):
-        bh = item // n_qblocks
-        b = bh // n_head
-        h = bh % n_head
-        i0 = zigzag(item % n_qblocks, n_qblocks) * block_q
-        i1 = min(i0 + block_q, tq)
-        br = i1 - i0
+    for n in prange(items.shape[0]):
+        sq, hk, i0 = items[n, 0], items[n, 1], items[n, 2]
+        b, qs0, tq, ks0, tk, kv_len = seqs[sq]
+        br = min(block_q, tq - i0)
+        h0 = hk * group
+        rows = group * br
 
-        q_tile = q[b, h, i0:i1] * q_mult  # scaled copy: q stays in cache
-        s_buf = np.empty(br * block_k, dtype=q.dtype)
-        acc = np.zeros((br, dv), dtype=q.dtype)
-        m = np.full(br, -np.inf, dtype=q.dtype)
-        ell = np.zeros(br, dtype=q.dtype)
-        alpha = np.empty(br, dtype=q.dtype)
+        q_tile = np.empty((rows, q.shape[3]), dtype=q.dtype)
+        load_q_tile(q, b, h0, group, qs0, i0, br, q_mult, q_tile)
+        s_buf = np.empty(rows * block_k, dtype=q.dtype)
+        acc = np.zeros((rows, dv), dtype=q.dtype)
+        m = np.full(rows, -np.inf, dtype=q.dtype)
+        ell = np.zeros(rows, dtype=q.dtype)
+        alpha = np.empty(rows, dtype=q.dtype)
         bits = np.empty(block_k, dtype=np.int32)
 
-        j_stop = key_stop(i1, tq, tk, causal)
-        for j0 in range(0, j_stop, block_k):
-            j1 = min(j0 + block_k, j_stop)
-            # A C-contiguous (br, bc) view: contiguous rows let LLVM vectorise.
-            s = s_buf[: br * (j1 - j0)].reshape((br, j1 - j0))
-            k_tile = k[b, h, j0:j1]
+        lo, hi = block_key_range(i0, i0 + br, tq, tk, kv.causal, kv.left, kv.right, kv_len)
+        if kv.states.size > 0:
+            lo = (lo // block_k) * block_k  # tiles must line up with the block map
+        for j0 in range(lo, hi, block_k):
+            j1 = min(j0 + block_k, hi)
+            state = tile_state(kv, b, h0, group, i0 // block_q, j0 // block_k)
+            if state == 0:
+                continue  # the block map says no key here is kept
+            # A C-contiguous (rows, bc) view: contiguous rows let LLVM vectorise.
+            s = s_buf[: rows * (j1 - j0)].reshape((rows, j1 - j0))
+            k_tile = k[b, hk, ks0 + j0 : ks0 + j1]
             gemm(gemm_fn, q_tile, k_tile, s, False, True, 0.0)
-            masked = causal and tile_needs_mask(i0, j1, tq, tk, causal)
-            softmax_tile(s, m, ell, alpha, bits, i0, j0, tq, tk, causal, masked, q_tile, k_tile)
-            for r in range(br):
+            full = tile_fully_visible(
+                i0, i0 + br, j0, j1, tq, tk, kv.causal, kv.left, kv.right, kv_len
+            )
+            geo = (b, h0, br, i0, j0, tq, tk, kv_len)
+            softmax_tile(s, m, ell, alpha, bits, q_tile, k_tile, geo, kv, full, state == 1)
+            for r in range(rows):
                 if alpha[r] != 1.0:  # most rows keep their reference: nothing to rescale
                     acc[r] *= alpha[r]
-            gemm(gemm_fn, s, v[b, h, j0:j1], acc, False, False, 1.0)  # acc += P V_j
+            gemm(gemm_fn, s, v[b, hk, ks0 + j0 : ks0 + j1], acc, False, False, 1.0)
 
-        # Normalise once; rows that saw no key keep zeros and lse = -inf.
-        for r in range(br):
+        # Normalise once; rows that saw no key get zeros and lse = -inf.
+        for r in range(rows):
+            h = h0 + r // br
+            i = qs0 + i0 + r % br
             if ell[r] == 0.0:  # saw no key (a NaN row is not caught here: it stays NaN)
-                out[b, h, i0 + r, :] = 0.0
-                lse[b, h, i0 + r] = -np.inf
+                out[b, h, i, :] = 0.0
+                lse[b, h, i] = -np.inf
             else:
                 inv = 1.0 / ell[r]
                 for c in range(dv):
-                    out[b, h, i0 + r, c] = acc[r, c] * inv
-                lse[b, h, i0 + r] = (m[r] + math.log2(ell[r])) * LN2
+                    out[b, h, i, c] = acc[r, c] * inv
+                lse[b, h, i] = (m[r] + math.log2(ell[r])) * LN2

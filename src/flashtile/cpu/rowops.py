@@ -12,10 +12,15 @@ and ``2**n`` is built directly as the float32 bit pattern ``(n + 127) << 23``
 in an int32 buffer that is then read as float32. Every step is branch-free, so
 LLVM emits packed FMAs (ymm/zmm) for the loops.
 
-The kernels only call this on ``x <= 0`` (scores minus their running max);
-inputs below -126 are clamped to -126, where ``2**x < 1.2e-38`` is far below
-float32 rounding of the row sum (which is >= 1). Masked entries never reach
-it: the kernels write exact zeros for them.
+The forward calls this on scores minus a reference that is normally at or
+above their max (``x <= 0``), and uses a result above 1 to detect a score
+that jumped past the reference. So the input is clamped on both sides:
+below -127 (``-inf`` included) to -127, whose bit pattern
+``(-127 + 127) << 23`` is exactly 0.0 (a masked score comes out as an exact
+zero; true values that small, < 6e-39, are far below float32 rounding of a
+row sum), and above 127 to 127, so a jump gives a large finite value rather
+than a wrapped-around exponent. Results for ``x > 0`` are only used to detect
+the jump, never kept.
 
 float64 tiles use ``math.exp2`` instead, for full double accuracy.
 """
@@ -40,7 +45,8 @@ _C3 = np.float32(0.055489420890808105)
 _C4 = np.float32(0.00957701075822115)
 _C5 = np.float32(0.001273051486350596)
 _C6 = np.float32(0.00010851110710063949)
-_LOW = np.float32(-126.0)
+_LOW = np.float32(-127.0)
+_HIGH = np.float32(127.0)
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -72,6 +78,7 @@ def exp2_shifted_f32(row, shift, n, bits):
     for j in range(n):
         x = row[j] - shift
         x = _LOW if x < _LOW else x  # NaN stays NaN (the comparison is False)
+        x = _HIGH if x > _HIGH else x  # 2**127 at most: finite, and flags a re-base
         xi = np.int32(x)  # truncates toward zero: f = x - xi lies in (-1, 0]
         f = x - np.float32(xi)
         p = _C6
