@@ -34,4 +34,4 @@ bench: $(VENV)/.bench-installed
 	$(BIN)/flashtile bench
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache src/flashtile/cpu/__pycache__

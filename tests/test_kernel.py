@@ -150,7 +150,9 @@ def test_float16_is_upcast_and_returned_as_float16(rng):
 def test_non_contiguous_inputs(rng):
     q, k, v = _inputs(rng, 33, 33, 16, 16, np.float64)
     qt = np.ascontiguousarray(np.swapaxes(q, -1, -2)).swapaxes(-1, -2)  # strided view
-    out = ft.attention(qt, k[..., ::1, :], v, causal=True)
+    kt = np.ascontiguousarray(np.swapaxes(k, -1, -2)).swapaxes(-1, -2)
+    assert not qt.flags.c_contiguous and not kt.flags.c_contiguous
+    out = ft.attention(qt, kt, v[..., ::-1, :][..., ::-1, :], causal=True)
     assert rel_err(out, dense_attention(q, k, v, True)[0]) < 1e-12
 
 
@@ -227,3 +229,55 @@ def test_nan_in_a_query_row_stays_in_that_row(rng):
     mask = np.ones(out.shape[:-1], dtype=bool)
     mask[0, 1, 5] = False
     assert np.all(np.isfinite(out[mask]))
+
+
+@pytest.mark.parametrize("jump", [100.0, 1000.0, 1e6])
+def test_a_score_far_above_every_earlier_tile(jump):
+    """One key in a later tile scores `jump` (natural units) above the rest:
+    the exponent must not wrap around, the row must be re-based."""
+    q = np.zeros((1, 1, 2, 4), dtype=np.float32)
+    q[..., 0] = 1.0
+    k = np.zeros((1, 1, 600, 4), dtype=np.float32)
+    k[0, 0, 550, 0] = jump
+    v = np.zeros((1, 1, 600, 1), dtype=np.float32)
+    v[0, 0, 550, 0] = 1.0
+    out, lse = ft.attention(q, k, v, scale=1.0, return_lse=True, block_k=512)
+    np.testing.assert_allclose(out[..., 0], 1.0, rtol=1e-6)
+    np.testing.assert_allclose(lse, jump, rtol=1e-6)
+
+
+def test_exp2_kernel_accuracy_and_edges():
+    from numba import njit
+
+    from flashtile.cpu.rowops import exp2_shifted
+
+    @njit
+    def run(x, shift):
+        bits = np.empty(x.size, dtype=np.int32)
+        total = exp2_shifted(x, shift, x.size, bits)
+        return x, total
+
+    x = np.linspace(-126.0, 0.0, 100_001).astype(np.float32)
+    got, total = run(x.copy(), np.float32(0.0))
+    want = np.exp2(x.astype(np.float64))
+    assert np.max(np.abs(got / want - 1)) < 3e-7
+    assert abs(total / want.sum() - 1) < 1e-5
+    edge, _ = run(np.array([-np.inf, -500.0, np.nan, 300.0], dtype=np.float32), np.float32(0.0))
+    assert edge[0] == 0.0 and edge[1] == 0.0 and np.isnan(edge[2])
+    assert np.isfinite(edge[3]) and edge[3] > 1e38  # clamped, never wrapped around
+
+
+def test_concurrent_calls_agree_and_restore_blas_threads(rng):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from threadpoolctl import threadpool_info
+
+    before = [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+    q, k, v = _inputs(rng, 300, 300, 32, 32, np.float32)
+    want = ft.attention(q, k, v, causal=True)
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda _: ft.attention(q, k, v, causal=True), range(12)))
+    for out in outs:
+        np.testing.assert_array_equal(out, want)
+    after = [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+    assert after[: len(before)] == before

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import threading
 
 import numpy as np
 import scipy.linalg.cython_blas
@@ -90,10 +91,32 @@ def gemm(fn, a, b, c, trans_a, trans_b, beta):
 
 @functools.cache
 def _controller() -> ThreadpoolController:
-    return ThreadpoolController()
+    return ThreadpoolController()  # scans the loaded libraries once (~3 ms)
+
+
+_pin_lock = threading.Lock()
+_pin_depth = 0
+_pin_saved = None
 
 
 @contextlib.contextmanager
 def single_threaded_blas():
-    with _controller().limit(limits=1, user_api="blas"):
+    """Pin BLAS to one thread while any kernel call is running.
+
+    Calls may overlap (several Python threads calling flashtile): the first
+    to enter pins, the last to leave restores, so the user's own BLAS
+    threading is never left changed.
+    """
+    global _pin_depth, _pin_saved
+    with _pin_lock:
+        if _pin_depth == 0:
+            _pin_saved = _controller().limit(limits=1, user_api="blas")
+        _pin_depth += 1
+    try:
         yield
+    finally:
+        with _pin_lock:
+            _pin_depth -= 1
+            if _pin_depth == 0:
+                _pin_saved.restore_original_limits()
+                _pin_saved = None
