@@ -47,8 +47,13 @@ def probs_tile(s, lse2, tanh_buf, geo, kv, full, read_bool, bits):
         lo, hi = 0, bc
         if not full:
             lo, hi = row_bounds(i, j0, j0 + bc, tq, tk, kv_len, kv)
+        if tanh_buf.size > 0:  # outside [lo, hi) the chain factor must be finite
+            tanh_buf[r, :lo] = 0.0
+            tanh_buf[r, hi:] = 0.0
         if hi <= lo or lse2[r] == -np.inf:
             row[:] = 0.0
+            if tanh_buf.size > 0:
+                tanh_buf[r, :] = 0.0
             continue
         seg = row[lo:hi]
         if transform:
