@@ -324,3 +324,25 @@ def test_kernel_matches_reference_for_any_tiles_and_variants(
         # exact arithmetic and the reference's is rounding noise.
         scale = max(np.linalg.norm(expected), 1.0)
         assert np.all(np.isfinite(got)) and np.linalg.norm(got - expected) < 1e-10 * scale
+
+
+def test_skipped_tiles_are_never_computed(rng):
+    """Count the score tiles the forward computes: the causal/window band and a
+    block mask's empty tiles must be skipped, nothing else."""
+    from flashtile.api import visited_tiles
+
+    q, k, v = _inputs(rng, 128, 128, 8, 8, np.float32, (1, 2))
+    tiles = {"block_q": 16, "block_k": 16}  # an 8 x 8 grid of tiles per head
+    assert visited_tiles(q, k, v, **tiles) == 2 * 64
+    assert visited_tiles(q, k, v, causal=True, **tiles) == 2 * 36  # diagonal and below
+    # window (16, 0): each query block needs its own and the previous key block.
+    assert visited_tiles(q, k, v, causal=True, window=(16, 0), **tiles) == 2 * (1 + 7 * 2)
+    keep = np.zeros((8, 8), dtype=bool)
+    keep[np.arange(8), np.arange(8)] = True
+    keep[3, 0] = keep[7, 2] = True
+    mask = np.kron(keep, np.ones((16, 16), dtype=bool))
+    mask[0, 1] = False  # a partial tile is still visited
+    bm = ft.block_mask(mask, 16, 16)
+    assert bm.counts() == {"empty": 54, "partial": 1, "full": 9}
+    assert visited_tiles(q, k, v, mask=bm, **tiles) == 2 * 10
+    assert visited_tiles(q, k, v, mask=mask, **tiles) == 2 * 10

@@ -213,6 +213,7 @@ def _run_forward(plan, block_q, block_k, auto_q):
         plan.kv = plan.kv._replace(states=states)
     out = np.empty(plan.q4.shape[:-1] + (plan.v4.shape[-1],), dtype=plan.q4.dtype)
     lse = np.empty(plan.q4.shape[:-1], dtype=plan.q4.dtype)
+    visited = np.empty(len(items), dtype=np.int64)
     with single_threaded_blas():
         forward_kernel(
             plan.q4,
@@ -220,6 +221,7 @@ def _run_forward(plan, block_q, block_k, auto_q):
             plan.v4,
             out,
             lse,
+            visited,
             plan.seqs,
             items,
             plan.scale,
@@ -228,7 +230,7 @@ def _run_forward(plan, block_q, block_k, auto_q):
             block_k,
             gemm_for(plan.q4.dtype),
         )
-    return out, lse
+    return out, lse, int(visited.sum())
 
 
 def attention(
@@ -252,11 +254,21 @@ def attention(
         that sees no key gets a zero row and ``lse = -inf``.
     """
     plan, block_q_, block_k_ = _plan(q, k, v, causal, scale, variants, block_q, block_k, FWD_BLOCKS)
-    out, lse = _run_forward(plan, block_q_, block_k_, auto_q=block_q is None)
+    out, lse, _ = _run_forward(plan, block_q_, block_k_, auto_q=block_q is None)
     out = out.reshape(plan.out_shape + out.shape[-1:]).astype(plan.dtype, copy=False)
     if return_lse:
         return out, lse.reshape(plan.out_shape)
     return out
+
+
+def visited_tiles(q, k, v, *, causal=False, block_q, block_k, **variants) -> int:
+    """How many score tiles the forward computes for this call (skips excluded).
+
+    For tests and curious users: shows the causal/window band and a block
+    mask's empty tiles being skipped. Runs the forward once.
+    """
+    plan, bq, bk = _plan(q, k, v, causal, None, variants, block_q, block_k, FWD_BLOCKS)
+    return _run_forward(plan, bq, bk, auto_q=False)[2]
 
 
 def _run_backward(plan, out, lse, dout, block_q, block_k):
@@ -404,7 +416,7 @@ def varlen_attention(
     plan, bq, bk = _varlen_plan(
         q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, variants, (block_q, block_k), FWD_BLOCKS
     )
-    out4, lse4 = _run_forward(plan, bq, bk, auto_q=block_q is None)
+    out4, lse4, _ = _run_forward(plan, bq, bk, auto_q=block_q is None)
     out = out4[0].astype(plan.dtype, copy=False)
     return (out, lse4[0]) if return_lse else out
 

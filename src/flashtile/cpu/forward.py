@@ -132,12 +132,14 @@ def load_q_tile(q, b, h0, group, qs0, i0, br, mult, out):
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def forward_kernel(q, k, v, out, lse, seqs, items, scale, kv, block_q, block_k, gemm_fn):
+def forward_kernel(q, k, v, out, lse, visited, seqs, items, scale, kv, block_q, block_k, gemm_fn):
     """``out``/``lse`` of attention for C-contiguous 4-D arrays.
 
     Args:
         q: ``(NB, Hq, TQ, d)``; k, v: ``(NB, Hkv, TK, d / dv)``.
         out: ``(NB, Hq, TQ, dv)``, lse: ``(NB, Hq, TQ)`` (natural log), written.
+        visited: ``(N,)`` int64, written: score tiles computed per item (tests
+            use it to check what was skipped).
         seqs: ``(S, 6)`` int64 rows ``(b, q_start, Tq, k_start, Tk, kv_len)``:
             sequence ``s`` is queries ``q_start + [0, Tq)`` and keys
             ``k_start + [0, Tk)`` of batch entry ``b`` (one per batch entry,
@@ -164,6 +166,7 @@ def forward_kernel(q, k, v, out, lse, seqs, items, scale, kv, block_q, block_k, 
         ell = np.zeros(rows, dtype=q.dtype)
         alpha = np.empty(rows, dtype=q.dtype)
         bits = np.empty(block_k, dtype=np.int32)
+        visited[n] = 0
 
         lo, hi = block_key_range(i0, i0 + br, tq, tk, kv.causal, kv.left, kv.right, kv_len)
         if kv.states.size > 0:
@@ -173,6 +176,7 @@ def forward_kernel(q, k, v, out, lse, seqs, items, scale, kv, block_q, block_k, 
             state = tile_state(kv, b, h0, group, i0 // block_q, j0 // block_k)
             if state == 0:
                 continue  # the block map says no key here is kept
+            visited[n] += 1
             # A C-contiguous (rows, bc) view: contiguous rows let LLVM vectorise.
             s = s_buf[: rows * (j1 - j0)].reshape((rows, j1 - j0))
             k_tile = k[b, hk, ks0 + j0 : ks0 + j1]
