@@ -1,7 +1,9 @@
 """``flashtile bench``: cases, verification before timing, output formats.
 
-Only the NumPy providers run here, at tiny sizes, so the file takes seconds;
-torch and the compiled kernel are simulated as absent where that matters.
+Mostly the NumPy providers run here, at tiny sizes, so the file takes seconds;
+torch and the compiled kernel are simulated as absent where that matters. The
+variants preset (issue 4) runs shrunk to T=64 with the compiled kernel and,
+when installed, torch.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import json
 import numpy as np
 import pytest
 
-from flashtile.bench import cases, memory, providers, runner
+from flashtile.bench import cases, memory, providers, runner, variant_cases
 from flashtile.bench.cases import Case, attention_flops
+from flashtile.bench.variant_cases import Variant
 from flashtile.cli import build_parser, main
 
 QUICK_NUMPY = ["bench", "--preset", "quick", "--reps", "2", "--no-ceiling"]
@@ -209,3 +212,118 @@ def test_startup_measures_cold_then_warm_in_new_processes():
         assert 0 < t["forward"] <= t["forward+backward"]
     assert times["warm"]["forward+backward"] < times["cold"]["forward+backward"]
     assert [line.split(":")[1].split()[0] for line in startup_lines(times)] == ["cold", "warm"]
+
+
+# --- the variants preset (issue 4), shrunk -------------------------------------------
+
+SMALL_VARIANTS = {
+    "T": 64,
+    "long_T": 256,
+    "window": 16,
+    "block": 16,
+    "density": 0.25,
+    "gqa": (4, 64, 32),
+    "seqlens": (8, 24, 40, 64),
+}
+
+
+def small_variant_cases(B=1, H=2):
+    return variant_cases.variant_cases(B, H, **SMALL_VARIANTS)
+
+
+def test_variants_preset_runs_end_to_end_verified(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(cases.PRESETS, "variants", (small_variant_cases, 2))
+    path = tmp_path / "variants.json"
+    args = ["bench", "--preset", "variants", "--reps", "2", "--no-ceiling", "--no-memory"]
+    assert main([*args, "--max-slow-T", "64", "--markdown", "--json", str(path)]) == 0
+    text = capsys.readouterr().out
+    doc = json.loads(path.read_text())
+    has_torch = providers.TorchSDPAProvider().available()[0]
+    names = [(r["T"], r["provider"]) for r in doc["results"]]
+    expected = [
+        (64, "flashtile"),  # window
+        (256, "flashtile"),  # the same window, 4x longer
+        (64, "flashtile"),  # block-sparse
+        (64, "flashtile-blockmask"),
+        (64, "flashtile-dense"),
+        (64, "flashtile"),  # GQA
+        (136, "flashtile"),  # varlen, packed
+        (136, "flashtile-per-seq"),
+    ]
+    assert [n for n in names if n[1] != "torch-sdpa"] == expected
+    torch_ts = [64, 256, 64, 64, 136] if has_torch else []  # window x 2, sparse, GQA, varlen
+    assert [t for t, name in names if name == "torch-sdpa"] == torch_ts
+    for rec in doc["results"]:
+        if rec["T"] == 256 and rec["provider"] == "torch-sdpa":  # dense mask above --max-slow-T
+            assert rec["status"] == "skipped" and "--max-slow-T" in rec["note"]
+            continue
+        assert rec["status"] == "ok" and rec["rel_err"] < 1e-5 and rec["reps"] == 2, rec
+        pairs = 64 * 64 if rec["provider"] == "flashtile-dense" else rec["pairs_per_head"]
+        assert rec["flops"] == 4 * rec["B"] * rec["H"] * rec["d"] * pairs
+    sparse = [r for r in doc["results"] if r["variant"]["sparse_block"]]
+    assert sparse[0]["pairs_per_head"] == 16 * 16 * round(0.25 * 16)
+    assert "| fwd T=64 d=64 causal window=(16,0), 952 pairs/head | flashtile |" in text
+    targets = [line[len("* target: ") :] for line in text.splitlines() if "* target: " in line]
+    assert targets == doc["targets"]
+    kinds = [
+        "time(flashtile) / (0.2500 x time(flashtile-dense))",
+        "time(flashtile-blockmask) / (0.2500 x time(flashtile-dense))",
+        "varlen 4 seqs 8..64 T=136",
+        "linearity: time(T=256) / (4 x time(T=64))",
+    ]
+    if has_torch:
+        kinds += ["window=(16,0) T=64 d=64 causal: time(torch-sdpa", "GQA 8q/2kv"]
+    assert len(targets) == len(kinds)
+    for kind in kinds:
+        assert any(kind in line for line in targets), kind
+
+
+def test_variant_pair_counts_masks_and_flops():
+    from flashtile.masks import visible
+
+    idx = np.arange(50)
+    for causal, window in [(True, (7, 0)), (False, (3, 5)), (True, None), (False, None)]:
+        left, right = (-1, -1) if window is None else window
+        brute = visible(idx, idx, 50, 50, causal, left, right).sum()
+        assert variant_cases.positional_pairs(50, causal, window) == brute
+    assert variant_cases.positional_pairs(4096, True, (256, 0)) == 257 * 4096 - 256 * 257 // 2
+    pattern = variant_cases.block_pattern(100, 16, 0.25, 3)  # 7 x 7 blocks, the last one short
+    assert pattern.shape == (7, 7) and pattern.sum() == round(0.25 * 49)
+    assert np.diag(pattern).all()
+    va = Variant(sparse_block=16, sparse_density=0.25, seed=3)
+    mask = variant_cases.sparse_mask(va, 100)
+    assert mask.shape == (100, 100) and mask.diagonal().all()
+    case = Case(100, 8, False, "fwd", 2, 3, variant=va)
+    assert case.flops == 4 * 2 * 3 * 8 * mask.sum()
+    assert "block-sparse 25% of 16x16" in case.label and "pairs/head" in case.label
+    assert Case(100, 8, False, "fwd", 2, 3, variant=va.without_mask()).flops == 4 * 6 * 8 * 100**2
+    with pytest.raises(ValueError, match="forward only"):
+        Case(64, 8, True, "fwd+bwd", variant=Variant(window=(4, 0)))
+
+
+def test_windowed_reference_in_chunks_equals_one_call(monkeypatch):
+    import flashtile
+
+    monkeypatch.setattr(variant_cases, "REFERENCE_CHUNK", 16)
+    case = Case(100, 8, True, "fwd", 1, 2, variant=Variant(window=(10, 0)))
+    inputs = runner.make_inputs(case)
+    ref = variant_cases.reference(case, inputs)["out"]
+    q, k, v = (inputs[n].astype(np.float64) for n in "qkv")
+    whole = flashtile.tiled_attention(q, k, v, 32, True, window=(10, 0))
+    np.testing.assert_allclose(ref, whole, rtol=0, atol=1e-13)
+
+
+def test_variant_only_providers_stay_out_of_custom_sweeps():
+    from flashtile.bench.cli import _build_cases
+
+    _, _, wanted = _build_cases(build_parser().parse_args(["bench", "--T", "64"]))
+    assert wanted == ["torch-sdpa", "flashtile", "numpy-naive", "numpy-tiled"]
+    _, preset, wanted = _build_cases(build_parser().parse_args(["bench", "--preset", "variants"]))
+    assert preset == "variants"
+    assert wanted == [
+        "torch-sdpa",
+        "flashtile",
+        "flashtile-blockmask",
+        "flashtile-dense",
+        "flashtile-per-seq",
+    ]

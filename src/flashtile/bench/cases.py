@@ -15,6 +15,10 @@ matmuls against the forward's two, i.e. 2.5x the forward, so
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .variant_cases import Variant
 
 MODES = ("fwd", "fwd+bwd")
 
@@ -37,6 +41,8 @@ class Case:
         B, H: batch and heads.
         providers: provider names for this case, or None for "whatever the
             run selected" (presets use it to add numpy-naive to one row only).
+        variant: window, block-sparse mask, GQA or varlen (see
+            :mod:`.variant_cases`); its FLOPs count visible pairs only.
     """
 
     T: int
@@ -46,6 +52,7 @@ class Case:
     B: int = 1
     H: int = 8
     providers: tuple[str, ...] | None = None
+    variant: Variant | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -53,15 +60,25 @@ class Case:
         for name in ("T", "d", "B", "H"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.variant is not None and self.mode != "fwd":
+            raise ValueError(f"variant cases are forward only, got mode {self.mode!r}")
 
     @property
     def label(self) -> str:
         """Short human name, e.g. ``fwd T=4096 d=64 causal``."""
         mask = "causal" if self.causal else "full"
-        return f"{self.mode} T={self.T} d={self.d} {mask}"
+        label = f"{self.mode} T={self.T} d={self.d} {mask}"
+        if self.variant is None:
+            return label
+        pairs = self.variant.pairs(self.T, self.causal)
+        count = f"{pairs / 1e6:.3g}M" if pairs >= 1e6 else str(pairs)
+        return f"{label} {self.variant.describe(self.H)}, {count} pairs/head"
 
     @property
     def flops(self) -> float:
+        """FLOPs of the case; a variant case counts ``4 * B * H * d`` per visible pair."""
+        if self.variant is not None:
+            return 4.0 * self.B * self.H * self.d * self.variant.pairs(self.T, self.causal)
         return attention_flops(self.B, self.H, self.T, self.T, self.d, self.causal, self.mode)
 
 
@@ -131,5 +148,12 @@ def quick_cases(B: int = 1, H: int = 2) -> list[Case]:
     return sweep((64, 256), (32,), "both", "both", B, H)
 
 
+def variants_cases(B: int = 1, H: int = 8) -> list[Case]:
+    """Issue 4's variant cases (window, block-sparse, GQA, varlen): see :mod:`.variant_cases`."""
+    from .variant_cases import variant_cases
+
+    return variant_cases(B, H)
+
+
 #: preset name -> (function building its cases, default H)
-PRESETS = {"issue": (issue_cases, 8), "quick": (quick_cases, 2)}
+PRESETS = {"issue": (issue_cases, 8), "quick": (quick_cases, 2), "variants": (variants_cases, 8)}

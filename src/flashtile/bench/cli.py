@@ -16,10 +16,11 @@ from pathlib import Path
 from .cases import PRESETS, sweep
 from .machine import header_lines, machine_info, sgemm_gflops
 from .memory import rss_method
-from .providers import PROVIDERS, make_providers
+from .providers import PROVIDERS, VARIANT_ONLY, make_providers
 from .report import footnotes, format_table, plot, require_matplotlib, to_json
 from .runner import Progress, ReferenceCache, run_case
 from .startup import measure_startup, startup_lines
+from .variant_providers import target_lines
 
 SWEEP_OPTIONS = ("T", "d", "causal", "mode")
 DEFAULT_T = (1024, 4096)
@@ -58,7 +59,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         ),
     )
     cases = p.add_argument_group("cases (a custom sweep; not with --preset)")
-    cases.add_argument("--preset", choices=sorted(PRESETS), help="issue (default) or quick")
+    cases.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="issue (default), quick, or variants (issue 4: window, block-sparse, GQA, varlen)",
+    )
     cases.add_argument(
         "--T",
         nargs="+",
@@ -98,7 +103,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         type=_positive_int,
         default=4096,
         metavar="T",
-        help="largest T for numpy-naive / numpy-tiled (default 4096)",
+        help="largest T for numpy-naive / numpy-tiled, and for torch-sdpa given a dense "
+        "T x T mask in the variants preset (default 4096)",
     )
     p.add_argument("--json", metavar="PATH", help="write every number and the machine as JSON")
     p.add_argument("--plot", metavar="PATH", help="GFLOP/s vs T per provider (needs matplotlib)")
@@ -140,7 +146,7 @@ def _build_cases(args):
         cases = [dataclasses.replace(c, providers=None) for c in cases]
         wanted = list(args.providers)
     else:
-        wanted = list(PROVIDERS)
+        wanted = [n for n in PROVIDERS if n not in VARIANT_ONLY]
         if all(c.providers is not None for c in cases):
             wanted = [n for n in PROVIDERS if any(n in c.providers for c in cases)]
     return cases, preset, wanted
@@ -215,11 +221,14 @@ def run_bench(args, out=None) -> int:
     print("", file=out)
     for note in footnotes(results, memory_method):
         print(f"* {note}", file=out)
+    targets = target_lines(results)
+    for line in targets:
+        print(f"* target: {line}", file=out)
 
     if args.json:
         config = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
         config["preset"] = preset
-        text = to_json(results, info, ceiling, config, notes, memory_method, startup)
+        text = to_json(results, info, ceiling, config, notes, memory_method, startup, targets)
         Path(args.json).write_text(text + "\n")
         print(f"wrote {args.json}", file=out)
     if args.plot:

@@ -56,6 +56,32 @@ class FlashtileProvider(Provider):
         return out, dq, dk, dv
 
 
+class FlashtileDenseProvider(FlashtileProvider):
+    """A variant case's dense baseline: flashtile on the same inputs, mask dropped."""
+
+    name = "flashtile-dense"
+    description = "flashtile.attention without the case's mask (variants preset)"
+
+
+class FlashtileBlockMaskProvider(FlashtileProvider):
+    """flashtile with a prebuilt :func:`flashtile.block_mask` at the pattern's block size."""
+
+    name = "flashtile-blockmask"
+    description = "flashtile.attention(mask=BlockMask, block_q=block_k=pattern block)"
+
+
+class FlashtilePerSeqProvider(FlashtileProvider):
+    """A varlen case's baseline: flashtile.attention on each sequence in turn."""
+
+    name = "flashtile-per-seq"
+    description = "flashtile.attention per packed sequence, in a loop (variants preset)"
+
+
+#: Providers that only differ from flashtile on variant cases: a custom sweep
+#: leaves them out unless --providers names them.
+VARIANT_ONLY = ("flashtile-dense", "flashtile-blockmask", "flashtile-per-seq")
+
+
 def _import_torch():
     """Import torch; a separate function so tests can simulate its absence."""
     import torch
@@ -148,16 +174,24 @@ class NumpyTiledProvider(Provider):
 #: other rows report their speed relative to it.
 PROVIDERS: dict[str, type[Provider]] = {
     cls.name: cls
-    for cls in (TorchSDPAProvider, FlashtileProvider, NumpyNaiveProvider, NumpyTiledProvider)
+    for cls in (
+        TorchSDPAProvider,
+        FlashtileProvider,
+        FlashtileBlockMaskProvider,
+        FlashtileDenseProvider,
+        FlashtilePerSeqProvider,
+        NumpyNaiveProvider,
+        NumpyTiledProvider,
+    )
 }
 
 
 def make_providers(names=None) -> list[Provider]:
-    """Instances for ``names`` (all when None), in the canonical order.
+    """Instances for ``names`` (all but :data:`VARIANT_ONLY` when None), in canonical order.
 
     Raises ValueError naming the unknown ones and the valid choices.
     """
-    names = list(PROVIDERS) if names is None else list(names)
+    names = [n for n in PROVIDERS if n not in VARIANT_ONLY] if names is None else list(names)
     unknown = [n for n in names if n not in PROVIDERS]
     if unknown:
         raise ValueError(f"unknown provider(s) {unknown}; choose from {list(PROVIDERS)}")

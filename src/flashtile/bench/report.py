@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import defaultdict
@@ -13,6 +14,12 @@ from .runner import TOLERANCE, Result
 FLOP_NOTE = (
     "GFLOP/s counts fwd = 4*B*H*T^2*d (halved when causal) and fwd+bwd = 3.5 x fwd "
     "(bwd = 2.5 x fwd); ms is the median of reps timed interleaved with the other providers"
+)
+VARIANT_FLOP_NOTE = (
+    "variant cases (label ends in pairs/head) count useful work only: fwd = 4*B*H*d*pairs, "
+    "pairs = the exact number of visible (query, key) pairs per head (causal: T(T+1)/2); "
+    "torch-sdpa given a dense mask is credited the same useful pairs, flashtile-dense the "
+    "dense pairs it computes"
 )
 SPEEDUP_NOTE = "vs torch = time(torch-sdpa) / time(provider): above 1 means faster than torch"
 PLOT_HINT = "--plot needs matplotlib: pip install 'flashtile[plot]'"
@@ -78,6 +85,8 @@ def format_table(results: list[Result], markdown: bool = False) -> str:
 def footnotes(results: list[Result], memory_method: str | None) -> list[str]:
     """The definitions behind the table's columns, one line each."""
     notes = [FLOP_NOTE]
+    if any(r.case.variant is not None for r in results):
+        notes.append(VARIANT_FLOP_NOTE)
     if any(r.speedup_vs_torch is not None for r in results):
         notes.append(SPEEDUP_NOTE)
     if any(r.speedup_vs_naive is not None for r in results):
@@ -111,7 +120,9 @@ def result_record(r: Result) -> dict:
         "provider": r.provider,
         "status": r.status,
         "note": r.note,
-        "flops": attention_flops(c.B, c.H, c.T, c.T, c.d, c.causal, c.mode),
+        "variant": None if c.variant is None else dataclasses.asdict(c.variant),
+        "pairs_per_head": None if c.variant is None else c.variant.pairs(c.T, c.causal),
+        "flops": r.flops or attention_flops(c.B, c.H, c.T, c.T, c.d, c.causal, c.mode),
         "rel_err": _clean(r.rel_err),
         "errors": {k: _clean(v) for k, v in r.errors.items()},
         "reps": len(r.times),
@@ -125,7 +136,9 @@ def result_record(r: Result) -> dict:
     }
 
 
-def to_json(results, machine: dict, ceiling, config: dict, notes, memory_method, startup=None):
+def to_json(
+    results, machine: dict, ceiling, config: dict, notes, memory_method, startup=None, targets=()
+):
     """Everything one run measured, as indented JSON text."""
     doc = {
         "machine": machine,
@@ -137,6 +150,7 @@ def to_json(results, machine: dict, ceiling, config: dict, notes, memory_method,
         "tolerance": TOLERANCE,
         "results": [result_record(r) for r in results],
         "startup_seconds": startup,
+        "targets": list(targets),
     }
     return json.dumps(doc, indent=2)
 
@@ -159,14 +173,15 @@ def plot(results: list[Result], path: str, ceiling: float | None = None) -> None
     panels = defaultdict(lambda: defaultdict(list))
     for r in results:
         if r.gflops is not None:
-            key = (r.case.mode, r.case.causal, r.case.d)
+            variant = "" if r.case.variant is None else r.case.variant.describe(r.case.H)
+            key = (r.case.mode, r.case.causal, r.case.d, variant)
             panels[key][r.provider].append((r.case.T, r.gflops))
     if not panels:
         raise ValueError("nothing was timed, so there is nothing to plot")
     keys = sorted(panels)
     fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.8), squeeze=False)
     for ax, key in zip(axes[0], keys, strict=True):
-        mode, causal, d = key
+        mode, causal, d, variant = key
         for provider, points in sorted(panels[key].items()):
             points.sort()
             ax.plot(*zip(*points, strict=True), marker="o", label=provider)
@@ -176,7 +191,7 @@ def plot(results: list[Result], path: str, ceiling: float | None = None) -> None
         ts = sorted({t for points in panels[key].values() for t, _ in points})
         ax.set_xticks(ts, labels=[str(t) for t in ts])
         ax.minorticks_off()
-        ax.set_title(f"{mode}, {'causal' if causal else 'full'}, d={d}")
+        ax.set_title(f"{mode}, {'causal' if causal else 'full'}, d={d} {variant}".rstrip())
         ax.set_xlabel("T")
         ax.set_ylabel("GFLOP/s")
         ax.grid(True, alpha=0.3)

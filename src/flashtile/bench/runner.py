@@ -4,7 +4,9 @@ For one case the runner
 
 1. builds float32 inputs ``q, k, v, dout: (B, H, T, d)`` from a fixed seed;
 2. computes a float64 reference with :func:`flashtile.tiled_attention` (and
-   :func:`flashtile.tiled_attention_backward` for ``fwd+bwd``);
+   :func:`flashtile.tiled_attention_backward` for ``fwd+bwd``), with the
+   variant keywords for a variant case (:mod:`.variant_cases`; a provider
+   that solves another problem, the dense baseline, gets that one's);
 3. calls each provider once and compares ``out`` (and ``dq, dk, dv``) with
    the reference by the relative norm error ``||x - ref|| / ||ref||``; a
    provider at or above :data:`TOLERANCE` is reported ``FAILED`` and never
@@ -28,6 +30,7 @@ import numpy as np
 
 import flashtile
 
+from . import variant_cases, variant_providers
 from .cases import Case, slow_skip_reason
 from .memory import peak_memory
 from .providers import Provider
@@ -54,6 +57,7 @@ class Result:
     traced_peak: float | None = None  # bytes
     speedup_vs_torch: float | None = None
     speedup_vs_naive: float | None = None
+    flops: float | None = None  # the work the provider is credited (default: the case's)
 
     @property
     def median_s(self) -> float | None:
@@ -62,7 +66,7 @@ class Result:
     @property
     def gflops(self) -> float | None:
         t = self.median_s
-        return self.case.flops / t / 1e9 if t else None
+        return (self.flops or self.case.flops) / t / 1e9 if t else None
 
 
 def rel_err(x, ref) -> float:
@@ -78,7 +82,9 @@ def rel_err(x, ref) -> float:
 
 
 def make_inputs(case: Case) -> dict[str, np.ndarray]:
-    """Seeded standard-normal float32 ``q, k, v, dout: (B, H, T, d)``."""
+    """Seeded standard-normal float32 ``q, k, v, dout: (B, H, T, d)`` (k, v: GQA heads)."""
+    if case.variant is not None:
+        return variant_cases.make_inputs(case, SEED)
     rng = np.random.default_rng([SEED, case.B, case.H, case.T, case.d])
     shape = (case.B, case.H, case.T, case.d)
     return {n: rng.standard_normal(shape, dtype=np.float32) for n in ("q", "k", "v", "dout")}
@@ -93,7 +99,11 @@ class ReferenceCache:
 
     def get(self, case: Case, inputs) -> dict[str, np.ndarray]:
         """``{"out": ...}``, plus ``dq, dk, dv`` for fwd+bwd, all float64."""
-        key = (case.B, case.H, case.T, case.d, case.causal)
+        key = (case.B, case.H, case.T, case.d, case.causal, case.variant)
+        if case.variant is not None:
+            if key not in self._fwd:
+                self._fwd[key] = variant_cases.reference(case, inputs)
+            return self._fwd[key]
         q, k, v, dout = (inputs[n].astype(np.float64) for n in ("q", "k", "v", "dout"))
         if key not in self._fwd:
             self._fwd[key] = flashtile.tiled_attention(
@@ -112,6 +122,8 @@ class ReferenceCache:
 
 def _call(provider: Provider, case: Case, inputs):
     """A zero-argument function running ``provider`` on ``case`` once."""
+    if case.variant is not None:
+        return variant_providers.make_call(provider, case, inputs)
     q, k, v, dout = (inputs[n] for n in ("q", "k", "v", "dout"))
     if case.mode == "fwd":
         return lambda: (provider.forward(q, k, v, case.causal),)
@@ -183,15 +195,19 @@ def run_case(
         providers = [p for p in providers if p.name in case.providers]
     results, calls = [], {}
     inputs = make_inputs(case)
-    progress.show(f"{case.label}: float64 reference")
-    ref = refs.get(case, inputs)
     for p in providers:
         res = Result(case, p.name)
         results.append(res)
         reason = slow_skip_reason(p.name, case, max_slow_t)
+        if case.variant is not None:
+            reason = variant_providers.skip_reason(p.name, case, max_slow_t)
         if reason:
             res.status, res.note = "skipped", reason
             continue
+        solved = variant_providers.provider_case(p.name, case)
+        res.flops = solved.flops
+        progress.show(f"{case.label}: float64 reference")
+        ref = refs.get(solved, inputs)
         progress.show(f"{case.label}: verify {p.name}")
         call = _call(p, case, inputs)
         if not _verify(res, call, ref):
