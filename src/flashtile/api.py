@@ -32,6 +32,10 @@ from .variants import resolve_variants
 #: GQA the rows are shared by the group's query heads.
 FWD_BLOCKS = (256, 512)
 BWD_BLOCKS = (256, 256)
+#: With a boolean mask the tiles default to the block map's granularity,
+#: 128 x 128 as in FlexAttention (a BlockMask passed in brings its own):
+#: finer tiles let a sparse mask skip more.
+MASK_BLOCKS = (128, 128)
 #: block_q never goes below this when it shrinks for GQA groups or to give
 #: every thread at least four work items.
 MIN_BLOCK_Q = 16
@@ -61,6 +65,15 @@ def _mask4(mask, work=None):
     return np.ascontiguousarray(mask if work is None else mask.astype(work))
 
 
+def _with_states(plan, block_q, block_k):
+    """``plan.kv`` with the block map of its bool mask for these tile sizes."""
+    if plan.kv.mask_bool.size == 0:
+        return plan.kv
+    tq, tk = plan.q4.shape[2], plan.k4.shape[2]
+    states = _block_states(plan.variants, plan.kv.mask_bool, block_q, block_k, tq, tk)
+    return plan.kv._replace(states=states)
+
+
 def _block_states(va, mask4, block_q, block_k, tq, tk):
     """``(Bm, Hm, ceil(Tq/block_q), ceil(Tk/block_k))`` tile states of the bool mask."""
     blocks = va.block_mask
@@ -74,7 +87,8 @@ def _block_states(va, mask4, block_q, block_k, tq, tk):
     return np.ascontiguousarray(np.broadcast_to(blocks.states, shape))
 
 
-def _kernel_variants(va, work, block_q, block_k, tq, tk, batch_heads):
+def _kernel_variants(va, work, batch_heads):
+    """The variants in kernel form; the block map is added per call (:func:`_with_states`)."""
     from .cpu.tiles import KernelVariants
 
     empty_f = np.zeros((0, 0, 0, 0), dtype=work)
@@ -87,7 +101,6 @@ def _kernel_variants(va, work, block_q, block_k, tq, tk, batch_heads):
     states = np.zeros((0, 0, 0, 0), dtype=np.int8)
     if va.mask_bool is not None:
         mask_bool = _mask4(va.mask_bool)
-        states = _block_states(va, mask_bool, block_q, block_k, tq, tk)
     softcap = 0.0 if va.softcap is None else va.softcap * LOG2E
     return KernelVariants(va.causal, va.left, va.right, softcap, alibi, mask_add, mask_bool, states)
 
@@ -122,6 +135,9 @@ def _plan(q, k, v, causal, scale, variants, block_q, block_k, defaults) -> tuple
     _check_layout(q, k, v)
     scale = resolve_scale(scale, shapes.d)
     va = resolve_variants(shapes, causal=causal, **variants)
+    if va.mask_bool is not None:
+        bm = va.block_mask
+        defaults = MASK_BLOCKS if bm is None else (bm.block_q, bm.block_k)
     group = shapes.group
     block_q, block_k = _block_sizes(block_q, block_k, defaults, group, shapes.tq, shapes.tk)
     work = np.float64 if q.dtype == np.float64 else np.float32
@@ -131,7 +147,7 @@ def _plan(q, k, v, causal, scale, variants, block_q, block_k, defaults) -> tuple
     seqs = np.zeros((n_batch, 6), dtype=np.int64)
     seqs[:, 0] = np.arange(n_batch)
     seqs[:, 2], seqs[:, 4], seqs[:, 5] = shapes.tq, shapes.tk, kv_len
-    kv = _kernel_variants(va, work, block_q, block_k, shapes.tq, shapes.tk, q4.shape[:2])
+    kv = _kernel_variants(va, work, q4.shape[:2])
     out_shape = shapes.batch + (shapes.tq,)
     return _Plan(q4, k4, v4, seqs, va, kv, scale, q.dtype, out_shape), block_q, block_k
 
@@ -207,10 +223,7 @@ def _run_forward(plan, block_q, block_k, auto_q):
     from .cpu.forward import forward_kernel
 
     items, block_q = _forward_items(plan, block_q, auto_q)
-    if auto_q and plan.kv.states.size:  # the block map follows the final block_q
-        tq, tk = plan.q4.shape[2], plan.k4.shape[2]
-        states = _block_states(plan.variants, plan.kv.mask_bool, block_q, block_k, tq, tk)
-        plan.kv = plan.kv._replace(states=states)
+    kv = _with_states(plan, block_q, block_k)  # the block map follows the final block_q
     out = np.empty(plan.q4.shape[:-1] + (plan.v4.shape[-1],), dtype=plan.q4.dtype)
     lse = np.empty(plan.q4.shape[:-1], dtype=plan.q4.dtype)
     visited = np.empty(len(items), dtype=np.int64)
@@ -225,7 +238,7 @@ def _run_forward(plan, block_q, block_k, auto_q):
             plan.seqs,
             items,
             plan.scale,
-            plan.kv,
+            kv,
             block_q,
             block_k,
             gemm_for(plan.q4.dtype),
@@ -301,7 +314,7 @@ def _run_backward(plan, out, lse, dout, block_q, block_k):
             plan.seqs,
             _backward_items(plan),
             plan.scale,
-            plan.kv,
+            _with_states(plan, block_q, block_k),
             block_q,
             block_k,
             gemm_for(q4.dtype),
@@ -380,7 +393,7 @@ def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, variants, b
     seqs = np.stack([np.zeros_like(cq[:-1]), cq[:-1], lq, ck[:-1], lk, lk], axis=1)
     keep = lq > 0
     seqs = np.ascontiguousarray(seqs[keep])
-    kv = _kernel_variants(va, work, block_q, block_k, shapes.tq, shapes.tk, q4.shape[:2])
+    kv = _kernel_variants(va, work, q4.shape[:2])
     plan = _Plan(q4, k4, v4, seqs, va, kv, scale, q.dtype, shapes.batch + (shapes.tq,))
     return plan, block_q, block_k
 

@@ -182,11 +182,14 @@ def block_mask(mask, block_q: int, block_k: int) -> BlockMask:
     mask4 = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
     bm, hm, tq, tk = mask4.shape
     nq, nk = -(-tq // block_q), -(-tk // block_k)
-    padded = np.zeros((bm, hm, nq * block_q, nk * block_k), dtype=np.int32)
-    counts = np.zeros_like(padded)
-    padded[..., :tq, :tk] = mask4
-    counts[..., :tq, :tk] = 1
-    kept = padded.reshape(bm, hm, nq, block_q, nk, block_k).sum(axis=(3, 5))
-    size = counts.reshape(bm, hm, nq, block_q, nk, block_k).sum(axis=(3, 5))
-    states = np.where(kept == 0, 0, np.where(kept == size, 2, 1)).astype(np.int8)
+
+    def per_tile(reduce, fill):
+        """``reduce`` over each tile; edge tiles padded with the neutral ``fill``."""
+        padded = np.full((bm, hm, nq * block_q, nk * block_k), fill, dtype=bool)
+        padded[..., :tq, :tk] = mask4
+        return reduce(padded.reshape(bm, hm, nq, block_q, nk, block_k), axis=(3, 5))
+
+    any_kept = per_tile(np.any, False)
+    all_kept = per_tile(np.all, True)
+    states = np.where(all_kept, 2, np.where(any_kept, 1, 0)).astype(np.int8)
     return BlockMask(np.ascontiguousarray(mask4), block_q, block_k, states)
