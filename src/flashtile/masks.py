@@ -185,8 +185,11 @@ def block_mask(mask, block_q: int, block_k: int) -> BlockMask:
 
     def per_tile(reduce, fill):
         """``reduce`` over each tile; edge tiles padded with the neutral ``fill``."""
-        padded = np.full((bm, hm, nq * block_q, nk * block_k), fill, dtype=bool)
-        padded[..., :tq, :tk] = mask4
+        if (tq, tk) == (nq * block_q, nk * block_k):
+            padded = mask4  # tiles divide the mask: no copy
+        else:
+            padded = np.full((bm, hm, nq * block_q, nk * block_k), fill, dtype=bool)
+            padded[..., :tq, :tk] = mask4
         return reduce(padded.reshape(bm, hm, nq, block_q, nk, block_k), axis=(3, 5))
 
     any_kept = per_tile(np.any, False)
