@@ -38,36 +38,74 @@ LN2 = 0.6931471805599453
 #: How far (log2 units) the reference ``m`` sits above a row's max: every
 #: ``P <= 2**-10``, so a 512-wide tile sums to <= 0.5 unless a score jumped.
 HEADROOM = 10.0
+#: With a block map, kept key blocks are gathered into tiles of up to this
+#: many keys, so a sparse mask still runs wide, efficient tile products.
+GATHER_KEYS = 512
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def rebase_row(seg, q_row, k_rows, col0, i, tq, tk, b, h, kv, read_bool, bits):
-    """Recompute ``seg = k_rows @ q_row`` with every variant, exponentiate
-    against a new reference ``max + HEADROOM``; return ``(reference, sum)``.
+def prepare_row(row, r, segs, geo, kv, full):
+    """Lay out stacked row ``r`` of a tile for the softmax; return columns ``[lo, hi)``.
+
+    ``segs (nseg, 4)`` rows ``(column offset, first key, length, state)``
+    describe which keys the tile's columns hold: one segment for a plain
+    tile, several when kept blocks of a block mask were gathered. With one
+    segment, columns outside the positional bounds are left out of
+    ``[lo, hi)``; with several, hidden columns are set to ``-inf`` (they
+    exponentiate to exact zeros) and ``[lo, hi)`` is the whole row. Variants
+    are applied to the visible columns.
+    """
+    b, h0, br, i0, tq, tk, kv_len = geo
+    i = i0 + r % br
+    h = h0 + r // br
+    transform = needs_transform(kv)
+    if segs.shape[0] == 1:
+        j0, n, state = segs[0, 1], segs[0, 2], segs[0, 3]
+        lo, hi = 0, n
+        if not full:
+            lo, hi = row_bounds(i, j0, j0 + n, tq, tk, kv_len, kv)
+        if transform and hi > lo:
+            transform_row(row[lo:hi], j0 + lo, i, tq, tk, b, h, kv, state == 1, row[:0])
+        return lo, hi
+    for g in range(segs.shape[0]):
+        off, j0, n, state = segs[g, 0], segs[g, 1], segs[g, 2], segs[g, 3]
+        a, c = row_bounds(i, j0, j0 + n, tq, tk, kv_len, kv)
+        row[off : off + a] = -np.inf
+        row[off + c : off + n] = -np.inf
+        if transform and c > a:
+            transform_row(row[off + a : off + c], j0 + a, i, tq, tk, b, h, kv, state == 1, row[:0])
+    return 0, segs[-1, 0] + segs[-1, 2]
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def rebase_row(row, r, lo, hi, q_row, k_rows, segs, geo, kv, full, bits):
+    """Recompute row ``r``'s scores ``k_rows[lo:hi] @ q_row`` with every variant,
+    exponentiate against a new reference ``max + HEADROOM``; return
+    ``(reference, row sum)``.
 
     The rare path of :func:`softmax_tile`; kept out of line so that the hot
     loops stay small.
     """
-    n = seg.shape[0]
-    for c in range(n):
-        acc = seg.dtype.type(0.0)
+    for c in range(lo, hi):
+        acc = row.dtype.type(0.0)
         for t in range(q_row.shape[0]):
             acc += q_row[t] * k_rows[c, t]
-        seg[c] = acc
-    if needs_transform(kv):
-        transform_row(seg, col0, i, tq, tk, b, h, kv, read_bool, seg[:0])
-    m_new = row_max(seg, n) + HEADROOM
-    return m_new, exp2_shifted(seg, m_new, n, bits)
+        row[c] = acc
+    prepare_row(row, r, segs, geo, kv, full)
+    seg = row[lo:hi]
+    m_new = row_max(seg, hi - lo) + HEADROOM
+    return m_new, exp2_shifted(seg, m_new, hi - lo, bits)
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def softmax_tile(s, m, ell, alpha, bits, q_tile, k_tile, geo, kv, full, read_bool):
-    """Online-softmax update of one stacked score tile ``s (rows, bc)`` in place.
+def softmax_tile(s, m, ell, alpha, bits, q_tile, k_tile, segs, geo, kv, full):
+    """Online-softmax update of one stacked score tile ``s (rows, n)`` in place.
 
-    ``geo = (b, h0, br, i0, j0, tq, tk, kv_len)`` places the tile: row ``r``
-    is query ``i0 + r % br`` of head ``h0 + r // br`` in batch ``b``; column
-    ``c`` is key ``j0 + c``. ``full`` says every row sees every column by
-    position; ``read_bool`` whether the boolean mask must be read.
+    ``geo = (b, h0, br, i0, tq, tk, kv_len)`` places the tile: row ``r`` is
+    query ``i0 + r % br`` of head ``h0 + r // br`` in batch ``b``; ``segs``
+    (see :func:`prepare_row`) says which key each column holds; ``k_tile``
+    holds those keys' rows. ``full`` says a one-segment tile is entirely
+    inside every row's positional bounds.
 
     On return ``s`` holds ``P = 2**(S - m_new)`` (exact zeros where hidden),
     ``m``/``ell`` the updated state and ``alpha`` the per-row rescale.
@@ -80,24 +118,16 @@ def softmax_tile(s, m, ell, alpha, bits, q_tile, k_tile, geo, kv, full, read_boo
     cheaply) is that row's score recomputed from ``q_tile`` and ``k_tile``
     and the reference raised, as in the textbook update.
     """
-    b, h0, br, i0, j0, tq, tk, kv_len = geo
-    rows, bc = s.shape
-    transform = needs_transform(kv)
+    rows = s.shape[0]
     for r in range(rows):
         row = s[r]
-        i = i0 + r % br
-        h = h0 + r // br
-        lo, hi = 0, bc
-        if not full:
-            lo, hi = row_bounds(i, j0, j0 + bc, tq, tk, kv_len, kv)
+        lo, hi = prepare_row(row, r, segs, geo, kv, full)
         alpha[r] = 1.0
         if hi <= lo:
             row[:] = 0.0
             continue
         seg = row[lo:hi]
         n = hi - lo
-        if transform:
-            transform_row(seg, j0 + lo, i, tq, tk, b, h, kv, read_bool, seg[:0])
         m_new = m[r]
         if m_new == -np.inf:  # first visible tile: set the reference
             mx = row_max(seg, n)
@@ -111,7 +141,7 @@ def softmax_tile(s, m, ell, alpha, bits, q_tile, k_tile, geo, kv, full, read_boo
             if total > 1.0 and row_max(seg, n) > 1.0:
                 # A score passed the reference: rebuild this row and raise it.
                 m_new, total = rebase_row(
-                    seg, q_tile[r], k_tile[lo:hi], j0 + lo, i, tq, tk, b, h, kv, read_bool, bits
+                    row, r, lo, hi, q_tile[r], k_tile, segs, geo, kv, full, bits
                 )
             alpha[r] = 1.0 if m_new == m[r] else math.exp2(m[r] - m_new)
         row[:lo] = 0.0
@@ -138,7 +168,7 @@ def forward_kernel(q, k, v, out, lse, visited, seqs, items, scale, kv, block_q, 
     Args:
         q: ``(NB, Hq, TQ, d)``; k, v: ``(NB, Hkv, TK, d / dv)``.
         out: ``(NB, Hq, TQ, dv)``, lse: ``(NB, Hq, TQ)`` (natural log), written.
-        visited: ``(N,)`` int64, written: score tiles computed per item (tests
+        visited: ``(N,)`` int64, written: key blocks computed per item (tests
             use it to check what was skipped).
         seqs: ``(S, 6)`` int64 rows ``(b, q_start, Tq, k_start, Tk, kv_len)``:
             sequence ``s`` is queries ``q_start + [0, Tq)`` and keys
@@ -160,36 +190,71 @@ def forward_kernel(q, k, v, out, lse, visited, seqs, items, scale, kv, block_q, 
 
         q_tile = np.empty((rows, q.shape[3]), dtype=q.dtype)
         load_q_tile(q, b, h0, group, qs0, i0, br, q_mult, q_tile)
-        s_buf = np.empty(rows * block_k, dtype=q.dtype)
+        # Gathered tiles (block map) can hold several key blocks.
+        width_max = block_k * (max(1, GATHER_KEYS // block_k) if kv.states.size > 0 else 1)
+        s_buf = np.empty(rows * width_max, dtype=q.dtype)
         acc = np.zeros((rows, dv), dtype=q.dtype)
         m = np.full(rows, -np.inf, dtype=q.dtype)
         ell = np.zeros(rows, dtype=q.dtype)
         alpha = np.empty(rows, dtype=q.dtype)
-        bits = np.empty(block_k, dtype=np.int32)
+        bits = np.empty(width_max, dtype=np.int32)
         visited[n] = 0
 
         lo, hi = block_key_range(i0, i0 + br, tq, tk, kv.causal, kv.left, kv.right, kv_len)
+        geo = (b, h0, br, i0, tq, tk, kv_len)
         if kv.states.size > 0:
-            lo = (lo // block_k) * block_k  # tiles must line up with the block map
-        for j0 in range(lo, hi, block_k):
-            j1 = min(j0 + block_k, hi)
-            state = tile_state(kv, b, h0, group, i0 // block_q, j0 // block_k)
-            if state == 0:
-                continue  # the block map says no key here is kept
-            visited[n] += 1
-            # A C-contiguous (rows, bc) view: contiguous rows let LLVM vectorise.
-            s = s_buf[: rows * (j1 - j0)].reshape((rows, j1 - j0))
-            k_tile = k[b, hk, ks0 + j0 : ks0 + j1]
-            gemm(gemm_fn, q_tile, k_tile, s, False, True, 0.0)
-            full = tile_fully_visible(
-                i0, i0 + br, j0, j1, tq, tk, kv.causal, kv.left, kv.right, kv_len
-            )
-            geo = (b, h0, br, i0, j0, tq, tk, kv_len)
-            softmax_tile(s, m, ell, alpha, bits, q_tile, k_tile, geo, kv, full, state == 1)
-            for r in range(rows):
-                if alpha[r] != 1.0:  # most rows keep their reference: nothing to rescale
-                    acc[r] *= alpha[r]
-            gemm(gemm_fn, s, v[b, hk, ks0 + j0 : ks0 + j1], acc, False, False, 1.0)
+            # Block map: gather up to GATHER_KEYS keys of kept blocks per tile.
+            kb_lo, kb_hi = lo // block_k, (hi + block_k - 1) // block_k
+            kept = np.empty((kb_hi - kb_lo, 4), dtype=np.int64)
+            n_kept = 0
+            for kb in range(kb_lo, kb_hi):
+                state = tile_state(kv, b, h0, group, i0 // block_q, kb)
+                if state != 0:
+                    j0 = max(kb * block_k, lo)
+                    kept[n_kept, 0] = 0
+                    kept[n_kept, 1] = j0
+                    kept[n_kept, 2] = min(kb * block_k + block_k, hi) - j0
+                    kept[n_kept, 3] = state
+                    n_kept += 1
+            per_tile = max(1, GATHER_KEYS // block_k)
+            k_buf = np.empty((per_tile * block_k, k.shape[3]), dtype=q.dtype)
+            v_buf = np.empty((per_tile * block_k, dv), dtype=q.dtype)
+            for g0 in range(0, n_kept, per_tile):
+                segs = kept[g0 : min(g0 + per_tile, n_kept)]
+                width = 0
+                for g in range(segs.shape[0]):
+                    j0, nk = segs[g, 1], segs[g, 2]
+                    segs[g, 0] = width
+                    k_buf[width : width + nk] = k[b, hk, ks0 + j0 : ks0 + j0 + nk]
+                    v_buf[width : width + nk] = v[b, hk, ks0 + j0 : ks0 + j0 + nk]
+                    width += nk
+                visited[n] += segs.shape[0]  # key blocks computed
+                s = s_buf[: rows * width].reshape((rows, width))
+                gemm(gemm_fn, q_tile, k_buf[:width], s, False, True, 0.0)
+                softmax_tile(s, m, ell, alpha, bits, q_tile, k_buf, segs, geo, kv, False)
+                for r in range(rows):
+                    if alpha[r] != 1.0:
+                        acc[r] *= alpha[r]
+                gemm(gemm_fn, s, v_buf[:width], acc, False, False, 1.0)
+        else:
+            seg1 = np.zeros((1, 4), dtype=np.int64)
+            seg1[0, 3] = 1 if kv.mask_bool.size > 0 else 2  # 1: read the mask
+            for j0 in range(lo, hi, block_k):
+                j1 = min(j0 + block_k, hi)
+                visited[n] += 1
+                # A C-contiguous (rows, bc) view: contiguous rows let LLVM vectorise.
+                s = s_buf[: rows * (j1 - j0)].reshape((rows, j1 - j0))
+                k_tile = k[b, hk, ks0 + j0 : ks0 + j1]
+                gemm(gemm_fn, q_tile, k_tile, s, False, True, 0.0)
+                full = tile_fully_visible(
+                    i0, i0 + br, j0, j1, tq, tk, kv.causal, kv.left, kv.right, kv_len
+                )
+                seg1[0, 1], seg1[0, 2] = j0, j1 - j0
+                softmax_tile(s, m, ell, alpha, bits, q_tile, k_tile, seg1, geo, kv, full)
+                for r in range(rows):
+                    if alpha[r] != 1.0:  # most rows keep their reference: nothing to rescale
+                        acc[r] *= alpha[r]
+                gemm(gemm_fn, s, v[b, hk, ks0 + j0 : ks0 + j1], acc, False, False, 1.0)
 
         # Normalise once; rows that saw no key get zeros and lse = -inf.
         for r in range(rows):
