@@ -350,14 +350,15 @@ def test_skipped_tiles_are_never_computed(rng):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_gathered_block_mask_tiles_with_rising_scores(rng, dtype):
-    """Kept blocks of a block mask are gathered into wide tiles; a score that
-    passes the reference inside such a tile must re-base that row correctly,
-    with the mask, softcap and ALiBi re-applied to the recomputed scores."""
+    """Kept blocks of a block mask are gathered into wide tiles (512 keys); a
+    score that passes the reference in a later gathered tile must re-base that
+    row, with the mask, softcap and ALiBi re-applied to the recomputed scores."""
+    tk = 1500
     q = np.abs(rng.standard_normal((1, 2, 40, 8))).astype(dtype)
-    growth = np.linspace(0.0, 60.0, 300)[:, None]
-    k = (np.abs(rng.standard_normal((1, 2, 300, 8))) * 0.1 + growth).astype(dtype)
-    v = rng.standard_normal((1, 2, 300, 8)).astype(dtype)
-    mask = rng.random((1, 2, 40, 300)) < 0.6
+    growth = np.linspace(0.0, 60.0, tk)[:, None]
+    k = (np.abs(rng.standard_normal((1, 2, tk, 8))) * 0.1 + growth).astype(dtype)
+    v = rng.standard_normal((1, 2, tk, 8)).astype(dtype)
+    mask = rng.random((1, 2, 40, tk)) < 0.6
     mask[..., 64:128] = False  # whole empty blocks to skip
     variants = {"mask": mask, "softcap": 400.0, "alibi_slopes": np.array([0.01, 0.02])}
     out, lse = ft.attention(q, k, v, return_lse=True, block_q=16, block_k=32, **variants)
