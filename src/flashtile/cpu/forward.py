@@ -119,9 +119,13 @@ def softmax_tile(s, m, ell, alpha, bits, q_tile, k_tile, segs, geo, kv, full):
     and the reference raised, as in the textbook update.
     """
     rows = s.shape[0]
+    plain = full and segs.shape[0] == 1 and not needs_transform(kv)
     for r in range(rows):
         row = s[r]
-        lo, hi = prepare_row(row, r, segs, geo, kv, full)
+        if plain:
+            lo, hi = 0, s.shape[1]
+        else:
+            lo, hi = prepare_row(row, r, segs, geo, kv, full)
         alpha[r] = 1.0
         if hi <= lo:
             row[:] = 0.0
