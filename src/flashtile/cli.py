@@ -20,7 +20,8 @@ def _parse_vector(text: str) -> np.ndarray:
     return np.array(values)
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: a positive integer, with a clear message otherwise."""
     try:
         value = int(text)
     except ValueError:
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("demo", help="tiled vs naive attention, memory table, a row walked through")
     trace = sub.add_parser("trace", help="the online softmax of a vector, block by block")
     trace.add_argument("--x", type=_parse_vector, required=True, help='e.g. "0 1 5 2 9"')
-    trace.add_argument("--block-size", type=_positive_int, default=2)
+    trace.add_argument("--block-size", type=positive_int, default=2)
     # bench.cli needs only NumPy; torch is imported when its provider is checked.
     from .bench.cli import add_bench_parser
 

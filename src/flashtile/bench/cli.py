@@ -13,6 +13,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from ..cli import positive_int as _positive_int
 from .cases import PRESETS, sweep
 from .machine import header_lines, machine_info, sgemm_gflops
 from .memory import rss_method
@@ -26,16 +27,6 @@ SWEEP_OPTIONS = ("T", "d", "causal", "mode")
 DEFAULT_T = (1024, 4096)
 DEFAULT_D = (64,)
 DEFAULT_H = 8
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _positive_float(text: str) -> float:
