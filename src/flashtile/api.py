@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._validate import check_block_size, check_qkv, check_same_shape, resolve_scale
-from .masks import BlockMask, block_key_range, block_mask
+from .masks import block_key_range, block_mask
 from .variants import resolve_variants
 
 #: Default tile sizes (query rows per item x keys), picked by sweeps on the
@@ -93,9 +93,8 @@ def _kernel_variants(va, work, batch_heads):
 
     empty_f = np.zeros((0, 0, 0, 0), dtype=work)
     alibi = np.zeros((0, 0), dtype=work)
-    if va.alibi is not None:
-        slopes = va.alibi.reshape(-1, batch_heads[1]) if va.alibi.ndim == 4 else va.alibi
-        alibi = np.ascontiguousarray(slopes.reshape(-1, batch_heads[1]) * LOG2E, dtype=work)
+    if va.alibi is not None:  # (Hq, 1, 1) or (B, Hq, 1, 1) -> (1 or B, Hq)
+        alibi = np.ascontiguousarray(va.alibi.reshape(-1, batch_heads[1]) * LOG2E, dtype=work)
     mask_add = empty_f if va.mask_add is None else _mask4(va.mask_add * LOG2E, work)
     mask_bool = np.zeros((0, 0, 0, 0), dtype=np.bool_)
     states = np.zeros((0, 0, 0, 0), dtype=np.int8)
@@ -459,10 +458,8 @@ def varlen_attention_backward(
 
 
 __all__ = [
-    "BlockMask",
     "attention",
     "attention_backward",
-    "block_mask",
     "varlen_attention",
     "varlen_attention_backward",
 ]
