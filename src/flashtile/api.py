@@ -206,15 +206,27 @@ def _balance(items: np.ndarray, costs: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(items[zig])
 
 
-def _backward_items(plan) -> np.ndarray:
-    """``(sequence, kv head)`` items, heavy and light interleaved."""
+def _backward_items(plan, block_q) -> tuple[np.ndarray, int]:
+    """``(sequence, kv head, part)`` items and the number of parts.
+
+    One part per ``(sequence, kv head)`` when there are enough of them for
+    the threads; otherwise each is split into parts that take every P-th
+    query block, so a single head (or MQA at batch 1) still uses every core.
+    """
+    import numba
+
     n_kv = plan.k4.shape[1]
     seqs = plan.seqs
+    pairs = len(seqs) * n_kv
+    threads = numba.get_num_threads()
+    most_blocks = int(max(-(-seqs[:, 2] // block_q).max(), 1))
+    parts = 1 if pairs >= threads else min(-(-threads // pairs), most_blocks)
     items = np.array(
-        [(s, hk) for s in range(len(seqs)) for hk in range(n_kv)], dtype=np.int64
-    ).reshape(-1, 2)
+        [(s, hk, p) for s in range(len(seqs)) for hk in range(n_kv) for p in range(parts)],
+        dtype=np.int64,
+    ).reshape(-1, 3)
     costs = (seqs[items[:, 0], 2] * seqs[items[:, 0], 4]).astype(np.float64)
-    return _balance(items, costs)
+    return _balance(items, costs), parts
 
 
 def _run_forward(plan, block_q, block_k, auto_q):
@@ -298,7 +310,11 @@ def _run_backward(plan, out, lse, dout, block_q, block_k):
 
     out4, dout4 = like_q4(out, (v4.shape[-1],)), like_q4(dout, (v4.shape[-1],))
     lse4 = like_q4(lse, ())
-    dq, dk, dv = np.empty_like(q4), np.zeros_like(k4), np.zeros_like(v4)
+    items, parts = _backward_items(plan, block_q)
+    dq = np.empty_like(q4)
+    # Part p accumulates its share of dk/dv in slice p; summed below in order.
+    dk_parts = np.zeros((parts, *k4.shape), k4.dtype)
+    dv_parts = np.zeros((parts, *v4.shape), v4.dtype)
     with single_threaded_blas():
         backward_kernel(
             q4,
@@ -308,16 +324,20 @@ def _run_backward(plan, out, lse, dout, block_q, block_k):
             lse4,
             dout4,
             dq,
-            dk,
-            dv,
+            dk_parts,
+            dv_parts,
             plan.seqs,
-            _backward_items(plan),
+            items,
             plan.scale,
             _with_states(plan, block_q, block_k),
             block_q,
             block_k,
             gemm_for(q4.dtype),
         )
+    dk, dv = dk_parts[0], dv_parts[0]
+    for p in range(1, parts):  # a fixed order: deterministic sums
+        dk += dk_parts[p]
+        dv += dv_parts[p]
     return dq, dk, dv
 
 

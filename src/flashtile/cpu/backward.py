@@ -68,21 +68,25 @@ def probs_tile(s, lse2, tanh_buf, geo, kv, full, read_bool, bits):
 def backward_kernel(
     q, k, v, out, lse, dout, dq, dk, dv, seqs, items, scale, kv, block_q, block_k, gemm_fn
 ):
-    """Write ``dq``, ``dk``, ``dv`` for C-contiguous 4-D arrays.
+    """Write ``dq`` and per-part ``dk``, ``dv`` for C-contiguous 4-D arrays.
 
     Arrays, ``seqs``, ``kv`` and ``gemm_fn`` as in :func:`.forward.forward_kernel`;
-    ``items (N, 2)`` are ``(sequence, kv head)`` pairs: an item owns that kv
-    head's ``dk``/``dv`` rows and its query heads' ``dq`` rows of the sequence,
-    so no two items write the same memory. The gradients accumulate in place
-    through ``gemm`` with ``beta = 1``.
+    ``items (N, 3)`` are ``(sequence, kv head, part)``: with ``P`` parts
+    (``dk``/``dv`` are ``(P, NB, Hkv, TK, d)``) part ``p`` takes the query
+    blocks ``p, p + P, ...`` of the sequence, writes their ``dq`` rows and
+    accumulates its share of the kv head's gradients into ``dk[p]``/``dv[p]``.
+    No two items write the same memory; the caller sums the parts in a fixed
+    order, so results stay bit-identical run to run. ``P > 1`` only when there
+    are fewer ``(sequence, kv head)`` pairs than threads.
     """
     group = q.shape[1] // k.shape[1]
     d = q.shape[3]
     dvw = v.shape[3]
     dt = q.dtype.type
     q_mult = dt(scale * LOG2E)
+    n_parts = dk.shape[0]
     for n in prange(items.shape[0]):
-        sq, hk = items[n, 0], items[n, 1]
+        sq, hk, part = items[n, 0], items[n, 1], items[n, 2]
         b, qs0, tq, ks0, tk, kv_len = seqs[sq]
         h0 = hk * group
         rows_max = group * min(block_q, tq)
@@ -96,16 +100,15 @@ def backward_kernel(
         ds_buf = np.empty(rows_max * block_k, dtype=q.dtype)
         tanh_buf = np.empty(rows_max * block_k if kv.softcap > 0.0 else 0, dtype=q.dtype)
         bits = np.empty(block_k, dtype=np.int32)
-        dkh = dk[b, hk, ks0 : ks0 + tk]
-        dvh = dv[b, hk, ks0 : ks0 + tk]
+        dkh = dk[part, b, hk, ks0 : ks0 + tk]
+        dvh = dv[part, b, hk, ks0 : ks0 + tk]
         dkh[:] = 0.0
         dvh[:] = 0.0
-        for g in range(group):
-            dq[b, h0 + g, qs0 : qs0 + tq] = 0.0
 
         # Query blocks outer (the stacked q/dO tiles are gathered once each),
-        # key blocks inner; dK/dV rows accumulate across query blocks.
-        for i0 in range(0, tq, block_q):
+        # key blocks inner; dK/dV rows accumulate across query blocks. Every
+        # dq row of a visited block is written (zeros if it sees no key).
+        for i0 in range(part * block_q, tq, n_parts * block_q):
             br = min(block_q, tq - i0)
             rows = group * br
             qt, qr = q_tile[:rows], q_raw[:rows]
