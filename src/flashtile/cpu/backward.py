@@ -12,8 +12,9 @@ query block ``i`` and each key block ``j`` it can see::
 
 with ``D = rowsum(dO * O)`` (softcap multiplies ``dS`` by ``1 - tanh**2``).
 Five BLAS products per tile (three accumulate straight into the gradients),
-one recomputed exponential. Items are the unit of parallelism, so fewer
-``(sequence, kv head)`` pairs than cores leave cores idle (a known limit).
+one recomputed exponential. With fewer ``(sequence, kv head)`` pairs than
+threads, a pair is split into parts over its query blocks with private
+``dk``/``dv`` sums (see :func:`backward_kernel`).
 """
 
 from __future__ import annotations
