@@ -1066,3 +1066,55 @@ def test_bad_varlen_inputs_name_the_values(overrides, needles, backward):
         else:
             ft.varlen_attention(q, k, v, cu_q, cu_k, **kw)
     _assert_message_names(excinfo, needles)
+
+
+@pytest.mark.parametrize("dtype", [bool, np.float64])
+def test_masks_that_broadcast_over_keys(rng, dtype):
+    """A mask with a size-1 key axis broadcasts in every path (the reference
+    once sliced it to nothing past the first key block)."""
+    q = rng.standard_normal((1, 2, 6, 4))
+    k = rng.standard_normal((1, 2, 9, 4))
+    v = rng.standard_normal((1, 2, 9, 3))
+    rows = np.array([True, False, True, True, False, True])[None, None, :, None]
+    mask = rows if dtype is bool else np.where(rows, 0.5, -np.inf)
+    dense, _ = ft.naive_attention(q, k, v, mask=mask)
+    tiled, lse = ft.tiled_attention(q, k, v, 4, mask=mask, return_lse=True)
+    fast = ft.attention(q, k, v, mask=mask, block_q=2, block_k=4)
+    assert rel_err(tiled, dense) < 1e-12 and rel_err(fast, dense) < 1e-12
+    assert np.all(tiled[..., 1, :] == 0) and np.all(np.isneginf(lse[..., 1]))
+    dout = rng.standard_normal(tiled.shape)
+    grads = ft.tiled_attention_backward(q, k, v, tiled, dout, lse, 4, mask=mask)
+    assert all(np.all(np.isfinite(g)) for g in grads)
+
+
+def test_empty_query_blocks_compute_nothing(rng):
+    from flashtile.api import visited_tiles
+
+    q, k, v = (rng.standard_normal((1, 1, t, 4)) for t in (8, 40, 40))
+    # Every query sits past the 5 valid keys' window: no key is ever visible.
+    kw = {"kv_lengths": np.array([5]), "window": (2, 0), "block_q": 8, "block_k": 8}
+    assert visited_tiles(q, k, v, **kw) == 0
+    out, lse = ft.attention(q, k, v, return_lse=True, **kw)
+    assert np.all(out == 0) and np.all(np.isneginf(lse))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"alibi_slopes": np.full(2, np.nan)}, ValueError, "finite"),
+        ({"mask": np.full((6, 9), np.nan)}, ValueError, "NaN or \\+inf"),
+        ({"mask": np.full((6, 9), np.inf)}, ValueError, "NaN or \\+inf"),
+    ],
+)
+def test_non_finite_variant_inputs_are_refused(rng, kwargs, exc, match):
+    q, k, v = (rng.standard_normal((1, 2, t, 4)) for t in (6, 9, 9))
+    with pytest.raises(exc, match=match):
+        ft.attention(q, k, v, **kwargs)
+    with pytest.raises(exc, match=match):
+        ft.tiled_attention(q, k, v, 4, **kwargs)
+
+
+def test_softcap_accepts_a_zero_dim_array(rng):
+    q, k, v = (rng.standard_normal((1, 2, t, 4)) for t in (6, 9, 9))
+    a = ft.attention(q, k, v, softcap=np.array(2.0))
+    np.testing.assert_array_equal(a, ft.attention(q, k, v, softcap=2.0))

@@ -137,7 +137,7 @@ def _plan(q, k, v, causal, scale, variants, block_q, block_k, defaults) -> tuple
     if va.mask_bool is not None:
         bm = va.block_mask
         defaults = MASK_BLOCKS if bm is None else (bm.block_q, bm.block_k)
-    group = shapes.group
+    group = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1  # MQA too (Hkv = 1)
     block_q, block_k = _block_sizes(block_q, block_k, defaults, group, shapes.tq, shapes.tk)
     work = np.float64 if q.dtype == np.float64 else np.float32
     q4, k4, v4 = (_as4d(a, work) for a in (q, k, v))
@@ -405,7 +405,7 @@ def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, variants, b
     va = resolve_variants(shapes, causal=causal, **variants)
     lq, lk = np.diff(cq), np.diff(ck)
     block_q, block_k = _block_sizes(
-        *blocks, defaults, shapes.group, max(lq.max(), 1), max(lk.max(), 1)
+        *blocks, defaults, q.shape[0] // k.shape[0], max(lq.max(), 1), max(lk.max(), 1)
     )
     work = np.float64 if q.dtype == np.float64 else np.float32
     q4, k4, v4 = (_as4d(a, work) for a in (q, k, v))

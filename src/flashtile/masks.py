@@ -47,10 +47,11 @@ except ImportError:  # the reference works without Numba
 
 @_jitable
 def key_bounds(i, tq, tk, causal, left, right, kv_len):
-    """Keys ``[lo, hi)`` that query ``i`` may see by position (empty: ``hi <= lo``).
+    """Keys ``[lo, hi)`` that query ``i`` may see by position (empty when ``hi <= lo``).
 
     ``left``/``right`` < 0 mean unbounded; ``kv_len`` is the number of valid
-    keys (``tk`` without padding).
+    keys (``tk`` without padding). ``hi`` may be below ``lo``: both ends stay
+    monotone in ``i`` that way, which :func:`block_key_range` relies on.
     """
     p = i + tk - tq
     hi = kv_len
@@ -61,12 +62,16 @@ def key_bounds(i, tq, tk, causal, left, right, kv_len):
     lo = 0
     if left >= 0:
         lo = max(lo, p - left)
-    return lo, max(lo, hi)
+    return lo, hi
 
 
 @_jitable
 def block_key_range(i0, i1, tq, tk, causal, left, right, kv_len):
-    """Keys ``[lo, hi)`` that any query in ``[i0, i1)`` may see."""
+    """Keys ``[lo, hi)`` that any query in ``[i0, i1)`` may see (empty: ``lo == hi``).
+
+    Both ends of a row's range never decrease with ``i``, so the union of the
+    rows' ranges lies within the first row's ``lo`` and the last row's ``hi``.
+    """
     lo, _ = key_bounds(i0, tq, tk, causal, left, right, kv_len)
     _, hi = key_bounds(i1 - 1, tq, tk, causal, left, right, kv_len)
     return lo, max(lo, hi)

@@ -67,19 +67,28 @@ def _check_alibi(alibi_slopes, shapes: AttentionShapes) -> np.ndarray:
     if slopes.dtype.kind not in "fiu":
         raise TypeError(f"alibi_slopes must be real numbers, got dtype {slopes.dtype}")
     batch, heads = _heads_and_batch(shapes, "alibi_slopes")
+    if not np.all(np.isfinite(slopes)):
+        raise ValueError(f"alibi_slopes must be finite, got {slopes.tolist()}")
     if slopes.shape == (heads,):
         return slopes.astype(np.float64)[:, None, None]
     if len(shapes.batch) >= 2 and slopes.shape == (batch, heads):
         return slopes.astype(np.float64)[:, :, None, None]
+    per_batch = (
+        f" or (B, Hq) = ({batch}, {heads})"
+        if len(shapes.batch) >= 2
+        else " (per-batch slopes (B, Hq) need 4-D (B, H, T, d) inputs)"
+    )
     raise ValueError(
-        f"alibi_slopes has shape {slopes.shape}; expected (Hq,) = ({heads},) or "
-        f"(B, Hq) = ({batch}, {heads}), one slope per query head"
+        f"alibi_slopes has shape {slopes.shape}; expected (Hq,) = ({heads},){per_batch}, "
+        f"one slope per query head"
     )
 
 
 def _check_softcap(softcap) -> float | None:
     if softcap is None:
         return None
+    if isinstance(softcap, np.ndarray) and softcap.ndim == 0:
+        softcap = softcap.item()
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a positive number or None, got {softcap!r}")
     if not (math.isfinite(softcap) and softcap > 0):
@@ -144,6 +153,11 @@ def _check_mask(mask, shapes: AttentionShapes):
         raise TypeError(
             f"mask has dtype {mask.dtype}: pass a bool mask (True = keep) or a float mask "
             f"added to the scores (-inf = hidden)"
+        )
+    if np.isnan(mask).any() or np.isposinf(mask).any():
+        raise ValueError(
+            "a float mask may hold finite values and -inf (hidden), not NaN or +inf: "
+            "they would turn whole rows into NaN"
         )
     return None, mask, None
 

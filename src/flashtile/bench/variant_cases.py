@@ -83,7 +83,8 @@ def positional_pairs(T: int, causal: bool, window) -> int:
     """Keys visible by position, summed over the ``T`` queries (``Tq == Tk``)."""
     left, right = normalize_window(window, causal)
     return sum(
-        hi - lo for lo, hi in (key_bounds(i, T, T, causal, left, right, T) for i in range(T))
+        max(0, hi - lo)
+        for lo, hi in (key_bounds(i, T, T, causal, left, right, T) for i in range(T))
     )
 
 

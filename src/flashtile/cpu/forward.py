@@ -242,7 +242,7 @@ def forward_kernel(q, k, v, out, lse, visited, seqs, items, scale, kv, block_q, 
                 gemm(gemm_fn, s, v_buf[:width], acc, False, False, 1.0)
         else:
             seg1 = np.zeros((1, 4), dtype=np.int64)
-            seg1[0, 3] = 1 if kv.mask_bool.size > 0 else 2  # 1: read the mask
+            seg1[0, 3] = 2  # no block map means no boolean mask to read
             for j0 in range(lo, hi, block_k):
                 j1 = min(j0 + block_k, hi)
                 visited[n] += 1

@@ -34,7 +34,8 @@ class KernelVariants(NamedTuple):
     ``softcap`` is ``cap * log2(e)`` (0 = off); ``alibi (Ba, Hq)`` holds
     ``slope * log2(e)``; ``mask_add`` is pre-multiplied by ``log2(e)``;
     ``mask_add``/``mask_bool``/``states`` are ``(Bm, Hm, TQm, TKm)``-shaped
-    with size-1 dims broadcasting, and empty when off.
+    with size-1 dims broadcasting, and empty when off; ``states`` (the block
+    map for the call's tiles) is present whenever ``mask_bool`` is.
     """
 
     causal: bool
@@ -102,8 +103,8 @@ def transform_row(seg, col0, i, tq, tk, b, h, kv, read_bool, tanh_out):
 def tile_state(kv, b, h0, group, qblock, kblock):
     """Block-map state of a stacked tile: 0 skip, 1 read the mask, 2 fully kept."""
     st = kv.states
-    if st.size == 0:  # no block map: read the mask if there is one
-        return 1 if kv.mask_bool.size > 0 else 2
+    if st.size == 0:  # no mask (the caller always builds a map for a mask)
+        return 2
     lo, hi = 2, 0
     for g in range(group):
         v = st[b % st.shape[0], (h0 + g) % st.shape[1], qblock, kblock]

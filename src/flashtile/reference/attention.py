@@ -57,6 +57,11 @@ def _prepare(q, k, v, causal, scale, variants) -> _Problem:
     return _Problem(*cast, shapes, va, scale, q.dtype)
 
 
+def _key_slice(mask: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """Keys ``[start, stop)`` of a mask; a size-1 key axis broadcasts as is."""
+    return mask if mask.shape[-1] == 1 else mask[..., start:stop]
+
+
 def _scores(pb: _Problem, start: int, stop: int):
     """Scores of every query against keys ``[start, stop)``, all variants applied.
 
@@ -74,10 +79,10 @@ def _scores(pb: _Problem, start: int, stop: int):
         dist = np.abs((q_idx + sh.tk - sh.tq)[:, None] - k_idx[None, :])
         s = s - va.alibi * dist
     if va.mask_add is not None:
-        s = s + va.mask_add[..., start:stop]
+        s = s + _key_slice(va.mask_add, start, stop)
     keep = visible(q_idx, k_idx, sh.tq, sh.tk, va.causal, va.left, va.right, va.kv_lengths)
     if va.mask_bool is not None:
-        keep = keep & va.mask_bool[..., start:stop]
+        keep = keep & _key_slice(va.mask_bool, start, stop)
     s = np.where(keep, s, -np.inf).astype(pb.q.dtype, copy=False)
     return s, dcap
 
