@@ -29,20 +29,23 @@ print(json.dumps({"forward": t1 - t0, "forward+backward": t2 - t0}))
 """
 
 
-def _run(cache_dir: str) -> dict[str, float]:
+def _run(cache_dir: str, probe: str) -> dict[str, float]:
     env = {**os.environ, "NUMBA_CACHE_DIR": cache_dir}
     done = subprocess.run(
-        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
     )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure_startup() -> dict[str, dict[str, float]]:
+def measure_startup(probe: str = _PROBE) -> dict[str, dict[str, float]]:
     """``{"cold": {...}, "warm": {...}}``: seconds from interpreter start of
-    the probe to the first forward and to the first forward+backward."""
+    the probe to the first forward and to the first forward+backward.
+
+    ``probe`` is the script each new process runs; it must print one JSON
+    object with those two keys (tests pass a cheaper one)."""
     with tempfile.TemporaryDirectory(prefix="flashtile-numba-cache-") as cache_dir:
-        cold = _run(cache_dir)
-        warm = _run(cache_dir)
+        cold = _run(cache_dir, probe)
+        warm = _run(cache_dir, probe)
     return {"cold": cold, "warm": warm}
 
 
