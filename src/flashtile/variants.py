@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._validate import AttentionShapes
+from ._validate import AttentionShapes, check_flag
 from .masks import BlockMask, normalize_window
 
 
@@ -174,8 +174,6 @@ def resolve_variants(
     mask=None,
 ) -> Variants:
     """Validate the variant keywords against ``shapes`` and normalise them."""
-    from ._validate import check_flag
-
     causal = check_flag(causal, "causal")
     left, right = normalize_window(window, causal)
     alibi = None if alibi_slopes is None else _check_alibi(alibi_slopes, shapes)
