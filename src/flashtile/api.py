@@ -21,7 +21,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._validate import check_block_size, check_qkv, check_same_shape, resolve_scale
+from ._validate import (
+    check_block_size,
+    check_qkv,
+    check_same_shape,
+    compute_dtype,
+    resolve_scale,
+)
 from .masks import block_key_range, block_mask
 from .variants import resolve_variants
 
@@ -139,7 +145,7 @@ def _plan(q, k, v, causal, scale, variants, block_q, block_k, defaults) -> tuple
         defaults = MASK_BLOCKS if bm is None else (bm.block_q, bm.block_k)
     group = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1  # MQA too (Hkv = 1)
     block_q, block_k = _block_sizes(block_q, block_k, defaults, group, shapes.tq, shapes.tk)
-    work = np.float64 if q.dtype == np.float64 else np.float32
+    work = compute_dtype(q.dtype)
     q4, k4, v4 = (_as4d(a, work) for a in (q, k, v))
     n_batch = q4.shape[0]
     kv_len = np.full(n_batch, shapes.tk) if va.kv_lengths is None else va.kv_lengths
@@ -407,7 +413,7 @@ def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, variants, b
     block_q, block_k = _block_sizes(
         *blocks, defaults, q.shape[0] // k.shape[0], max(lq.max(), 1), max(lk.max(), 1)
     )
-    work = np.float64 if q.dtype == np.float64 else np.float32
+    work = compute_dtype(q.dtype)
     q4, k4, v4 = (_as4d(a, work) for a in (q, k, v))
     seqs = np.stack([np.zeros_like(cq[:-1]), cq[:-1], lq, ck[:-1], lk, lk], axis=1)
     keep = lq > 0

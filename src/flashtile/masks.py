@@ -163,10 +163,8 @@ class BlockMask:
 
     def counts(self) -> dict[str, int]:
         """How many tiles are empty, partial and full."""
-        return {
-            name: int(np.count_nonzero(self.states == value))
-            for name, value in (("empty", 0), ("partial", 1), ("full", 2))
-        }
+        kinds = (("empty", self.EMPTY), ("partial", self.PARTIAL), ("full", self.FULL))
+        return {name: int(np.count_nonzero(self.states == value)) for name, value in kinds}
 
 
 def block_mask(mask, block_q: int, block_k: int) -> BlockMask:
@@ -199,5 +197,6 @@ def block_mask(mask, block_q: int, block_k: int) -> BlockMask:
 
     any_kept = per_tile(np.any, False)
     all_kept = per_tile(np.all, True)
-    states = np.where(all_kept, 2, np.where(any_kept, 1, 0)).astype(np.int8)
+    partial_or_empty = np.where(any_kept, BlockMask.PARTIAL, BlockMask.EMPTY)
+    states = np.where(all_kept, BlockMask.FULL, partial_or_empty).astype(np.int8)
     return BlockMask(np.ascontiguousarray(mask4), block_q, block_k, states)
