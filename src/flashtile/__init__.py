@@ -6,6 +6,8 @@ align bottom-right when ``Tq != Tk``; rows that see no key give zeros and
 """
 
 from .api import attention, attention_backward, varlen_attention, varlen_attention_backward
+from .decode import decode_attention
+from .kvcache import KVCache
 from .masks import BlockMask, block_mask
 from .merge import merge_states
 from .reference import (
@@ -23,10 +25,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlockMask",
+    "KVCache",
     "attention",
     "attention_backward",
     "attention_memory_elements",
     "block_mask",
+    "decode_attention",
     "merge_states",
     "naive_attention",
     "online_attention",

@@ -1,0 +1,205 @@
+"""Split-KV decoding against a (paged) KV cache, and the merge of the splits.
+
+A decode step has a handful of queries per sequence and a long cache, so
+the work is reading K and V once. One work item is one ``(sequence, kv head,
+key chunk)``: the ``group * Tq`` queries of the query heads that read the kv
+head, stacked as rows (as in :mod:`.forward`), against one chunk of that
+sequence's keys. Chunks of one sequence run in parallel and each writes a
+partial ``(out, lse)``; :func:`merge_partials` folds them with the
+``merge_states`` rule. Planning (how many chunks, which thread takes which)
+is :mod:`flashtile.decode`'s job.
+
+The cache is always addressed through pages: key ``j`` of sequence ``b``
+lives in block ``table[b, j // P]`` at row ``j % P`` of the ``(blocks, Hkv,
+P, d)`` arrays. A contiguous ``(B, Hkv, T_max, d)`` cache is the special case
+``P = T_max`` with ``table[b] = [b]``. A tile of keys inside one page is
+used in place; a tile spanning pages (small pages) or stored as float16 is
+gathered, and widened, into a scratch tile first. Either way the scores of
+a tile are one gemm, the online softmax is :func:`.forward.softmax_tile`
+(the variants and masks of the forward), and the next tile's rows are
+prefetched while this one is computed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from ..masks import block_key_range, tile_fully_visible
+from . import FASTMATH
+from .blas import gemm
+from .forward import LN2, LOG2E, load_q_tile, softmax_tile
+from .memory import half_row_to_float, prefetch_rows
+
+
+def load_tile(src, table_row, hk, page, j0, j1, buf, bits):
+    """Rows of keys ``[j0, j1)`` (one sequence, kv head ``hk``) in the compute dtype.
+
+    ``src (blocks, Hkv, P, width)``. Rows inside one page come back in place
+    (a view); rows spanning pages are copied into ``buf`` and a float16
+    cache (uint16 bit patterns) is widened into it. ``bits`` is int32
+    scratch of at least ``(j1 - j0) * width``. Only callable from compiled code.
+    """
+    raise NotImplementedError("load_tile is only available inside Numba kernels")
+
+
+@overload(load_tile, fastmath=FASTMATH)
+def _load_tile_overload(src, table_row, hk, page, j0, j1, buf, bits):
+    half = src.dtype == types.uint16
+
+    def impl(src, table_row, hk, page, j0, j1, buf, bits):
+        if not half and j0 % page + (j1 - j0) <= page:
+            off = j0 % page
+            return src[table_row[j0 // page], hk, off : off + j1 - j0]
+        width = src.shape[3]
+        j = j0
+        while j < j1:  # one page's run at a time, as flat contiguous rows
+            off, run = j % page, min(page - j % page, j1 - j)
+            rows = src[table_row[j // page], hk, off : off + run].reshape(run * width)
+            out = buf[j - j0 : j - j0 + run].reshape(run * width)
+            if half:
+                half_row_to_float(rows, out, bits)
+            else:
+                for c in range(run * width):  # a loop: slice assignment copies twice
+                    out[c] = rows[c]
+            j += run
+        return buf[: j1 - j0]
+
+    return impl
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def prefetch_keys(k, v, table_row, hk, page, j0, j1):
+    """Prefetch the K and V rows of keys ``[j0, j1)`` (any pages they span)."""
+    j = j0
+    while j < j1:
+        blk = table_row[j // page]
+        off = j % page
+        run = min(page - off, j1 - j)
+        prefetch_rows(k[blk, hk], off, off + run)
+        prefetch_rows(v[blk, hk], off, off + run)
+        j += run
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def decode_kernel(q, k, v, table, seqlens, items, part_out, part_lse, scale, kv, tile, gemm_fn):
+    """Partial attention of each item's queries over its key chunk.
+
+    Args:
+        q: ``(B, Hq, Tq, d)`` in the compute dtype.
+        k, v: ``(blocks, Hkv, P, d / dv)`` cache pages, in the compute dtype,
+            or uint16 (float16 bit patterns, widened tile by tile).
+        table: ``(B, pages)`` int64 block table (see the module docstring).
+        seqlens: ``(B,)`` int64 valid keys per sequence; query ``i`` of
+            sequence ``b`` sits at position ``seqlens[b] - Tq + i``.
+        items: ``(N, 5)`` int64 rows ``(b, kv head, j_lo, j_hi, slot)``.
+        part_out: ``(slots, group * Tq, dv)``, part_lse: ``(slots, group * Tq)``
+            (natural log), written at each item's slot; a chunk whose keys
+            no query sees gives zeros and ``-inf``.
+        kv: :class:`.tiles.KernelVariants` (no mask arrays).
+        tile: keys per tile. gemm_fn: :func:`.blas.gemm_for` of the dtype.
+    """
+    tq, d = q.shape[2], q.shape[3]
+    page, dv = k.shape[2], v.shape[3]
+    group = q.shape[1] // k.shape[1]
+    rows = group * tq
+    dtype = q.dtype
+    q_mult = dtype.type(scale * LOG2E)
+    for n in prange(items.shape[0]):
+        b, hk, j_lo, j_hi, slot = items[n, 0], items[n, 1], items[n, 2], items[n, 3], items[n, 4]
+        length = seqlens[b]
+        table_row = table[b]
+        h0 = hk * group
+        q_tile = np.empty((rows, d), dtype=dtype)
+        load_q_tile(q, b, h0, group, 0, 0, tq, q_mult, q_tile)
+        s_buf = np.empty(rows * tile, dtype=dtype)
+        k_buf = np.empty((tile, d), dtype=dtype)
+        v_buf = np.empty((tile, dv), dtype=dtype)
+        bits = np.empty(tile * max(d, dv), dtype=np.int32)  # exp2 and float16 scratch
+        acc = np.zeros((rows, dv), dtype=dtype)
+        m = np.full(rows, -np.inf, dtype=dtype)
+        ell = np.zeros(rows, dtype=dtype)
+        alpha = np.empty(rows, dtype=dtype)
+        geo = (b, h0, tq, 0, tq, length, length)
+        seg1 = np.zeros((1, 4), dtype=np.int64)
+        seg1[0, 3] = 2  # no boolean mask in decoding
+
+        lo, hi = block_key_range(0, tq, tq, length, kv.causal, kv.left, kv.right, length)
+        lo, hi = max(lo, j_lo), min(hi, j_hi)
+        j0 = lo
+        while j0 < hi:
+            j1 = min(j0 + tile, hi)
+            if page >= tile:  # end the tile at its page, so it is read in place
+                j1 = min(j1, j0 - j0 % page + page)
+            prefetch_keys(k, v, table_row, hk, page, j1, min(j1 + tile, hi))
+            k_tile = load_tile(k, table_row, hk, page, j0, j1, k_buf, bits)
+            v_tile = load_tile(v, table_row, hk, page, j0, j1, v_buf, bits)
+            s = s_buf[: rows * (j1 - j0)].reshape((rows, j1 - j0))
+            gemm(gemm_fn, q_tile, k_tile, s, False, True, 0.0)
+            full = tile_fully_visible(
+                0, tq, j0, j1, tq, length, kv.causal, kv.left, kv.right, length
+            )
+            seg1[0, 1], seg1[0, 2] = j0, j1 - j0
+            softmax_tile(s, m, ell, alpha, bits, q_tile, k_tile, seg1, geo, kv, full)
+            for r in range(rows):
+                if alpha[r] != 1.0:
+                    acc[r] *= alpha[r]
+            gemm(gemm_fn, s, v_tile, acc, False, False, 1.0)
+            j0 = j1
+
+        for r in range(rows):
+            if ell[r] == 0.0:
+                part_out[slot, r, :] = 0.0
+                part_lse[slot, r] = -np.inf
+            else:
+                inv = 1.0 / ell[r]
+                for c in range(dv):
+                    part_out[slot, r, c] = acc[r, c] * inv
+                part_lse[slot, r] = (m[r] + math.log2(ell[r])) * LN2
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def merge_partials(part_out, part_lse, spans, out, lse):
+    """Fold each ``(sequence, kv head)``'s partials into ``out``/``lse``.
+
+    The compiled twin of :func:`flashtile.merge.merge_states` applied over a
+    run of slots: ``lse = log sum_s exp(lse_s)`` and ``out = sum_s
+    exp(lse_s - lse) out_s``, relative to the largest ``lse_s`` so nothing
+    overflows; empty partials (``lse_s = -inf``) weigh nothing and a row with
+    no partial left gives zeros and ``-inf``.
+
+    Args:
+        part_out: ``(slots, group * Tq, dv)``; part_lse: ``(slots, group * Tq)``.
+        spans: ``(B * Hkv, 2)`` int64 ``(first slot, count)`` of ``(b, kv head)``
+            at row ``b * Hkv + kv head``.
+        out: ``(B, Hq, Tq, dv)``; lse: ``(B, Hq, Tq)``, written.
+    """
+    hq, tq, dv = out.shape[1], out.shape[2], out.shape[3]
+    hkv = spans.shape[0] // out.shape[0]
+    group = hq // hkv
+    for u in prange(spans.shape[0]):
+        b, hk = u // hkv, u % hkv
+        s0, count = spans[u, 0], spans[u, 1]
+        for r in range(group * tq):
+            h, i = hk * group + r // tq, r % tq
+            top = -np.inf
+            for s in range(s0, s0 + count):
+                top = max(top, part_lse[s, r])
+            dst = out[b, h, i]
+            dst[:] = 0.0
+            if top == -np.inf:
+                lse[b, h, i] = -np.inf
+                continue
+            total = 0.0
+            for s in range(s0, s0 + count):
+                total += math.exp(part_lse[s, r] - top)
+            for s in range(s0, s0 + count):
+                w = math.exp(part_lse[s, r] - top) / total
+                if w > 0.0:
+                    src = part_out[s, r]
+                    for c in range(dv):
+                        dst[c] += w * src[c]
+            lse[b, h, i] = top + math.log(total)

@@ -1,0 +1,311 @@
+"""Decoding against a KV cache (issue 6): split-KV, paged caches, KVCache.
+
+The oracle is the dense float64 formula of ``dense.py`` applied to each
+sequence's valid keys; the NumPy reference ``flashtile.reference.
+decode_attention`` is checked against it, and the fast path against both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashtile
+from dense import dense_attention, dense_variant_attention
+from flashtile.cpu.memory import half_row_to_float
+from flashtile.decode import plan_splits
+from flashtile.reference import decode_attention as reference_decode
+
+TOL32 = dict(rtol=2e-5, atol=2e-5)
+
+
+def _dense_decode(q, keys, values, lengths, causal=True, **variants):
+    """float64 ``(out, lse)``: each sequence's queries against its first keys."""
+    batch, hq, tq, _ = q.shape
+    out = np.zeros((batch, hq, tq, values.shape[-1]))
+    lse = np.full((batch, hq, tq), -np.inf)
+    slopes = variants.pop("alibi_slopes", None)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        per_b = None if slopes is None else (slopes if np.ndim(slopes) == 1 else slopes[b])
+        o, s = dense_variant_attention(
+            q[b : b + 1],
+            keys[b : b + 1, :, :n],
+            values[b : b + 1, :, :n],
+            causal,
+            alibi_slopes=per_b,
+            **variants,
+        )
+        out[b], lse[b] = o[0], s[0]
+    return out, lse
+
+
+def _problem(rng, batch=3, hq=6, hkv=2, tq=3, d=16, dv=None, t_max=70, dtype=np.float32):
+    dv = d if dv is None else dv
+    q = rng.standard_normal((batch, hq, tq, d)).astype(dtype)
+    k = rng.standard_normal((batch, hkv, t_max, d)).astype(dtype)
+    v = rng.standard_normal((batch, hkv, t_max, dv)).astype(dtype)
+    return q, k, v
+
+
+def _paged(rng, k, v, lengths, page):
+    """The same sequences in a shuffled page pool, ``-1`` past each sequence."""
+    batch, hkv, _, d = k.shape
+    per_seq = -(-k.shape[2] // page)
+    pool = batch * per_seq + 2  # spare pages that no sequence uses
+    order = rng.permutation(pool)
+    table = np.full((batch, per_seq), -1, dtype=np.int64)
+    kp = rng.standard_normal((pool, hkv, page, d)).astype(k.dtype)  # junk where unused
+    vp = rng.standard_normal((pool, hkv, page, v.shape[3])).astype(v.dtype)
+    for b, n in enumerate(lengths):
+        for p in range(-(-n // page)):
+            table[b, p] = order[b * per_seq + p]
+            rows = slice(p * page, min((p + 1) * page, n))
+            kp[table[b, p], :, : rows.stop - rows.start] = k[b, :, rows]
+            vp[table[b, p], :, : rows.stop - rows.start] = v[b, :, rows]
+    return kp, vp, table
+
+
+VARIANTS = [
+    {},
+    {"causal": False},
+    {"window": (9, 0)},
+    {"window": (4, 2), "causal": False},
+    {"softcap": 3.0},
+    {"alibi_slopes": np.array([0.5, 0.25, 0.125, 0.3, 0.2, 0.1])},
+    {"alibi_slopes": np.linspace(0.05, 0.6, 18).reshape(3, 6)},
+]
+
+
+@pytest.mark.parametrize("variants", VARIANTS, ids=lambda v: "-".join(v) or "plain")
+@pytest.mark.parametrize("tq", [1, 3])
+def test_decode_matches_dense_and_reference(rng, variants, tq):
+    q, k, v = _problem(rng, tq=tq, dv=11)
+    lengths = np.array([70, 37, 2])
+    out, lse = flashtile.decode_attention(
+        q, k, v, cache_seqlens=lengths, return_lse=True, **variants
+    )
+    ref_out, ref_lse = reference_decode(q, k, v, cache_seqlens=lengths, return_lse=True, **variants)
+    want_out, want_lse = _dense_decode(q, k, v, lengths, **dict(variants))
+    np.testing.assert_allclose(ref_out, want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, want_out, **TOL32)
+    np.testing.assert_allclose(lse, want_lse, **TOL32)
+    np.testing.assert_allclose(ref_lse, want_lse, **TOL32)
+    assert out.dtype == np.float32 and out.shape == (3, 6, tq, 11)
+
+
+def test_decode_float64_is_exact_to_double_rounding(rng):
+    q, k, v = _problem(rng, batch=2, hq=4, hkv=1, tq=2, d=8, t_max=300, dtype=np.float64)
+    lengths = np.array([300, 129])
+    out, lse = flashtile.decode_attention(q, k, v, cache_seqlens=lengths, return_lse=True)
+    want_out, want_lse = _dense_decode(q, k, v, lengths)
+    assert out.dtype == np.float64
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("page", [1, 5, 16, 64, 128])
+def test_paged_equals_contiguous(rng, page):
+    q, k, v = _problem(rng, t_max=300)
+    lengths = np.array([300, 17, 129])
+    kp, vp, table = _paged(rng, k, v, lengths, page)
+    paged = flashtile.decode_attention(q, kp, vp, cache_seqlens=lengths, block_table=table)
+    contiguous = flashtile.decode_attention(q, k, v, cache_seqlens=lengths)
+    np.testing.assert_allclose(paged, contiguous, **TOL32)
+    ref = reference_decode(q, kp, vp, cache_seqlens=lengths, block_table=table)
+    np.testing.assert_allclose(paged, ref, **TOL32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64, 1000])
+def test_any_number_of_splits_gives_the_same_answer(rng, num_splits):
+    # 1000 splits of 300 keys leaves most chunks empty: their lse = -inf
+    # partials must merge in without NaN.
+    q, k, v = _problem(rng, t_max=300)
+    lengths = np.array([300, 1, 257])
+    out, lse = flashtile.decode_attention(
+        q, k, v, cache_seqlens=lengths, num_splits=num_splits, return_lse=True
+    )
+    want_out, want_lse = _dense_decode(q, k, v, lengths)
+    np.testing.assert_allclose(out, want_out, **TOL32)
+    np.testing.assert_allclose(lse, want_lse, **TOL32)
+
+
+def test_rows_that_see_no_key_give_zeros_not_nan(rng):
+    q, k, v = _problem(rng, tq=4)
+    lengths = np.array([0, 2, 70])  # an empty sequence; Tq > length leaves early rows empty
+    out, lse = flashtile.decode_attention(q, k, v, cache_seqlens=lengths, return_lse=True)
+    assert np.isfinite(out).all()
+    assert (out[0] == 0).all() and np.isneginf(lse[0]).all()
+    assert (out[1, :, :2] == 0).all() and np.isneginf(lse[1, :, :2]).all()
+    want_out, _ = _dense_decode(q, k, v, lengths)
+    np.testing.assert_allclose(out, want_out, **TOL32)
+
+
+def test_large_logits_and_late_maxima(rng):
+    # Scores near 1000 and a maximum that appears only in the last chunk.
+    q, k, v = _problem(rng, batch=1, hq=2, hkv=1, tq=1, d=4, t_max=2000)
+    k[0, 0, 1990] = q[0, 0, 0] * 60
+    q *= 20
+    out = flashtile.decode_attention(q, k, v, num_splits=5)
+    want, _ = _dense_decode(q, k, v, [2000])
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+
+
+def test_float16_cache_is_widened_exactly(rng):
+    q, k, v = _problem(rng, t_max=200)
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    lengths = np.array([200, 77, 5])
+    out = flashtile.decode_attention(q, k16, v16, cache_seqlens=lengths)
+    want, _ = _dense_decode(q, k16.astype(np.float64), v16.astype(np.float64), lengths)
+    np.testing.assert_allclose(out, want, **TOL32)
+    kp, vp, table = _paged(rng, k16, v16, lengths, 16)
+    paged = flashtile.decode_attention(q, kp, vp, cache_seqlens=lengths, block_table=table)
+    np.testing.assert_allclose(paged, out, **TOL32)
+
+
+def test_half_row_to_float_is_exact_for_every_float16():
+    bits16 = np.arange(1 << 16, dtype=np.uint16)
+    got = np.empty(1 << 16, dtype=np.float32)
+    half_row_to_float(bits16, got, np.empty(1 << 16, dtype=np.int32))
+    want = bits16.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+def test_merge_kernel_matches_merge_states(rng):
+    from flashtile.cpu.decode import merge_partials
+
+    slots, rows, dv = 5, 3, 4
+    part_out = rng.standard_normal((slots, rows, dv)).astype(np.float32)
+    part_lse = (rng.standard_normal((slots, rows)) * 30).astype(np.float32)
+    part_lse[1, 0] = -np.inf
+    part_lse[:, 2] = -np.inf  # a row with no partial at all
+    part_out[:, 2] = 0.0
+    spans = np.array([[0, 2], [2, 3]], dtype=np.int64)  # B=1, Hkv=2, group 3, Tq=1
+    out = np.empty((1, 6, 1, dv), dtype=np.float32)
+    lse = np.empty((1, 6, 1), dtype=np.float32)
+    merge_partials(part_out, part_lse, spans, out, lse)
+    for hk, (s0, count) in enumerate(spans):
+        want_o, want_l = part_out[s0], part_lse[s0]
+        for s in range(s0 + 1, s0 + count):
+            want_o, want_l = flashtile.merge_states(want_o, want_l, part_out[s], part_lse[s])
+        np.testing.assert_allclose(out[0, hk * 3 : hk * 3 + 3, 0], want_o, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(
+            np.isneginf(lse[0, hk * 3 : hk * 3 + 3, 0]), np.isneginf(want_l)
+        )
+    assert np.isfinite(out).all()
+
+
+def test_split_plan_covers_each_visible_range_once():
+    ranges = np.array([[0, 5000], [100, 100], [30, 1000]])
+    for num_splits in (None, 1, 4, 3000):
+        items, spans = plan_splits(ranges, 2, num_splits, threads=2)
+        assert sorted(items[:, 4].tolist()) == list(range(len(items)))
+        for b, (lo, hi) in enumerate(ranges):
+            for hk in range(2):
+                s0, count = spans[b * 2 + hk]
+                mine = items[(items[:, 0] == b) & (items[:, 1] == hk)]
+                assert sorted(mine[:, 4].tolist()) == list(range(s0, s0 + count))
+                chunks = sorted(zip(mine[:, 2].tolist(), mine[:, 3].tolist(), strict=True))
+                covered = [j for a, c in chunks for j in range(a, c)]
+                assert covered == list(range(lo, hi))
+    items, _ = plan_splits(np.array([[0, 65536]]), 1, None, threads=2)
+    assert len(items) >= 8  # one long sequence still feeds every thread
+
+
+@pytest.mark.parametrize("page_size", [None, 4])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_prefill_then_decode_equals_full_causal_attention(rng, page_size, dtype):
+    batch, hq, hkv, d, prompt, steps = 2, 4, 2, 8, 13, 6
+    total = prompt + steps
+    q = rng.standard_normal((batch, hq, total, d)).astype(np.float32)
+    k = rng.standard_normal((batch, hkv, total, d)).astype(np.float32)
+    v = rng.standard_normal((batch, hkv, total, d)).astype(np.float32)
+    if dtype == np.float16:  # compare against the values the cache can hold
+        k, v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+    full = flashtile.attention(q, k, v, causal=True)
+    cache = flashtile.KVCache(batch, hkv, d, 32, dtype=dtype, page_size=page_size)
+    cache.append(k[:, :, :prompt], v[:, :, :prompt])
+    prefill = flashtile.attention(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], causal=True)
+    np.testing.assert_allclose(prefill, full[:, :, :prompt], **TOL32)
+    for t in range(prompt, total):
+        cache.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        step = cache.attend(q[:, :, t : t + 1])
+        np.testing.assert_allclose(step, full[:, :, t : t + 1], **TOL32)
+    assert cache.lengths.tolist() == [total, total]
+    # Speculative decoding: several queries at once against the same cache.
+    np.testing.assert_allclose(cache.attend(q[:, :, -3:]), full[:, :, -3:], **TOL32)
+
+
+def test_kv_cache_overflow_is_a_clear_error_and_leaves_the_cache_intact(rng):
+    cache = flashtile.KVCache(2, 1, 4, 10, page_size=4)
+    cache.append(rng.standard_normal((2, 1, 8, 4)), rng.standard_normal((2, 1, 8, 4)))
+    before = (cache.k.copy(), cache.v.copy(), cache.block_table.copy(), cache.lengths.copy())
+    with pytest.raises(ValueError, match="capacity of 10: nothing was written"):
+        cache.append(rng.standard_normal((2, 1, 3, 4)), rng.standard_normal((2, 1, 3, 4)))
+    for now, then in zip((cache.k, cache.v, cache.block_table, cache.lengths), before, strict=True):
+        np.testing.assert_array_equal(now, then)
+    cache.append(np.ones((1, 1, 2, 4)), np.ones((1, 1, 2, 4)), batch_index=[1])
+    assert cache.lengths.tolist() == [8, 10]
+
+
+def test_kv_cache_page_pool_and_reset(rng):
+    cache = flashtile.KVCache(2, 1, 4, 16, page_size=4, num_pages=5)
+    cache.append(np.ones((2, 1, 8, 4)), np.ones((2, 1, 8, 4)))  # 4 pages used
+    with pytest.raises(ValueError, match="needs 2 new pages but 1 are free"):
+        cache.append(np.ones((2, 1, 1, 4)), np.ones((2, 1, 1, 4)))
+    cache.reset(batch_index=0)
+    assert cache.lengths.tolist() == [0, 8]
+    assert (cache.block_table[0] == -1).all()
+    cache.append(np.ones((2, 1, 4, 4)), np.ones((2, 1, 4, 4)))  # 2 of the 3 free pages
+    # Sequence 0 gave back pages 0 and 1; the lowest free pages are reused.
+    assert cache.block_table[0].tolist() == [0, -1, -1, -1]
+    assert cache.block_table[1].tolist() == [2, 3, 1, -1]
+    q = rng.standard_normal((2, 2, 1, 4)).astype(np.float32)
+    assert np.allclose(cache.attend(q), 1.0)
+
+
+def test_kv_cache_argument_errors():
+    with pytest.raises(ValueError, match="capacity must be a positive integer"):
+        flashtile.KVCache(1, 1, 4, 0)
+    with pytest.raises(TypeError, match="float16, float32 or float64"):
+        flashtile.KVCache(1, 1, 4, 8, dtype=np.int32)
+    cache = flashtile.KVCache(2, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"expected \(2, 2, T, 4\)"):
+        cache.append(np.ones((2, 1, 1, 4)), np.ones((2, 1, 1, 4)))
+    with pytest.raises(ValueError, match="outside"):
+        cache.reset(batch_index=[5])
+    assert "contiguous" in repr(cache)
+
+
+def test_decode_argument_errors(rng):
+    q, k, v = _problem(rng, batch=2, hq=4, hkv=2, tq=1, d=8, t_max=16)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        flashtile.decode_attention(q, k[:, :, ::2], v[:, :, ::2])
+    with pytest.raises(ValueError, match=r"cache_seqlens must lie in \[0, 16\]"):
+        flashtile.decode_attention(q, k, v, cache_seqlens=[3, 17])
+    with pytest.raises(ValueError, match="contiguous cache has 3"):
+        flashtile.decode_attention(q, np.concatenate([k, k[:1]]), np.concatenate([v, v[:1]]))
+    with pytest.raises(ValueError, match="Hkv must divide Hq"):
+        flashtile.decode_attention(q[:, :3], k, v)
+    with pytest.raises(ValueError, match="num_splits must be >= 1"):
+        flashtile.decode_attention(q, k, v, num_splits=0)
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = 9 is not a page"):
+        flashtile.decode_attention(
+            q, k, v, cache_seqlens=[16, 1], block_table=np.array([[0, -1], [9, -1]])
+        )
+    with pytest.raises(TypeError, match="block_table must hold integers"):
+        flashtile.decode_attention(q, k, v, block_table=np.zeros((2, 1)))
+    with pytest.raises(ValueError, match="share the dtype"):
+        flashtile.decode_attention(q, k, v.astype(np.float64))
+
+
+def test_dense_decode_oracle_matches_plain_dense_attention(rng):
+    # The per-sequence oracle above, on one full sequence, is dense_attention.
+    q, k, v = _problem(rng, batch=1, hq=2, hkv=2, tq=3, d=4, t_max=9)
+    out, lse = _dense_decode(q, k, v, [9])
+    want_out, want_lse = dense_attention(q[0], k[0], v[0], causal=True)
+    np.testing.assert_allclose(out[0], want_out, rtol=1e-12)
+    np.testing.assert_allclose(lse[0], want_lse, rtol=1e-12)
