@@ -161,7 +161,7 @@ def decode_kernel(q, k, v, table, seqlens, items, part_out, part_lse, scale, kv,
                 part_lse[slot, r] = (m[r] + math.log2(ell[r])) * LN2
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=True)
 def merge_partials(part_out, part_lse, spans, out, lse):
     """Fold each ``(sequence, kv head)``'s partials into ``out``/``lse``.
 
@@ -180,7 +180,9 @@ def merge_partials(part_out, part_lse, spans, out, lse):
     hq, tq, dv = out.shape[1], out.shape[2], out.shape[3]
     hkv = spans.shape[0] // out.shape[0]
     group = hq // hkv
-    for u in prange(spans.shape[0]):
+    # Serial on purpose: a few rows per (sequence, kv head), far less work
+    # than waking the thread pool again.
+    for u in range(spans.shape[0]):
         b, hk = u // hkv, u % hkv
         s0, count = spans[u, 0], spans[u, 1]
         for r in range(group * tq):

@@ -1,0 +1,249 @@
+"""``flashtile bench --decode``: decoding against a KV cache, in GB/s.
+
+A decode step is a read of the cache, so the figure of merit is bytes of K/V
+read per second, compared with torch SDPA on the same tensors (4-D,
+``enable_gqa=True``) and with a measured memory-read ceiling: a parallel sum
+over a 512 MiB array timed in the same run. Every case checks its answer
+(against SDPA, or the contiguous cache for the paged ones) before timing,
+and providers are timed interleaved, so a noisy neighbour hits both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from functools import partial
+
+import numpy as np
+
+from ..decode import decode_attention
+
+#: The issue's shape: q (1, 32, Tq, 128) against an 8-head GQA cache.
+HQ, HKV, D = 32, 8, 128
+CEILING_BYTES = 512 << 20
+
+
+@dataclasses.dataclass
+class DecodeRow:
+    """One line of the table (times in seconds, medians)."""
+
+    case: str
+    kv_bytes: int
+    flashtile: float
+    torch: float | None = None
+    baseline: float | None = None  # the contiguous / one-sequence time it is judged by
+    note: str = ""
+
+    def gbps(self, seconds: float | None) -> float | None:
+        return None if seconds is None else self.kv_bytes / seconds / 1e9
+
+
+def read_ceiling(reps: int = 7) -> float:
+    """GB/s of a parallel float32 sum over a 512 MiB array (median)."""
+    from numba import njit, prange
+
+    @njit(parallel=True, fastmath=True)
+    def parallel_sum(a, parts):
+        chunk = a.shape[0] // parts.shape[0]
+        for t in prange(parts.shape[0]):
+            total = np.float32(0.0)
+            seg = a[t * chunk : (t + 1) * chunk]
+            for i in range(seg.shape[0]):
+                total += seg[i]
+            parts[t] = total
+        return parts.sum()
+
+    big = np.ones(CEILING_BYTES // 4, dtype=np.float32)
+    parts = np.zeros(64, dtype=np.float32)
+    parallel_sum(big, parts)
+    times = _interleaved([lambda: parallel_sum(big, parts)], reps)[0]
+    return big.nbytes / times / 1e9
+
+
+def _interleaved(fns, reps: int) -> list[float]:
+    """Median seconds of each function, run in turns ``reps`` times."""
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - t0)
+    return [float(np.median(t)) for t in times]
+
+
+def _cache(rng, batch: int, t_max: int):
+    q = rng.standard_normal((batch, HQ, 1, D), dtype=np.float32)
+    k = rng.standard_normal((batch, HKV, t_max, D), dtype=np.float32)
+    v = rng.standard_normal((batch, HKV, t_max, D), dtype=np.float32)
+    return q, k, v
+
+
+def _paged(rng, k, v, page: int):
+    """One sequence's cache cut into shuffled pages, and its block table."""
+    _, hkv, t, d = k.shape
+    n = t // page
+    order = rng.permutation(n)
+    pages_k = np.empty((n, hkv, page, d), dtype=k.dtype)
+    pages_v = np.empty_like(pages_k)
+    pages_k[order] = k[0].reshape(hkv, n, page, d).transpose(1, 0, 2, 3)
+    pages_v[order] = v[0].reshape(hkv, n, page, d).transpose(1, 0, 2, 3)
+    return pages_k, pages_v, order[None, :]
+
+
+def _check(got, want, what: str) -> None:
+    err = float(np.max(np.abs(got - want)))
+    if not err < 1e-4:
+        raise AssertionError(f"{what}: max abs error {err:.2e} (expected < 1e-4)")
+
+
+def _sdpa(torch, q, k, v):
+    tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+
+    def call():
+        with torch.no_grad():
+            return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+
+    return call
+
+
+def run_decode_cases(lengths=(8192, 65536), reps: int = 9, seed: int = 0) -> list[DecodeRow]:
+    """Time every decode case; ``lengths``: the single-sequence cache lengths."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    rng = np.random.default_rng(seed)
+    rows = []
+    longest = max(lengths)
+    for t in lengths:
+        q, k, v = _cache(rng, 1, t)
+        ours = partial(decode_attention, q, k, v)
+        fns = [ours]
+        if torch is not None:
+            fns.append(_sdpa(torch, q, k, v))
+            _check(ours(), fns[1]().numpy(), f"Tk={t} against torch SDPA")
+        times = _interleaved(fns, reps)
+        rows.append(DecodeRow(f"Tk={t}", k.nbytes * 2, times[0], times[1] if torch else None))
+        if t != longest:
+            continue
+        base = times[0]
+        for page in (16, 256):
+            pk, pv, table = _paged(rng, k, v, page)
+            paged = partial(decode_attention, q, pk, pv, block_table=table)
+            _check(paged(), ours(), f"page size {page} against the contiguous cache")
+            t_paged, t_cont = _interleaved([paged, ours], reps)
+            rows.append(DecodeRow(f"Tk={t}, paged {page}", k.nbytes * 2, t_paged, None, t_cont))
+        k16, v16 = k.astype(np.float16), v.astype(np.float16)
+        half = partial(decode_attention, q, k16, v16)
+        (t_half,) = _interleaved([half], reps)
+        rows.append(DecodeRow(f"Tk={t}, float16 cache", k16.nbytes * 2, t_half, None, None))
+        del k, v, k16, v16
+        rows.append(_batch_row(rng, torch, base / (2 * t * HKV * D * 4), reps))
+    return rows
+
+
+def _batch_row(rng, torch, seconds_per_byte: float, reps: int) -> DecodeRow:
+    """16 sequences of 1k..32k keys in one padded cache (only valid keys read)."""
+    lengths = np.linspace(1024, 32768, 16).astype(np.int64)
+    q, k, v = _cache(rng, len(lengths), int(lengths.max()))
+    ours = partial(decode_attention, q, k, v, cache_seqlens=lengths)
+    valid = int(lengths.sum()) * HKV * D * 4 * 2
+    fns = [ours]
+    if torch is not None:  # SDPA needs a padding mask: it reads every padded key
+        mask = torch.from_numpy(np.arange(k.shape[2])[None, :] < lengths[:, None])
+        tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+        mask = mask[:, None, None, :]
+
+        def sdpa():
+            with torch.no_grad():
+                return torch.nn.functional.scaled_dot_product_attention(
+                    tq, tk, tv, attn_mask=mask, enable_gqa=True
+                )
+
+        fns.append(sdpa)
+        _check(ours(), sdpa().numpy(), "batch of 16 against torch SDPA with a padding mask")
+    times = _interleaved(fns, reps)
+    return DecodeRow(
+        "B=16, lengths 1k..32k",
+        valid,
+        times[0],
+        times[1] if torch is not None else None,
+        valid * seconds_per_byte,
+        note="baseline: its valid bytes at the one-sequence speed",
+    )
+
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def decode_table(rows: list[DecodeRow], ceiling: float) -> list[str]:
+    """Markdown table lines."""
+    lines = [
+        "| case | K/V MiB | flashtile ms | GB/s | % of read ceiling | torch ms | x torch "
+        "| vs baseline |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        gb = r.gbps(r.flashtile)
+        speedup = None if r.torch is None else r.torch / r.flashtile
+        vs_base = None if r.baseline is None else r.flashtile / r.baseline
+        lines.append(
+            f"| {r.case} | {r.kv_bytes / 2**20:.0f} | {r.flashtile * 1e3:.2f} | {gb:.1f} "
+            f"| {100 * gb / ceiling:.0f}% | {_fmt(r.torch and r.torch * 1e3, '.2f')} "
+            f"| {_fmt(speedup, '.2f')} | {_fmt(vs_base, '.2f')} |"
+        )
+    return lines
+
+
+def target_lines(rows: list[DecodeRow]) -> list[str]:
+    """Issue 6's targets, each with the measured value and a verdict."""
+    by = {r.case: r for r in rows}
+    checks = []
+
+    def add(case, label, value, limit, at_least):
+        if value is None:
+            return
+        ok = value >= limit if at_least else value <= limit
+        sign = ">=" if at_least else "<="
+        checks.append(f"{label}: {value:.2f} ({sign} {limit}) {'met' if ok else 'MISSED'}")
+
+    for case, floor in (("Tk=65536", 5.0), ("Tk=8192", 3.0)):
+        r = by.get(case)
+        if r and r.torch:
+            add(case, f"{case} speedup over torch SDPA", r.torch / r.flashtile, floor, True)
+    for page, limit in ((16, 1.3), (256, 1.1)):
+        r = by.get(f"Tk=65536, paged {page}")
+        if r:
+            add(r.case, f"paged {page} / contiguous", r.flashtile / r.baseline, limit, False)
+    r = by.get("B=16, lengths 1k..32k")
+    if r:
+        add(
+            r.case,
+            "batch of 16 / its bytes at one-sequence speed",
+            r.flashtile / r.baseline,
+            1.2,
+            False,
+        )
+    return checks
+
+
+def run_decode_bench(out, reps: int = 9, lengths=(8192, 65536)) -> int:
+    """Print the decode table, the read ceiling and the targets to ``out``."""
+    import numba
+
+    ceiling = read_ceiling()
+    print(
+        f"decode  : q (B, {HQ}, 1, {D}) against a GQA cache (B, {HKV}, Tk, {D}), fp32, "
+        f"{numba.get_num_threads()} threads; read ceiling {ceiling:.1f} GB/s "
+        f"(parallel sum of {CEILING_BYTES >> 20} MiB)",
+        file=out,
+    )
+    rows = run_decode_cases(lengths, reps)
+    print("", file=out)
+    for line in decode_table(rows, ceiling):
+        print(line, file=out)
+    print("", file=out)
+    for line in target_lines(rows):
+        print(f"* target: {line}", file=out)
+    return 0
