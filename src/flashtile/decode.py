@@ -77,22 +77,17 @@ def plan_splits(ranges, kv_heads, num_splits, threads, tile=DECODE_TILE):
     else:
         splits = np.full(len(lengths), num_splits, dtype=np.int64)
         chunks = np.maximum(1, -(-lengths // num_splits))
-    per_seq = kv_heads * splits
-    first = np.concatenate([[0], np.cumsum(per_seq)[:-1]])
-    rows = []
-    spans = np.zeros((len(lengths) * kv_heads, 2), dtype=np.int64)
-    for b in range(len(lengths)):
-        s = np.arange(splits[b])
-        j_lo = np.minimum(ranges[b, 0] + s * chunks[b], ranges[b, 1])
-        j_hi = np.minimum(j_lo + chunks[b], ranges[b, 1])
-        for hk in range(kv_heads):
-            slot0 = first[b] + hk * splits[b]
-            spans[b * kv_heads + hk] = (slot0, splits[b])
-            block = np.empty((splits[b], 5), dtype=np.int64)
-            block[:, 0], block[:, 1], block[:, 2], block[:, 3] = b, hk, j_lo, j_hi
-            block[:, 4] = slot0 + s
-            rows.append(block)
-    items = np.concatenate(rows)
+    # Slots run (b, kv head, chunk)-major, so each pair's partials are adjacent.
+    pair_b = np.repeat(np.arange(len(lengths)), kv_heads)
+    pair_splits = splits[pair_b]
+    first = np.concatenate([[0], np.cumsum(pair_splits)[:-1]])
+    slot_pair = np.repeat(np.arange(len(pair_b)), pair_splits)
+    b = pair_b[slot_pair]
+    chunk_index = np.arange(len(slot_pair)) - first[slot_pair]
+    j_lo = np.minimum(ranges[b, 0] + chunk_index * chunks[b], ranges[b, 1])
+    j_hi = np.minimum(j_lo + chunks[b], ranges[b, 1])
+    items = np.stack([b, slot_pair % kv_heads, j_lo, j_hi, np.arange(len(b))], axis=1)
+    spans = np.stack([first, pair_splits], axis=1).astype(np.int64)
     costs = (items[:, 3] - items[:, 2]) + 64  # + the fixed cost of a chunk
     return _balance(items, costs), spans
 
