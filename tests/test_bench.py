@@ -341,3 +341,23 @@ def test_variant_only_providers_stay_out_of_custom_sweeps():
         "flashtile-dense",
         "flashtile-per-seq",
     ]
+
+
+def test_torch_op_preset_runs_verified_and_reports_ratio_and_overhead(monkeypatch, capsys):
+    pytest.importorskip("torch")
+    from flashtile.bench import torch_op
+
+    monkeypatch.setattr(torch_op, "SHAPES", ((64, 16, True), (32, 16, False)))
+    args = ["bench", "--preset", "torch-op", "--H", "2", "--reps", "2"]
+    assert main([*args, "--no-ceiling", "--no-memory"]) == 0
+    text = capsys.readouterr().out
+    rows = [line.split()[4] for line in text.splitlines() if line.startswith("fwd+bwd T=")]
+    assert rows == ["torch-sdpa", "flashtile", "flashtile-torch"] * 2
+    targets = [line for line in text.splitlines() if line.startswith("* target: ")]
+    assert len(targets) == 4
+    assert (
+        "time(torch-sdpa) / time(flashtile-torch)" in targets[0] and "target >= 0.8" in targets[0]
+    )
+    assert "torch-layer overhead" in targets[1] and "target < 5%" in targets[1]
+    assert all("no target at this size" in line for line in targets[2:])
+    assert "flashtile-torch" not in [p.name for p in providers.make_providers()]  # opt-in

@@ -1118,3 +1118,18 @@ def test_softcap_accepts_a_zero_dim_array(rng):
     q, k, v = (rng.standard_normal((1, 2, t, 4)) for t in (6, 9, 9))
     a = ft.attention(q, k, v, softcap=np.array(2.0))
     np.testing.assert_array_equal(a, ft.attention(q, k, v, softcap=2.0))
+
+
+def test_float_mask_at_float32_min_hides_keys_without_warnings(rng):
+    # Hugging Face masks hold torch.finfo(float32).min; in log2 units that
+    # leaves the float32 range and must act as -inf, silently.
+    q, k, v = (rng.standard_normal((1, 2, 6, 8), dtype=np.float32) for _ in range(3))
+    keep = rng.random((6, 6)) < 0.6
+    keep[2] = False  # a row that sees no key
+    additive = np.where(keep, 0.0, np.finfo(np.float32).min).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = ft.attention(q, k, v, mask=additive)
+    want = ft.attention(q, k, v, mask=keep)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert (got[:, :, 2] == 0).all()

@@ -155,5 +155,17 @@ def variants_cases(B: int = 1, H: int = 8) -> list[Case]:
     return variant_cases(B, H)
 
 
+def torch_op_cases(B: int = 1, H: int = 8) -> list[Case]:
+    """Issue 5's torch operator cases: see :mod:`.torch_op`."""
+    from .torch_op import torch_op_cases as build
+
+    return build(B, H)
+
+
 #: preset name -> (function building its cases, default H)
-PRESETS = {"issue": (issue_cases, 8), "quick": (quick_cases, 2), "variants": (variants_cases, 8)}
+PRESETS = {
+    "issue": (issue_cases, 8),
+    "quick": (quick_cases, 2),
+    "variants": (variants_cases, 8),
+    "torch-op": (torch_op_cases, 8),
+}

@@ -17,10 +17,11 @@ from ..cli import positive_int as _positive_int
 from .cases import PRESETS, sweep
 from .machine import header_lines, machine_info, sgemm_gflops
 from .memory import rss_method
-from .providers import PROVIDERS, VARIANT_ONLY, make_providers
+from .providers import OPT_IN, PROVIDERS, make_providers
 from .report import footnotes, format_table, plot, require_matplotlib, to_json
 from .runner import Progress, ReferenceCache, run_case
 from .startup import measure_startup, startup_lines
+from .torch_op import target_lines as torch_op_targets
 from .variant_providers import target_lines
 
 SWEEP_OPTIONS = ("T", "d", "causal", "mode")
@@ -53,7 +54,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     cases.add_argument(
         "--preset",
         choices=sorted(PRESETS),
-        help="issue (default), quick, or variants (issue 4: window, block-sparse, GQA, varlen)",
+        help="issue (default), quick, variants (issue 4: window, block-sparse, GQA, varlen), "
+        "or torch-op (issue 5: flashtile.torch.attention vs SDPA and vs the bare kernels)",
     )
     cases.add_argument(
         "--T",
@@ -81,7 +83,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         metavar="NAME",
         help=f"subset of {', '.join(PROVIDERS)} (replaces a preset's per-case choice)",
     )
-    p.add_argument("--reps", type=_positive_int, default=5, help="timed calls (default 5)")
+    p.add_argument("--reps", type=_positive_int, help="timed calls (default 5; 9 with --decode)")
     p.add_argument(
         "--time-budget",
         type=_positive_float,
@@ -106,6 +108,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         "--startup",
         action="store_true",
         help="also time import + first call in new processes, cold (empty Numba cache) and warm",
+    )
+    p.add_argument(
+        "--decode",
+        action="store_true",
+        help="instead of the attention cases: KV-cache decoding (issue 6) in GB/s against "
+        "torch SDPA and a measured memory-read ceiling (uses --reps, default 9 here)",
     )
     return p
 
@@ -137,7 +145,7 @@ def _build_cases(args):
         cases = [dataclasses.replace(c, providers=None) for c in cases]
         wanted = list(args.providers)
     else:
-        wanted = [n for n in PROVIDERS if n not in VARIANT_ONLY]
+        wanted = [n for n in PROVIDERS if n not in OPT_IN]
         if all(c.providers is not None for c in cases):
             wanted = [n for n in PROVIDERS if any(n in c.providers for c in cases)]
     return cases, preset, wanted
@@ -146,6 +154,10 @@ def _build_cases(args):
 def run_bench(args, out=None) -> int:
     """Run ``flashtile bench`` for parsed ``args``; print to ``out`` (stdout)."""
     out = out or sys.stdout
+    if args.decode:
+        from .decode import run_decode_bench
+
+        return run_decode_bench(out, reps=args.reps or 9)
     try:
         cases, preset, wanted = _build_cases(args)
         if args.plot:
@@ -197,7 +209,7 @@ def run_bench(args, out=None) -> int:
                 case,
                 providers,
                 refs,
-                reps=args.reps,
+                reps=args.reps or 5,
                 time_budget=args.time_budget,
                 max_slow_t=args.max_slow_T,
                 measure_memory=not args.no_memory,
@@ -212,7 +224,7 @@ def run_bench(args, out=None) -> int:
     print("", file=out)
     for note in footnotes(results, memory_method):
         print(f"* {note}", file=out)
-    targets = target_lines(results)
+    targets = target_lines(results) + torch_op_targets(results)
     for line in targets:
         print(f"* target: {line}", file=out)
 

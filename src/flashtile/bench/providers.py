@@ -80,6 +80,8 @@ class FlashtilePerSeqProvider(FlashtileProvider):
 #: Providers that only differ from flashtile on variant cases: a custom sweep
 #: leaves them out unless --providers names them.
 VARIANT_ONLY = ("flashtile-dense", "flashtile-blockmask", "flashtile-per-seq")
+#: Providers a custom sweep runs only when --providers names them (or a preset does).
+OPT_IN = (*VARIANT_ONLY, "flashtile-torch")
 
 
 def _import_torch():
@@ -123,6 +125,36 @@ class TorchSDPAProvider(Provider):
         # Fresh leaves per call, so gradients never accumulate across reps.
         qt, kt, vt = (torch.from_numpy(a).requires_grad_() for a in (q, k, v))
         out = sdpa(qt, kt, vt, is_causal=causal)
+        out.backward(torch.from_numpy(dout))
+        return out.detach().numpy(), qt.grad.numpy(), kt.grad.numpy(), vt.grad.numpy()
+
+
+class FlashtileTorchProvider(TorchSDPAProvider):
+    """``flashtile.torch.attention``: the same kernels behind the torch custom ops.
+
+    Timed like ``torch-sdpa`` (tensors shared with the NumPy inputs through
+    ``from_numpy``, fresh leaves per call, ``out.backward(dout)``), so its
+    time minus ``flashtile``'s is the cost of the torch layer: argument
+    checks, two dispatcher calls, autograd and the tensor/array wrapping.
+    """
+
+    name = "flashtile-torch"
+    description = "flashtile.torch.attention (torch custom op + autograd, same kernels)"
+
+    def forward(self, q, k, v, causal):
+        torch = _import_torch()
+        from flashtile.torch import attention
+
+        with torch.no_grad():
+            out = attention(*(torch.from_numpy(a) for a in (q, k, v)), causal=causal)
+        return out.numpy()
+
+    def forward_backward(self, q, k, v, dout, causal):
+        torch = _import_torch()
+        from flashtile.torch import attention
+
+        qt, kt, vt = (torch.from_numpy(a).requires_grad_() for a in (q, k, v))
+        out = attention(qt, kt, vt, causal=causal)
         out.backward(torch.from_numpy(dout))
         return out.detach().numpy(), qt.grad.numpy(), kt.grad.numpy(), vt.grad.numpy()
 
@@ -177,6 +209,7 @@ PROVIDERS: dict[str, type[Provider]] = {
     for cls in (
         TorchSDPAProvider,
         FlashtileProvider,
+        FlashtileTorchProvider,
         FlashtileBlockMaskProvider,
         FlashtileDenseProvider,
         FlashtilePerSeqProvider,
@@ -187,11 +220,11 @@ PROVIDERS: dict[str, type[Provider]] = {
 
 
 def make_providers(names=None) -> list[Provider]:
-    """Instances for ``names`` (all but :data:`VARIANT_ONLY` when None), in canonical order.
+    """Instances for ``names`` (all but :data:`OPT_IN` when None), in canonical order.
 
     Raises ValueError naming the unknown ones and the valid choices.
     """
-    names = [n for n in PROVIDERS if n not in VARIANT_ONLY] if names is None else list(names)
+    names = [n for n in PROVIDERS if n not in OPT_IN] if names is None else list(names)
     unknown = [n for n in names if n not in PROVIDERS]
     if unknown:
         raise ValueError(f"unknown provider(s) {unknown}; choose from {list(PROVIDERS)}")

@@ -61,7 +61,7 @@ def needs_dense_mask(case: Case) -> bool:
 def skip_reason(provider: str, case: Case, max_slow_t: int) -> str | None:
     """Why ``provider`` does not run the variant ``case`` (None when it does)."""
     va = case.variant
-    if provider in ("numpy-naive", "numpy-tiled"):
+    if provider in ("numpy-naive", "numpy-tiled", "flashtile-torch"):
         return f"{provider} does not run variant cases"
     if provider in ("flashtile-dense", "flashtile-blockmask") and va.sparse_block is None:
         return f"{provider} runs only on block-sparse mask cases"

@@ -1,0 +1,25 @@
+"""flashtile for PyTorch: a differentiable, ``torch.compile``-able attention op on CPU.
+
+* :func:`attention` takes SDPA-layout tensors ``(B, H, T, d)`` and is
+  differentiable w.r.t. ``q``, ``k``, ``v``; it runs the
+  ``torch.ops.flashtile.attention_fwd`` / ``attention_bwd`` custom ops.
+* :func:`route_sdpa` temporarily sends the calls to
+  ``torch.nn.functional.scaled_dot_product_attention`` that flashtile supports
+  to :func:`attention`, passes every other call through to SDPA untouched,
+  and counts which went where and why.
+
+Importing this module needs PyTorch (``pip install 'flashtile[torch]'``);
+``import flashtile`` alone never imports torch.
+"""
+
+try:
+    import torch as _torch  # noqa: F401
+except ImportError as exc:  # pragma: no cover - exercised only without torch
+    raise ImportError(
+        "flashtile.torch needs PyTorch: pip install 'flashtile[torch]' (the CPU wheel)"
+    ) from exc
+
+from ._attention import attention
+from .routing import SDPARouter, route_sdpa
+
+__all__ = ["SDPARouter", "attention", "route_sdpa"]

@@ -1,0 +1,158 @@
+"""The two torch operators, ``flashtile::attention_fwd`` and ``flashtile::attention_bwd``.
+
+Both are registered with :func:`torch.library.custom_op`, so the dispatcher,
+autograd, FakeTensor tracing and ``torch.compile`` all see one opaque op
+each, never the NumPy/Numba code inside. Each has a fake (shape-only)
+implementation for tracing, and the forward has an autograd formula that
+calls the backward op, so a compiled training step traces both.
+
+Schemas (``window_left``/``window_right`` = -1 mean unbounded; ``scale`` and
+``softcap`` None mean ``1/sqrt(d)`` and no cap)::
+
+    attention_fwd(q, k, v, mask?, alibi_slopes?, causal, scale?, window_left,
+                  window_right, softcap?) -> (out, lse)
+    attention_bwd(dout, q, k, v, out, lse, mask?, alibi_slopes?, causal, scale?,
+                  window_left, window_right, softcap?) -> (dq, dk, dv)
+
+``q (B, Hq, Tq, d)``, ``k (B, Hkv, Tk, d)``, ``v (B, Hkv, Tk, dv)`` (or the same
+without ``B``) must be CPU float32 or float64; ``out`` is ``(..., Tq, dv)`` and
+``lse`` ``(..., Tq)`` in the same dtype. ``mask`` is bool (True = keep) or
+float (added to the scores), broadcastable to ``(..., Hq, Tq, Tk)``. Outputs
+are always fresh tensors: the kernels write into new NumPy buffers that
+``torch.from_numpy`` wraps without a copy.
+
+Use :func:`flashtile.torch.attention` rather than these ops directly: it
+checks devices and dtypes, handles float16/bfloat16 and GQA the way SDPA does,
+and gives clearer errors.
+"""
+
+import numpy as np
+import torch
+
+import flashtile
+
+_FWD_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? alibi_slopes, bool causal, "
+    "float? scale, int window_left, int window_right, float? softcap) -> (Tensor, Tensor)"
+)
+_BWD_SCHEMA = (
+    "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, "
+    "Tensor? alibi_slopes, bool causal, float? scale, int window_left, int window_right, "
+    "float? softcap) -> (Tensor, Tensor, Tensor)"
+)
+#: dtypes the ops compute in; flashtile.torch.attention upcasts 16-bit floats first.
+NATIVE_DTYPES = (torch.float32, torch.float64)
+
+
+def _check_native(q: torch.Tensor) -> None:
+    if q.dtype not in NATIVE_DTYPES:
+        raise TypeError(
+            f"flashtile::attention ops take float32 or float64 tensors, got {q.dtype}: "
+            f"call flashtile.torch.attention, which upcasts float16/bfloat16"
+        )
+
+
+def _np(t: torch.Tensor | None) -> np.ndarray | None:
+    """A NumPy view of a CPU tensor (no copy; strided views stay strided).
+
+    flashtile copies to a contiguous buffer only when an array is not already
+    one, so a contiguous tensor is never copied here or there. NumPy has no
+    bfloat16, so 16-bit masks and slopes are widened to float32 first.
+    """
+    if t is None:
+        return None
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t = t.float()
+    return t.detach().numpy()
+
+
+def _variants(mask, alibi_slopes, window_left, window_right, softcap) -> dict:
+    """The flashtile keywords for the op's variant arguments (only those in use)."""
+    kw = {}
+    if mask is not None:
+        kw["mask"] = _np(mask)
+    if alibi_slopes is not None:
+        kw["alibi_slopes"] = _np(alibi_slopes)
+    if window_left >= 0 or window_right >= 0:
+        kw["window"] = (window_left, window_right)
+    if softcap is not None:
+        kw["softcap"] = softcap
+    return kw
+
+
+@torch.library.custom_op(
+    "flashtile::attention_fwd", mutates_args=(), device_types="cpu", schema=_FWD_SCHEMA
+)
+def attention_fwd(q, k, v, mask, alibi_slopes, causal, scale, window_left, window_right, softcap):
+    """``(out, lse)`` from :func:`flashtile.attention` (see the module docstring)."""
+    _check_native(q)
+    kw = _variants(mask, alibi_slopes, window_left, window_right, softcap)
+    out, lse = flashtile.attention(
+        _np(q), _np(k), _np(v), causal=causal, scale=scale, return_lse=True, **kw
+    )
+    return torch.from_numpy(out), torch.from_numpy(lse)
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(
+    q, k, v, mask, alibi_slopes, causal, scale, window_left, window_right, softcap
+):
+    _check_native(q)
+    # new_empty is contiguous, as the real outputs are (strides must match).
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1])
+
+
+@torch.library.custom_op(
+    "flashtile::attention_bwd", mutates_args=(), device_types="cpu", schema=_BWD_SCHEMA
+)
+def attention_bwd(
+    dout, q, k, v, out, lse, mask, alibi_slopes, causal, scale, window_left, window_right, softcap
+):
+    """``(dq, dk, dv)`` from :func:`flashtile.attention_backward` (score tiles recomputed)."""
+    _check_native(q)
+    kw = _variants(mask, alibi_slopes, window_left, window_right, softcap)
+    grads = flashtile.attention_backward(
+        _np(q), _np(k), _np(v), _np(out), _np(lse), _np(dout), causal=causal, scale=scale, **kw
+    )
+    return tuple(torch.from_numpy(g) for g in grads)
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(
+    dout, q, k, v, out, lse, mask, alibi_slopes, causal, scale, window_left, window_right, softcap
+):
+    _check_native(q)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, alibi_slopes, causal, scale, window_left, window_right, softcap = inputs
+    out, lse = output
+    # Only O(T) state is kept: the backward recomputes score tiles from lse.
+    ctx.save_for_backward(q, k, v, out, lse, mask, alibi_slopes)
+    ctx.args = (causal, scale, window_left, window_right, softcap)
+    # lse is returned for inspection and merging, not for differentiating.
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, mask, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashtile.attention_bwd(
+        dout, q, k, v, out, lse, mask, alibi_slopes, *ctx.args
+    )
+    # No gradients for the mask, slopes and the non-tensor arguments.
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "flashtile.torch.attention has no double backward (create_graph=True through its "
+        "gradients); use torch.nn.functional.scaled_dot_product_attention for "
+        "higher-order gradients"
+    )
+
+
+attention_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)

@@ -1,0 +1,135 @@
+"""flashtile.torch.route_sdpa: supported SDPA calls go to flashtile, the rest pass through.
+
+Every routed call is compared with the original SDPA on the same arguments
+(outputs and gradients), including ``is_causal`` with ``Tq != Tk``, where SDPA
+aligns the mask top-left and the router has to translate.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashtile.torch as ftt  # noqa: E402
+
+F = torch.nn.functional
+SDPA = F.scaled_dot_product_attention
+
+
+def _qkv(b, hq, hkv, tq, tk, d, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((b, hq, tq, d), (b, hkv, tk, d), (b, hkv, tk, d))
+    return tuple(torch.randn(s, generator=g, dtype=dtype).requires_grad_() for s in shapes)
+
+
+def _fwd_bwd(fn, q, k, v, **kw):
+    out = fn(q, k, v, **kw)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out) / out.numel() ** 0.5)
+    return out, *grads
+
+
+# (B, Hq, Hkv, Tq, Tk, d, SDPA keywords)
+ROUTED = [
+    (1, 2, 2, 13, 13, 8, {}),
+    (2, 2, 2, 13, 13, 8, {"is_causal": True}),
+    (1, 2, 2, 5, 13, 8, {"is_causal": True}),  # top-left, Tq < Tk: keys >= Tq unseen
+    (1, 2, 2, 13, 5, 8, {"is_causal": True}),  # top-left, Tq > Tk
+    (2, 4, 2, 7, 13, 8, {"is_causal": True, "enable_gqa": True, "scale": 0.3}),
+    (2, 2, 2, 7, 13, 3, {"attn_mask": "bool"}),
+    (1, 2, 2, 7, 13, 8, {"attn_mask": "float"}),
+    (1, 2, 2, 7, 13, 8, {"attn_mask": "bool", "is_causal": True}),  # both apply
+    (1, 2, 2, 13, 7, 8, {"attn_mask": "float", "is_causal": True}),
+]
+
+
+@pytest.mark.parametrize(("b", "hq", "hkv", "tq", "tk", "d", "kw"), ROUTED)
+def test_supported_calls_are_routed_and_equal_sdpa(b, hq, hkv, tq, tk, d, kw):
+    q, k, v = _qkv(b, hq, hkv, tq, tk, d, seed=tq + tk)
+    kw = dict(kw)
+    if kw.get("attn_mask") == "bool":
+        kw["attn_mask"] = torch.rand(b, 1, tq, tk) > 0.3
+    elif kw.get("attn_mask") == "float":
+        kw["attn_mask"] = torch.randn(tq, tk)
+    expected = _fwd_bwd(SDPA, q, k, v, **kw)
+    with ftt.route_sdpa(strict=True) as router:
+        got = _fwd_bwd(F.scaled_dot_product_attention, q, k, v, **kw)
+    assert (router.routed, router.passed) == (1, 0)
+    for a, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+    assert F.scaled_dot_product_attention is SDPA  # restored
+
+
+def test_unsupported_calls_pass_through_with_reasons():
+    q, k, v = _qkv(1, 4, 2, 7, 7, 8)
+    q2 = q[:, :2]
+    with ftt.route_sdpa() as router:
+        sdpa = F.scaled_dot_product_attention  # looked up inside: the router
+        torch.manual_seed(0)
+        dropped = sdpa(q2, k, v, dropout_p=0.5)
+        sdpa(q2, k, v, attn_mask=torch.zeros(7, 7, requires_grad=True))  # a learned bias
+        sdpa(q2[None], k[None], v[None])  # 5-D
+        sdpa(q2, k[:, :1], v[:, :1])  # SDPA broadcasts a single kv head
+        on_meta = sdpa(*(t.detach().to("meta") for t in (q2, k, v)))
+        with pytest.raises(RuntimeError, match="attn_mask dtype"):  # SDPA's own error
+            sdpa(q2.double(), k.double(), v.double(), attn_mask=torch.zeros(7, 7).half())
+        with pytest.raises(RuntimeError):  # GQA without enable_gqa: SDPA refuses
+            sdpa(q, k, v)
+    assert router.routed == 0 and router.passed == 7
+    assert on_meta.device.type == "meta"
+    text = " | ".join(router.reasons)
+    for part in ("dropout_p", "requires grad", "rank 5", "heads 2/1/1", "meta", "float16"):
+        assert part in text, (part, router.reasons)
+    torch.manual_seed(0)
+    torch.testing.assert_close(dropped, SDPA(q2, k, v, dropout_p=0.5))  # same RNG draw
+
+
+def test_original_is_restored_on_exceptions_and_strict_mode_raises():
+    q, k, v = _qkv(1, 2, 2, 5, 5, 8)
+    with pytest.raises(RuntimeError, match=r"not routed: dropout_p"), ftt.route_sdpa(strict=True):
+        F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+    assert F.scaled_dot_product_attention is SDPA
+    with pytest.raises(KeyError), ftt.route_sdpa():
+        raise KeyError("boom")
+    assert F.scaled_dot_product_attention is SDPA
+
+
+def test_fully_masked_row_matches_sdpa_zero_row():
+    q, k, v = _qkv(1, 2, 2, 5, 7, 8)
+    mask = torch.ones(5, 7, dtype=torch.bool)
+    mask[2] = False
+    with ftt.route_sdpa(strict=True):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert (out[:, :, 2] == 0).all() and not out.isnan().any()
+    ref = SDPA(q, k, v, attn_mask=mask)
+    # torch >= 2.5 also gives zeros on CPU; older versions gave NaN for such rows.
+    assert (ref[:, :, 2] == 0).all() or ref[:, :, 2].isnan().all()
+    torch.testing.assert_close(out[:, :, [0, 1, 3, 4]], ref[:, :, [0, 1, 3, 4]])
+
+
+def test_multihead_attention_module_is_routed():
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=True).train()  # no fast path
+    x = torch.randn(2, 9, 16)
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(9)
+    expected = mha(x, x, x, attn_mask=causal, need_weights=False)[0]
+    with ftt.route_sdpa(strict=True) as router:
+        got = mha(x, x, x, attn_mask=causal, need_weights=False)[0]
+    assert router.routed == 1
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_routing_inside_torch_compile_fullgraph():
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).cos()
+
+    q, k, v = _qkv(1, 4, 2, 7, 7, 8)
+    expected = _fwd_bwd(Attend(), q, k, v)
+    torch._dynamo.reset()
+    with ftt.route_sdpa(strict=True) as router:
+        got = _fwd_bwd(torch.compile(Attend(), fullgraph=True, backend="aot_eager"), q, k, v)
+    assert router.routed == 1  # counted once, while tracing
+    for a, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()  # the graph was traced with the router installed
