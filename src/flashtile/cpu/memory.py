@@ -7,13 +7,13 @@ asks for the *next* tile's cache lines while the current one is computed,
 which closes most of that gap (20.9 GB/s in the same run).
 
 Numba has no float16 arrays, so a float16 cache travels as its ``uint16``
-bit patterns and :func:`half_row_to_float` widens one row at a time with a
-branch-free bit conversion that LLVM vectorises.
+bit patterns and :func:`half_row_to_float` widens them with LLVM's own
+``half`` type (18 G elements/s per core here, against 4 for a bit-twiddling
+version in Numba, whose int32 arithmetic is promoted to int64).
 """
 
 from __future__ import annotations
 
-import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
@@ -61,29 +61,30 @@ def prefetch_rows(a, j0, j1):
             prefetch(row, c)
 
 
-#: ``2**(127 - 15)``: re-biases a float16 exponent placed in float32 position.
-_REBIAS = np.float32(2.0**112)
+@intrinsic
+def load_half(typingctx, arr, index):
+    """``float32`` of the float16 whose bit pattern is ``arr[index]`` (uint16 1-D).
+
+    A load of LLVM's ``half`` type and an ``fpext`` to float: exact (IEEE
+    widening keeps subnormals, infinities and NaNs), and in a loop LLVM
+    vectorises it to the hardware's conversion (``vcvtph2ps`` with F16C).
+    """
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.uint16):
+        return None
+    sig = types.float32(arr, index)
+
+    def codegen(context, builder, signature, args):
+        aty = signature.args[0]
+        ary = context.make_array(aty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aty, ary, [args[1]], wraparound=False)
+        half = builder.load(builder.bitcast(ptr, ir.HalfType().as_pointer()))
+        return builder.fpext(half, ir.FloatType())
+
+    return sig, codegen
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def half_row_to_float(src, dst, bits):
-    """``dst[:] = the float16 values whose bit patterns are src (uint16)``, exactly.
-
-    Shifting a float16's exponent and mantissa 13 bits up puts them in
-    float32 position with the exponent still biased by 15 instead of 127;
-    multiplying by ``2**112`` fixes the bias, and does so exactly for
-    subnormal float16 values too (they become float32 subnormals first).
-    Infinities and NaNs (exponent all ones) get an all-ones float32
-    exponent instead, which the multiply keeps. Integer ops and one multiply
-    per element, no branches: LLVM vectorises both loops. ``bits`` is int32
-    scratch at least as long as the row.
-    """
-    n = src.shape[0]
-    for c in range(n):
-        h = np.int32(src[c])
-        em = h & np.int32(0x7FFF)
-        special = np.int32(0x7F800000) if em >= np.int32(0x7C00) else np.int32(0)
-        bits[c] = (em << np.int32(13)) | ((h & np.int32(0x8000)) << np.int32(16)) | special
-    shifted = bits[:n].view(np.float32)
-    for c in range(n):
-        dst[c] = shifted[c] * _REBIAS
+def half_row_to_float(src, dst):
+    """``dst[:] = the float16 values whose bit patterns are src (uint16)``, exactly."""
+    for c in range(src.shape[0]):
+        dst[c] = load_half(src, c)

@@ -7,6 +7,8 @@
   ``torch.nn.functional.scaled_dot_product_attention`` that flashtile supports
   to :func:`attention`, passes every other call through to SDPA untouched,
   and counts which went where and why.
+* :func:`register_transformers` registers :func:`attention` with Hugging
+  Face transformers (``attn_implementation="tiled"``).
 
 Importing this module needs PyTorch (``pip install 'flashtile[torch]'``);
 ``import flashtile`` alone never imports torch.
@@ -20,6 +22,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
     ) from exc
 
 from ._attention import attention
+from .hf import register_transformers
 from .routing import SDPARouter, route_sdpa
 
-__all__ = ["SDPARouter", "attention", "route_sdpa"]
+__all__ = ["SDPARouter", "attention", "register_transformers", "route_sdpa"]

@@ -1,0 +1,263 @@
+"""flashtile as a Hugging Face ``transformers`` attention implementation.
+
+``register_transformers()`` adds flashtile's differentiable torch operator
+(``flashtile.torch.attention``) to transformers' ``AttentionInterface`` under a
+name of your choice (``"tiled"`` by default), so any model whose attention goes
+through that interface (Llama, Mistral, Qwen, GPT-2, Gemma 2, ...) can run on it::
+
+    import flashtile.torch as ft
+    from transformers import AutoModelForCausalLM
+
+    name = ft.register_transformers()  # "tiled"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=name)
+
+Why the name must not contain ``"flash"``: transformers 5.x reads any
+implementation name containing that word as a request for a FlashAttention
+kernel (from the ``flash_attn`` package or the kernels hub) and refuses or
+redirects it, so flashtile registers as ``"tiled"``.
+
+transformers is imported only inside ``register_transformers``, so importing
+``flashtile.torch`` does not pull it in.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["register_transformers", "tiled_attention_forward"]
+
+DEFAULT_NAME = "tiled"
+
+
+def _resolve_causal(module: torch.nn.Module, is_causal: bool | None) -> bool:
+    """The model's causal flag: the ``is_causal`` kwarg if given, else the module's, else True."""
+    if is_causal is not None:
+        return bool(is_causal)
+    return bool(getattr(module, "is_causal", True))
+
+
+def _combine_position_bias(
+    position_bias: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    causal: bool,
+    tq: int,
+    tk: int,
+) -> torch.Tensor:
+    """Fold a T5-style additive ``position_bias`` and the mask into one float mask.
+
+    Args:
+        position_bias: float, broadcastable to ``(B, H, Tq, Tk)``, added to the scores.
+        attention_mask: ``None``, bool (True = keep) or float (additive), same broadcasting.
+        causal: hide keys after the query as well (only used when ``attention_mask`` is
+            None; transformers' top-left alignment, which equals bottom-right for Tq == Tk).
+
+    Returns:
+        float additive mask broadcastable to ``(B, H, Tq, Tk)``; hidden entries are -inf.
+    """
+    bias = position_bias
+    if attention_mask is None:
+        if not causal:
+            return bias
+        keep = torch.ones(tq, tk, dtype=torch.bool, device=bias.device).tril()
+        return bias.masked_fill(~keep, float("-inf"))
+    if attention_mask.dtype == torch.bool:
+        return bias.masked_fill(~attention_mask, float("-inf"))
+    return bias + attention_mask
+
+
+def _make_forward(attention: Callable[..., Any]) -> Callable[..., tuple[torch.Tensor, None]]:
+    """Build the transformers-facing wrapper around flashtile's torch ``attention`` operator."""
+
+    def tiled_attention_forward(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        is_causal: bool | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        position_bias: torch.Tensor | None = None,
+        s_aux: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """Attention for one transformers layer, computed by flashtile.
+
+        Args:
+            module: the calling attention module (read for ``is_causal`` only).
+            query: ``(B, Hq, Tq, d)``.
+            key, value: ``(B, Hkv, Tk, d)``; ``Hkv`` divides ``Hq`` (GQA/MQA read in place,
+                never repeated per query head).
+            attention_mask: None, or a 4-D mask broadcastable to ``(B, Hq, Tq, Tk)``: bool
+                (True = keep, what the registered ``sdpa_mask`` builds) or float (additive).
+                When given it is the whole visibility rule: causality, padding, sliding
+                window and KV-cache offsets are already in it.
+            dropout: must be 0 (flashtile has no attention dropout).
+            scaling: score scale, ``1/sqrt(d)`` if None.
+            is_causal: overrides ``module.is_causal``; used only when there is no mask.
+            sliding_window: keys ``j > p - sliding_window`` stay visible (transformers'
+                convention); only needed when there is no mask, since a mask already has it.
+            softcap: ``softcap * tanh(s / softcap)`` on the scaled scores (Gemma 2).
+            position_bias: additive float bias (T5-style), folded into a float mask. A
+                learned bias that requires grad raises ValueError (flashtile gives masks no
+                gradient), so T5-style models run here for inference (``torch.no_grad()``).
+            s_aux: per-head attention-sink logits ``(Hq,)`` (gpt-oss): an extra key with
+                that score and a zero value, applied through the log-sum-exp. Inference
+                only: flashtile's lse carries no gradient, so with gradients enabled on
+                ``query``, ``key`` or ``s_aux`` this raises ValueError.
+
+        Returns:
+            ``(out, None)`` with ``out`` of shape ``(B, Tq, Hq, d)`` contiguous, the layout
+            transformers' sdpa path returns; attention weights are never formed.
+        """
+        if dropout and dropout > 0.0:
+            raise ValueError(
+                f"flashtile attention has no dropout, but the model asked for dropout={dropout}"
+                " (a model in training mode with attention dropout > 0). Set the config's"
+                " attention dropout to 0 (e.g. attention_dropout=0.0, or attn_pdrop=0.0 for"
+                " GPT-2) or call model.eval()."
+            )
+        if kwargs.get("output_attentions", False):
+            warnings.warn(
+                "flashtile attention never forms the attention weights; output_attentions=True"
+                " returns None for them. Use attn_implementation='eager' to get them.",
+                stacklevel=2,
+            )
+
+        tq, tk = query.shape[-2], key.shape[-2]
+        causal = False
+        window = None
+        mask = attention_mask
+        if mask is None:
+            # transformers passes no mask only when the pattern is plain causal (or full)
+            # with no padding; it then expects sdpa's is_causal, i.e. causal only for Tq > 1
+            # (a single decoding query sees the whole cache).
+            causal = tq > 1 and _resolve_causal(module, is_causal)
+            if causal and tk > tq:
+                # Prefill into an empty static cache: transformers relies on sdpa's top-left
+                # causal alignment, so keys past Tq are unfilled slots. flashtile aligns
+                # bottom-right, so drop those slots; top-left on the rest is then the same.
+                key, value = key[..., :tq, :], value[..., :tq, :]
+                tk = tq
+            if causal and sliding_window is not None:
+                # Without a mask the window hides nothing (transformers builds a mask as soon
+                # as it would), but passing it is exact and lets flashtile skip tiles.
+                window = (int(sliding_window) - 1, 0)
+
+        if position_bias is not None:
+            mask = _combine_position_bias(position_bias.to(query.dtype), mask, causal, tq, tk)
+            causal, window = False, None
+
+        if (
+            s_aux is not None
+            and torch.is_grad_enabled()
+            and (query.requires_grad or key.requires_grad or s_aux.requires_grad)
+        ):
+            # The sinks are applied through lse, and flashtile's lse carries no gradient:
+            # q and k would silently get wrong gradients, so refuse rather than train wrong.
+            raise ValueError(
+                "flashtile attention supports attention sinks (s_aux) for inference only"
+                " (under torch.no_grad(), as generate() runs); its lse has no gradient."
+            )
+        enable_gqa = key.shape[-3] != query.shape[-3]
+        result = attention(
+            query,
+            key,
+            value,
+            causal=causal,
+            scale=scaling,
+            window=window,
+            softcap=softcap,
+            mask=mask,
+            enable_gqa=enable_gqa,
+            return_lse=s_aux is not None,
+        )
+        if s_aux is not None:
+            out, lse = result
+            # A sink adds exp(s_aux[h]) to each row's softmax denominator with a zero value,
+            # so the output shrinks by exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink).
+            # A row that sees no key has lse = -inf and stays zero.
+            sink = s_aux.to(lse.dtype).reshape(1, -1, 1)
+            out = out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)
+        else:
+            out = result
+        return out.transpose(1, 2).contiguous(), None
+
+    return tiled_attention_forward
+
+
+def _default_forward() -> Callable[..., tuple[torch.Tensor, None]]:
+    """The wrapper around ``flashtile.torch.attention``, imported at call time.
+
+    Imported late because ``flashtile.torch`` itself imports this module.
+    """
+    from flashtile.torch import attention
+
+    return _make_forward(attention)
+
+
+def tiled_attention_forward(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The function ``register_transformers`` registers (see ``_make_forward`` for arguments).
+
+    Exposed for calling it directly, e.g. from a custom attention module that follows
+    transformers' ``(module, query, key, value, attention_mask, **kwargs)`` convention.
+    """
+    return _default_forward()(*args, **kwargs)
+
+
+def register_transformers(name: str = DEFAULT_NAME) -> str:
+    """Register flashtile as a transformers attention implementation and return its name.
+
+    Registers, under ``name``:
+
+    - the attention function in ``transformers.AttentionInterface``;
+    - transformers' ``sdpa_mask`` in ``transformers.AttentionMaskInterface``, so models
+      build the same masks for this name as for ``"sdpa"``: ``None`` when the pattern is
+      plain causal or full with no padding, otherwise a 4-D bool mask
+      ``(B, 1, Tq, Tk)`` (True = keep). Without a mask function transformers would pass
+      no mask at all for an unknown name and padding would be ignored.
+
+    Then ``AutoModelForCausalLM.from_config(cfg, attn_implementation=name)`` or
+    ``model.set_attn_implementation(name)`` selects flashtile. Registration is global to
+    the process and idempotent.
+
+    Args:
+        name: the implementation name; must not contain ``"flash"`` (transformers would
+            treat it as a FlashAttention kernel request) nor be a built-in name.
+
+    Returns:
+        ``name``.
+
+    Raises:
+        ValueError: for a name containing ``"flash"`` or a built-in name.
+        ImportError: if transformers is not installed.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if "flash" in name:
+        raise ValueError(
+            f"name {name!r} contains 'flash': transformers treats such names as a request for a"
+            " FlashAttention kernel and refuses them. Use another name, e.g. 'tiled'."
+        )
+    if "sdpa" in name or "flex_attention" in name or name in ("eager", "paged|eager"):
+        raise ValueError(
+            f"name {name!r} is, or contains, a name transformers handles itself; use another"
+            " name, e.g. 'tiled'."
+        )
+    try:
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.masking_utils import sdpa_mask
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "register_transformers needs the transformers package: pip install transformers"
+        ) from exc
+
+    AttentionInterface.register(name, _default_forward())
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
