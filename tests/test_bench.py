@@ -361,3 +361,22 @@ def test_torch_op_preset_runs_verified_and_reports_ratio_and_overhead(monkeypatc
     assert "torch-layer overhead" in targets[1] and "target < 5%" in targets[1]
     assert all("no target at this size" in line for line in targets[2:])
     assert "flashtile-torch" not in [p.name for p in providers.make_providers()]  # opt-in
+
+
+def test_decode_bench_cases_verify_and_report_targets():
+    from flashtile.bench.decode import decode_table, run_decode_cases, target_lines
+
+    rows = run_decode_cases(lengths=(256, 1024), reps=1)
+    names = [r.case for r in rows]
+    assert names[:4] == ["Tk=256", "Tk=1024", "Tk=1024, paged 16", "Tk=1024, paged 256"]
+    assert names[-1] == "B=16, lengths 16..512"
+    assert all(r.flashtile > 0 for r in rows)
+    table = decode_table(rows, ceiling=20.0)
+    assert len(table) == 2 + len(rows) and "% of read ceiling" in table[0]
+    lines = target_lines(rows)
+    assert any(line.startswith("paged 16 / contiguous") for line in lines)
+
+
+def test_decode_flag_is_parsed():
+    args = build_parser().parse_args(["bench", "--decode", "--reps", "3"])
+    assert args.decode and args.reps == 3

@@ -309,3 +309,27 @@ def test_dense_decode_oracle_matches_plain_dense_attention(rng):
     want_out, want_lse = dense_attention(q[0], k[0], v[0], causal=True)
     np.testing.assert_allclose(out[0], want_out, rtol=1e-12)
     np.testing.assert_allclose(lse[0], want_lse, rtol=1e-12)
+
+
+@pytest.mark.parametrize("page", [None, 256])
+def test_long_float16_and_large_page_caches(rng, page):
+    # Whole 256-key tiles: in place for float32 pages of 256, widened for float16.
+    q, k, v = _problem(rng, batch=2, hq=4, hkv=2, tq=2, d=16, t_max=768)
+    lengths = np.array([768, 600])
+    want, _ = _dense_decode(q, k, v, lengths)
+    if page is None:
+        k16, v16 = k.astype(np.float16), v.astype(np.float16)
+        got = flashtile.decode_attention(q, k16, v16, cache_seqlens=lengths)
+        want, _ = _dense_decode(q, k16.astype(np.float64), v16.astype(np.float64), lengths)
+    else:
+        kp, vp, table = _paged(rng, k, v, lengths, page)
+        got = flashtile.decode_attention(q, kp, vp, cache_seqlens=lengths, block_table=table)
+    np.testing.assert_allclose(got, want, **TOL32)
+
+
+def test_num_splits_beyond_the_length_costs_no_memory(rng):
+    q, k, v = _problem(rng, batch=2, hq=2, hkv=2, tq=1, d=4, t_max=40)
+    items, _ = plan_splits(np.array([[0, 40], [0, 3]]), 2, 10**6, threads=2)
+    assert len(items) == 2 * (40 + 3)
+    out = flashtile.decode_attention(q, k, v, num_splits=10**6)
+    np.testing.assert_allclose(out, flashtile.decode_attention(q, k, v), **TOL32)

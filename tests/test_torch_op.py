@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sysconfig
 
 import numpy as np
 import pytest
@@ -220,7 +221,12 @@ def _cxx_compiler():
     return next((shutil.which(n) for n in names if n and shutil.which(n)), None)
 
 
+def _python_headers() -> bool:
+    return os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+
+
 @pytest.mark.skipif(_cxx_compiler() is None, reason="inductor needs a C++ compiler (none found)")
+@pytest.mark.skipif(not _python_headers(), reason="inductor needs Python.h (python3-dev)")
 def test_torch_compile_fullgraph_inductor_matches_eager():
     torch._dynamo.reset()
     _compiled_matches_eager("inductor")

@@ -276,7 +276,15 @@ def test_attention_sinks(name):
 
 
 @pytest.mark.parametrize(
-    "case", ["float-mask", "bias+bool-mask", "bias+causal", "bias-only", "causal-tq<tk"]
+    "case",
+    [
+        "float-mask",
+        "bias+bool-mask",
+        "bias+causal",
+        "bias-only",
+        "causal-tq<tk",
+        "bias+causal-tq<tk",
+    ],
 )
 def test_direct_call_matches_transformers_sdpa(name, case):
     # The registered function against transformers' own sdpa_attention_forward on the
@@ -288,7 +296,7 @@ def test_direct_call_matches_transformers_sdpa(name, case):
     fn = AttentionInterface()[name]
     gen = torch.Generator().manual_seed(5)
     b, hq, hkv, tq, tk, d = 2, 4, 2, 6, 6, 8
-    if case == "causal-tq<tk":
+    if case.endswith("causal-tq<tk"):
         tk = 9  # keys past Tq: unfilled static-cache slots that top-left causal ignores
     q = torch.randn(b, hq, tq, d, generator=gen)
     k, v = (torch.randn(b, hkv, tk, d, generator=gen) for _ in range(2))
@@ -304,9 +312,9 @@ def test_direct_call_matches_transformers_sdpa(name, case):
         mask = torch.randn(b, 1, tq, tk, generator=gen).masked_fill(~keep, float("-inf"))
     elif case == "bias+bool-mask":
         mask, kw["position_bias"] = keep, bias
-    elif case in ("bias+causal", "bias-only"):
+    elif case in ("bias+causal", "bias-only", "bias+causal-tq<tk"):
         kw["position_bias"] = bias
-        kw["is_causal"] = case == "bias+causal"
+        kw["is_causal"] = case != "bias-only"
     with torch.no_grad():
         got, _ = fn(module, q, k, v, mask, **kw)
         want, _ = sdpa_attention_forward(module, q, k, v, mask, **kw)

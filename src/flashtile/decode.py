@@ -17,11 +17,10 @@ import numbers
 
 import numpy as np
 
-from ._validate import AttentionShapes, compute_dtype, resolve_scale
+from ._validate import compute_dtype, resolve_scale
 from .api import _balance, _kernel_variants
-from .kvlayout import check_cache
+from .kvlayout import check_cache, decode_variants
 from .masks import block_key_range
-from .variants import resolve_variants
 
 #: Keys per tile: a 256-key K tile of d=128 float32 is 128 KiB, so the tile,
 #: its V tile and the prefetched next pair stay in L2.
@@ -75,8 +74,9 @@ def plan_splits(ranges, kv_heads, num_splits, threads, tile=DECODE_TILE):
         splits = np.maximum(1, -(-lengths // chunk))
         chunks = np.full(len(lengths), chunk, dtype=np.int64)
     else:
-        splits = np.full(len(lengths), num_splits, dtype=np.int64)
-        chunks = np.maximum(1, -(-lengths // num_splits))
+        # More chunks than keys would only add empty partials.
+        splits = np.minimum(num_splits, np.maximum(lengths, 1))
+        chunks = np.maximum(1, -(-lengths // splits))
     # Slots run (b, kv head, chunk)-major, so each pair's partials are adjacent.
     pair_b = np.repeat(np.arange(len(lengths)), kv_heads)
     pair_splits = splits[pair_b]
@@ -148,9 +148,8 @@ def decode_attention(
     batch, hq, tq, d = q.shape
     hkv, dv = layout.heads, layout.v.shape[3]
     work = compute_dtype(layout.k.dtype)
-    shapes = AttentionShapes((batch, hq), tq, layout.table.shape[1] * layout.page, d, dv)
-    variants = resolve_variants(
-        shapes, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap
+    variants = decode_variants(
+        q, layout, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap
     )
     kernel_variants = _kernel_variants(variants, work, (batch, hq))
     scale = resolve_scale(scale, d)

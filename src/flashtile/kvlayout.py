@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._validate import SUPPORTED_DTYPES, as_float_array
+from ._validate import SUPPORTED_DTYPES, AttentionShapes, as_float_array
+from .variants import Variants, resolve_variants
 
 
 @dataclass(frozen=True)
@@ -146,3 +147,12 @@ def check_cache(q, k_cache, v_cache, cache_seqlens=None, block_table=None):
                 f"(0..{k.shape[0] - 1}) but sequence {b} has {seqlens[b]} keys"
             )
     return q, CacheLayout(k, v, np.ascontiguousarray(table), seqlens, page, block_table is not None)
+
+
+def decode_variants(q, layout: CacheLayout, **keywords) -> Variants:
+    """The variant keywords (``causal``, ``window``, ``alibi_slopes``,
+    ``softcap``) of a decode call, validated against its shapes."""
+    batch, hq, tq, d = q.shape
+    capacity = layout.table.shape[1] * layout.page
+    shapes = AttentionShapes((batch, hq), tq, capacity, d, layout.v.shape[3])
+    return resolve_variants(shapes, **keywords)

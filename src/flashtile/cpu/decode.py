@@ -35,21 +35,25 @@ from .forward import LN2, LOG2E, load_q_tile, softmax_tile
 from .memory import half_row_to_float, prefetch_rows
 
 
-def load_tile(src, table_row, hk, page, j0, j1, buf):
+def load_tile(src, table_row, hk, page, j0, j1, buf, j_end):
     """Rows of keys ``[j0, j1)`` (one sequence, kv head ``hk``) in the compute dtype.
 
     ``src (blocks, Hkv, P, width)``. Rows inside one page come back in place
     (a view); rows spanning pages are copied into ``buf`` and a float16
-    cache (uint16 bit patterns) is widened into it. Only callable from compiled code.
+    cache (uint16 bit patterns) is widened into it. While copying a page the
+    next one (below ``j_end``) is prefetched: each small page is a separate
+    stream that the hardware prefetcher would only pick up halfway (measured
+    on 8 KiB pages: 13-16 GB/s without, 15-19.5 GB/s with; a whole tile ahead
+    was slower). Only callable from compiled code.
     """
     raise NotImplementedError("load_tile is only available inside Numba kernels")
 
 
 @overload(load_tile, fastmath=FASTMATH)
-def _load_tile_overload(src, table_row, hk, page, j0, j1, buf):
+def _load_tile_overload(src, table_row, hk, page, j0, j1, buf, j_end):
     half = src.dtype == types.uint16
 
-    def impl(src, table_row, hk, page, j0, j1, buf):
+    def impl(src, table_row, hk, page, j0, j1, buf, j_end):
         if not half and j0 % page + (j1 - j0) <= page:
             off = j0 % page
             return src[table_row[j0 // page], hk, off : off + j1 - j0]
@@ -57,6 +61,9 @@ def _load_tile_overload(src, table_row, hk, page, j0, j1, buf):
         j = j0
         while j < j1:  # one page's run at a time, as flat contiguous rows
             off, run = j % page, min(page - j % page, j1 - j)
+            ahead = j - off + page
+            if ahead < j_end:
+                prefetch_rows(src[table_row[ahead // page], hk], 0, min(page, j_end - ahead))
             rows = src[table_row[j // page], hk, off : off + run].reshape(run * width)
             out = buf[j - j0 : j - j0 + run].reshape(run * width)
             if half:
@@ -138,8 +145,8 @@ def decode_kernel(q, k, v, table, seqlens, items, part_out, part_lse, scale, kv,
                 # gathered tile's copy streams by itself; prefetching it too
                 # measured slower (47.6 -> 53.5 ms for 512 MiB in pages of 16).
                 prefetch_keys(k, v, table_row, hk, page, j1, min(j1 + tile, hi))
-            k_tile = load_tile(k, table_row, hk, page, j0, j1, k_buf)
-            v_tile = load_tile(v, table_row, hk, page, j0, j1, v_buf)
+            k_tile = load_tile(k, table_row, hk, page, j0, j1, k_buf, hi)
+            v_tile = load_tile(v, table_row, hk, page, j0, j1, v_buf, hi)
             s = s_buf[: rows * (j1 - j0)].reshape((rows, j1 - j0))
             gemm(gemm_fn, q_tile, k_tile, s, False, True, 0.0)
             full = tile_fully_visible(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._validate import compute_dtype
-from ..kvlayout import check_cache
+from ..kvlayout import check_cache, decode_variants
 from .attention import tiled_attention
 
 
@@ -35,6 +35,10 @@ def decode_attention(
     """``out (B, Hq, Tq, dv)`` (and ``lse (B, Hq, Tq)``) of each sequence's
     queries against its cached keys; see :func:`flashtile.decode_attention`."""
     q, layout = check_cache(q, k_cache, v_cache, cache_seqlens, block_table)
+    # Validate the keywords once, with the fast path's messages.
+    decode_variants(
+        q, layout, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap
+    )
     work = compute_dtype(np.result_type(q.dtype, layout.k.dtype))
     batch, hq, tq, _ = q.shape
     out = np.zeros((batch, hq, tq, layout.v.shape[3]), dtype=work)

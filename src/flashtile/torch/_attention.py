@@ -49,6 +49,8 @@ def _check_qkv(q, k, v, enable_gqa: bool) -> None:
             f"all with the same rank"
         )
     hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    if hk == 0 or hq == 0:
+        raise ValueError(f"q has {hq} heads and k {hk}: attention needs at least one head each")
     if hk != hv:
         raise ValueError(f"k has {hk} heads but v has {hv}: they must have the same")
     if hq != hk and not enable_gqa:

@@ -144,6 +144,8 @@ def _make_forward(attention: Callable[..., Any]) -> Callable[..., tuple[torch.Te
                 # causal alignment, so keys past Tq are unfilled slots. flashtile aligns
                 # bottom-right, so drop those slots; top-left on the rest is then the same.
                 key, value = key[..., :tq, :], value[..., :tq, :]
+                if position_bias is not None:
+                    position_bias = position_bias[..., :tq]
                 tk = tq
             if causal and sliding_window is not None:
                 # Without a mask the window hides nothing (transformers builds a mask as soon

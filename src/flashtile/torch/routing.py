@@ -47,6 +47,7 @@ threads at once.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -77,15 +78,17 @@ def pass_reason(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, ext
         return f"rank {q.ndim}/{k.ndim}/{v.ndim} (flashtile takes 3-D or 4-D)"
     if q.shape[:-3] != k.shape[:-3] or k.shape[:-3] != v.shape[:-3]:
         return "batch dims differ (SDPA broadcasts them; flashtile does not)"
+    if 0 in q.shape or 0 in k.shape or 0 in v.shape:
+        return "empty tensor"
     hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
     if hk != hv or (hq != hk and not (enable_gqa and hq % hk == 0)):
         return f"heads {hq}/{hk}/{hv} without a valid enable_gqa (SDPA broadcasts or raises)"
     if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         return "head dims or key/value lengths differ (SDPA raises)"
-    if 0 in q.shape or 0 in k.shape or 0 in v.shape:
-        return "empty tensor"
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         return f"scale of type {type(scale).__name__}"
+    if scale is not None and not math.isfinite(scale):
+        return f"non-finite scale {scale}"
     if attn_mask is None:
         return None
     if not isinstance(attn_mask, torch.Tensor):
