@@ -62,7 +62,7 @@ def _load_tile_overload(src, table_row, hk, page, j0, j1, buf, j_end):
         while j < j1:  # one page's run at a time, as flat contiguous rows
             off, run = j % page, min(page - j % page, j1 - j)
             ahead = j - off + page
-            if ahead < j_end:
+            if page < j1 - j0 and ahead < j_end:  # small pages: see the docstring
                 prefetch_rows(src[table_row[ahead // page], hk], 0, min(page, j_end - ahead))
             rows = src[table_row[j // page], hk, off : off + run].reshape(run * width)
             out = buf[j - j0 : j - j0 + run].reshape(run * width)
@@ -140,10 +140,10 @@ def decode_kernel(q, k, v, table, seqlens, items, part_out, part_lse, scale, kv,
             j1 = min(j0 + tile, hi)
             if page >= tile:  # end the tile at its page, so it is read in place
                 j1 = min(j1, j0 - j0 % page + page)
-            if page >= tile and k.itemsize == q.itemsize:
-                # Tiles read in place wait on DRAM unless asked for early. A
-                # gathered tile's copy streams by itself; prefetching it too
-                # measured slower (47.6 -> 53.5 ms for 512 MiB in pages of 16).
+            if page >= tile:
+                # Tiles within a page wait on DRAM unless asked for early.
+                # Tiles of small pages prefetch page by page as they are
+                # gathered instead (a whole tile ahead measured slower there).
                 prefetch_keys(k, v, table_row, hk, page, j1, min(j1 + tile, hi))
             k_tile = load_tile(k, table_row, hk, page, j0, j1, k_buf, hi)
             v_tile = load_tile(v, table_row, hk, page, j0, j1, v_buf, hi)
