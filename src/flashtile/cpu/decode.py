@@ -16,8 +16,9 @@ P, d)`` arrays. A contiguous ``(B, Hkv, T_max, d)`` cache is the special case
 used in place; a tile spanning pages (small pages) or stored as float16 is
 gathered, and widened, into a scratch tile first. Either way the scores of
 a tile are one gemm, the online softmax is :func:`.forward.softmax_tile`
-(the variants and masks of the forward), and the next tile's rows are
-prefetched while this one is computed.
+(the variants and masks of the forward), and the next rows are prefetched
+(:mod:`.memory`): the next tile while this one is computed, or, for small
+pages, the next page while this one is copied.
 """
 
 from __future__ import annotations
@@ -138,12 +139,12 @@ def decode_kernel(q, k, v, table, seqlens, items, part_out, part_lse, scale, kv,
         j0 = lo
         while j0 < hi:
             j1 = min(j0 + tile, hi)
-            if page >= tile:  # end the tile at its page, so it is read in place
-                j1 = min(j1, j0 - j0 % page + page)
             if page >= tile:
-                # Tiles within a page wait on DRAM unless asked for early.
-                # Tiles of small pages prefetch page by page as they are
-                # gathered instead (a whole tile ahead measured slower there).
+                # End the tile at its page, so it is read in place. Such tiles
+                # wait on DRAM unless asked for early: prefetch the next one.
+                # (Tiles of small pages prefetch page by page as they are
+                # gathered instead; a whole tile ahead measured slower there.)
+                j1 = min(j1, j0 - j0 % page + page)
                 prefetch_keys(k, v, table_row, hk, page, j1, min(j1 + tile, hi))
             k_tile = load_tile(k, table_row, hk, page, j0, j1, k_buf, hi)
             v_tile = load_tile(v, table_row, hk, page, j0, j1, v_buf, hi)
