@@ -1,4 +1,5 @@
-"""The ``flashtile`` command line: ``demo``, ``trace`` and ``bench``."""
+"""The ``flashtile`` command line: ``demo``, ``trace``, ``bench``, and the
+learning lab's ``learn``, ``io`` and ``plot``."""
 
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from .learn.cli import add_learn_parser
+
+    add_learn_parser(sub)
     return parser
 
 
@@ -63,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.cli import run_bench
 
         return run_bench(args)
+    elif args.command == "learn":
+        from .learn.cli import run_learn
+
+        return run_learn(args)
     return 0
 
 
