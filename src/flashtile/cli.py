@@ -47,9 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from .iomodel import add_io_parser
     from .learn.cli import add_learn_parser
+    from .plots import add_plot_parser
 
     add_learn_parser(sub)
+    add_io_parser(sub)
+    add_plot_parser(sub)
     return parser
 
 
@@ -71,6 +75,14 @@ def main(argv: list[str] | None = None) -> int:
         from .learn.cli import run_learn
 
         return run_learn(args)
+    elif args.command == "io":
+        from .iomodel import run_io
+
+        return run_io(args)
+    elif args.command == "plot":
+        from .plots import run_plot
+
+        return run_plot(args)
     return 0
 
 
