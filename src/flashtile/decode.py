@@ -132,8 +132,8 @@ def decode_attention(
 
     Returns:
         ``out (B, Hq, Tq, dv)`` in q's dtype and ``lse`` (natural log, in
-        the compute dtype) if asked. A query
-        that sees no key gets zeros and ``lse = -inf``.
+        the compute dtype) if asked. A query that sees no key gets zeros
+        and ``lse = -inf``.
 
     The compute dtype is float64 when the cache is float64, else float32;
     ``q`` is cast to it.
