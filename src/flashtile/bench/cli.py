@@ -13,6 +13,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from ..cli import positive_float as _positive_float
 from ..cli import positive_int as _positive_int
 from .cases import PRESETS, sweep
 from .machine import header_lines, machine_info, sgemm_gflops
@@ -28,16 +29,6 @@ SWEEP_OPTIONS = ("T", "d", "causal", "mode")
 DEFAULT_T = (1024, 4096)
 DEFAULT_D = (64,)
 DEFAULT_H = 8
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from ..cli import positive_float
 from . import state
 from .catalog import EXERCISES, Exercise, lookup
 
@@ -22,16 +23,6 @@ def _exercise(text: str) -> Exercise:
         return lookup(text)
     except KeyError as exc:
         raise argparse.ArgumentTypeError(exc.args[0]) from None
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"the time limit must be positive, got {text}")
-    return value
 
 
 def add_learn_parser(subparsers) -> argparse.ArgumentParser:
@@ -54,7 +45,7 @@ def add_learn_parser(subparsers) -> argparse.ArgumentParser:
     check.add_argument("name", type=_exercise, metavar="NAME", help=names)
     check.add_argument("file", metavar="FILE", help="your solution, a .py file")
     check.add_argument(
-        "--timeout", type=_seconds, default=10.0, help="seconds before stopping (default 10)"
+        "--timeout", type=positive_float, default=10.0, help="seconds before stopping (default 10)"
     )
     hint = sub.add_parser("hint", help="one more hint per call")
     hint.add_argument("name", type=_exercise, metavar="NAME", help=names)
