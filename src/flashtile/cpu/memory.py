@@ -25,6 +25,13 @@ from . import FASTMATH
 CACHE_LINE = 64
 
 
+def _item_pointer(context, builder, signature, args):
+    """LLVM pointer to ``arr[index]`` for an intrinsic called as ``f(arr, index)``."""
+    aty = signature.args[0]
+    ary = context.make_array(aty)(context, builder, args[0])
+    return cgutils.get_item_pointer(context, builder, aty, ary, [args[1]], wraparound=False)
+
+
 @intrinsic
 def prefetch(typingctx, arr, index):
     """Hint the CPU to load the cache line holding ``arr[index]`` (1-D array).
@@ -37,9 +44,7 @@ def prefetch(typingctx, arr, index):
     sig = types.void(arr, index)
 
     def codegen(context, builder, signature, args):
-        aty = signature.args[0]
-        ary = context.make_array(aty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aty, ary, [args[1]], wraparound=False)
+        ptr = _item_pointer(context, builder, signature, args)
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
@@ -74,9 +79,7 @@ def load_half(typingctx, arr, index):
     sig = types.float32(arr, index)
 
     def codegen(context, builder, signature, args):
-        aty = signature.args[0]
-        ary = context.make_array(aty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aty, ary, [args[1]], wraparound=False)
+        ptr = _item_pointer(context, builder, signature, args)
         half = builder.load(builder.bitcast(ptr, ir.HalfType().as_pointer()))
         return builder.fpext(half, ir.FloatType())
 
