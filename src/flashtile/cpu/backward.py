@@ -31,7 +31,7 @@ from .tiles import needs_transform, row_bounds, tile_state, transform_row
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def probs_tile(s, lse2, tanh_buf, geo, kv, full, read_bool, bits):
+def probs_tile(s, lse2, tanh_buf, geo, kv, full, read_bool):
     """``s = 2**(s - lse2[row])`` in place with every variant, exact zeros where hidden.
 
     ``geo`` as in :func:`.forward.softmax_tile`. ``lse2`` is the natural-log
@@ -60,7 +60,7 @@ def probs_tile(s, lse2, tanh_buf, geo, kv, full, read_bool, bits):
         if transform:
             tanh_row = tanh_buf[r, lo:hi] if tanh_buf.size > 0 else tanh_buf[0:0, 0]
             transform_row(seg, j0 + lo, i, tq, tk, b, h0 + r // br, kv, read_bool, tanh_row)
-        exp2_shifted(seg, lse2[r], hi - lo, bits)
+        exp2_shifted(seg, lse2[r], hi - lo)
         row[:lo] = 0.0
         row[hi:] = 0.0
 
@@ -100,7 +100,6 @@ def backward_kernel(
         p_buf = np.empty(rows_max * block_k, dtype=q.dtype)
         ds_buf = np.empty(rows_max * block_k, dtype=q.dtype)
         tanh_buf = np.empty(rows_max * block_k if kv.softcap > 0.0 else 0, dtype=q.dtype)
-        bits = np.empty(block_k, dtype=np.int32)
         dkh = dk[part, b, hk, ks0 : ks0 + tk]
         dvh = dv[part, b, hk, ks0 : ks0 + tk]
         dkh[:] = 0.0
@@ -147,7 +146,7 @@ def backward_kernel(
                     i0, i0 + br, j0, j1, tq, tk, kv.causal, kv.left, kv.right, kv_len
                 )
                 geo = (b, h0, br, i0, j0, tq, tk, kv_len)
-                probs_tile(p, lse2, tb, geo, kv, full, state == 1, bits)
+                probs_tile(p, lse2, tb, geo, kv, full, state == 1)
                 gemm(gemm_fn, p, dot, dvh[j0:j1], True, False, 1.0)  # dV_j += P^T dO_i
                 gemm(gemm_fn, dot, vj, ds, False, True, 0.0)  # dP = dO_i V_j^T
                 for r in range(rows):

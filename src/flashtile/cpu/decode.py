@@ -125,7 +125,6 @@ def decode_kernel(q, k, v, table, seqlens, items, part_out, part_lse, scale, kv,
         s_buf = np.empty(rows * tile, dtype=dtype)
         k_buf = np.empty((tile, d), dtype=dtype)
         v_buf = np.empty((tile, dv), dtype=dtype)
-        bits = np.empty(tile, dtype=np.int32)  # exp2 scratch
         acc = np.zeros((rows, dv), dtype=dtype)
         m = np.full(rows, -np.inf, dtype=dtype)
         ell = np.zeros(rows, dtype=dtype)
@@ -154,7 +153,7 @@ def decode_kernel(q, k, v, table, seqlens, items, part_out, part_lse, scale, kv,
                 0, tq, j0, j1, tq, length, kv.causal, kv.left, kv.right, length
             )
             seg1[0, 1], seg1[0, 2] = j0, j1 - j0
-            softmax_tile(s, m, ell, alpha, bits, q_tile, k_tile, seg1, geo, kv, full)
+            softmax_tile(s, m, ell, alpha, q_tile, k_tile, seg1, geo, kv, full)
             for r in range(rows):
                 if alpha[r] != 1.0:
                     acc[r] *= alpha[r]

@@ -78,7 +78,7 @@ def prepare_row(row, r, segs, geo, kv, full):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def rebase_row(row, r, lo, hi, q_row, k_rows, segs, geo, kv, full, bits):
+def rebase_row(row, r, lo, hi, q_row, k_rows, segs, geo, kv, full):
     """Recompute row ``r``'s scores ``k_rows[lo:hi] @ q_row`` with every variant,
     exponentiate against a new reference ``max + HEADROOM``; return
     ``(reference, row sum)``.
@@ -94,11 +94,11 @@ def rebase_row(row, r, lo, hi, q_row, k_rows, segs, geo, kv, full, bits):
     prepare_row(row, r, segs, geo, kv, full)
     seg = row[lo:hi]
     m_new = row_max(seg, hi - lo) + HEADROOM
-    return m_new, exp2_shifted(seg, m_new, hi - lo, bits)
+    return m_new, exp2_shifted(seg, m_new, hi - lo)
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def softmax_tile(s, m, ell, alpha, bits, q_tile, k_tile, segs, geo, kv, full):
+def softmax_tile(s, m, ell, alpha, q_tile, k_tile, segs, geo, kv, full):
     """Online-softmax update of one stacked score tile ``s (rows, n)`` in place.
 
     ``geo = (b, h0, br, i0, tq, tk, kv_len)`` places the tile: row ``r`` is
@@ -139,14 +139,12 @@ def softmax_tile(s, m, ell, alpha, bits, q_tile, k_tile, segs, geo, kv, full):
                 row[:] = 0.0
                 continue
             m_new = mx + HEADROOM
-            total = exp2_shifted(seg, m_new, n, bits)
+            total = exp2_shifted(seg, m_new, n)
         else:
-            total = exp2_shifted(seg, m_new, n, bits)
+            total = exp2_shifted(seg, m_new, n)
             if total > 1.0 and row_max(seg, n) > 1.0:
                 # A score passed the reference: rebuild this row and raise it.
-                m_new, total = rebase_row(
-                    row, r, lo, hi, q_tile[r], k_tile, segs, geo, kv, full, bits
-                )
+                m_new, total = rebase_row(row, r, lo, hi, q_tile[r], k_tile, segs, geo, kv, full)
             alpha[r] = 1.0 if m_new == m[r] else math.exp2(m[r] - m_new)
         row[:lo] = 0.0
         row[hi:] = 0.0
@@ -201,7 +199,6 @@ def forward_kernel(q, k, v, out, lse, visited, seqs, items, scale, kv, block_q, 
         m = np.full(rows, -np.inf, dtype=q.dtype)
         ell = np.zeros(rows, dtype=q.dtype)
         alpha = np.empty(rows, dtype=q.dtype)
-        bits = np.empty(width_max, dtype=np.int32)
         visited[n] = 0
 
         lo, hi = block_key_range(i0, i0 + br, tq, tk, kv.causal, kv.left, kv.right, kv_len)
@@ -235,7 +232,7 @@ def forward_kernel(q, k, v, out, lse, visited, seqs, items, scale, kv, block_q, 
                 visited[n] += segs.shape[0]  # key blocks computed
                 s = s_buf[: rows * width].reshape((rows, width))
                 gemm(gemm_fn, q_tile, k_buf[:width], s, False, True, 0.0)
-                softmax_tile(s, m, ell, alpha, bits, q_tile, k_buf, segs, geo, kv, False)
+                softmax_tile(s, m, ell, alpha, q_tile, k_buf, segs, geo, kv, False)
                 for r in range(rows):
                     if alpha[r] != 1.0:
                         acc[r] *= alpha[r]
@@ -254,7 +251,7 @@ def forward_kernel(q, k, v, out, lse, visited, seqs, items, scale, kv, block_q, 
                     i0, i0 + br, j0, j1, tq, tk, kv.causal, kv.left, kv.right, kv_len
                 )
                 seg1[0, 1], seg1[0, 2] = j0, j1 - j0
-                softmax_tile(s, m, ell, alpha, bits, q_tile, k_tile, seg1, geo, kv, full)
+                softmax_tile(s, m, ell, alpha, q_tile, k_tile, seg1, geo, kv, full)
                 for r in range(rows):
                     if alpha[r] != 1.0:  # most rows keep their reference: nothing to rescale
                         acc[r] *= alpha[r]

