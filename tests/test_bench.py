@@ -117,7 +117,9 @@ def test_json_has_the_numbers_and_the_machine(tmp_path, capsys):
         "tolerance",
         "results",
     } <= set(doc)
-    assert {"cpu", "logical_cores", "isa", "numpy", "numba", "torch"} <= set(doc["machine"])
+    assert {"cpu", "logical_cores", "isa", "numpy", "numba", "kernel_blas", "torch"} <= set(
+        doc["machine"]
+    )
     assert doc["config"]["preset"] == "quick"
     assert len(doc["results"]) == 8
     rec = doc["results"][0]

@@ -59,7 +59,14 @@ def machine_info(torch_threads: int | None = None) -> dict:
     ``torch_threads`` is passed in (rather than read here) so that describing
     the machine never imports torch when no torch provider runs.
     """
+    from ..cpu import blas
+
     model, flags = _cpuinfo()
+    kernel_blas = blas.backend()
+    if kernel_blas == "mkl":
+        kernel_blas += f" {_version('mkl')}"
+    else:
+        kernel_blas += f" (SciPy {_version('scipy')}'s)"
     return {
         "cpu": model,
         "logical_cores": os.cpu_count(),
@@ -69,6 +76,7 @@ def machine_info(torch_threads: int | None = None) -> dict:
         "python": platform.python_version(),
         "numpy": np.__version__,
         "numba": _version("numba"),
+        "kernel_blas": kernel_blas,
         "torch": _version("torch"),
         "torch_threads": torch_threads,
         "flashtile": _version("flashtile"),
@@ -101,6 +109,7 @@ def header_lines(info: dict, ceiling: float | None) -> list[str]:
     if info["usable_cores"] not in (None, info["logical_cores"]):
         cores += f", {info['usable_cores']} usable"
     versions = f"numpy {info['numpy']}, numba {info['numba'] or '-'}, "
+    versions += f"kernel BLAS {info['kernel_blas']}, "
     if info["torch"]:
         versions += f"torch {info['torch']}"
         if info["torch_threads"] is not None:

@@ -1,0 +1,110 @@
+"""The kernels' BLAS backends (oneMKL, SciPy's OpenBLAS): choice, errors, results.
+
+The rest of the suite runs on the default backend (MKL where the ``mkl``
+package is installed); here every installed backend runs the forward and the
+backward on awkward shapes against the dense float64 formula, and the two
+backends are checked against each other.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashtile as ft
+import flashtile.cpu.blas as blas
+from dense import dense_attention, dense_attention_backward, rel_err
+
+INSTALLED = ["openblas"] + (["mkl"] if blas._mkl() is not None else [])
+
+
+@pytest.fixture
+def restore_backend():
+    saved = blas._choice
+    yield
+    blas._choice = saved
+
+
+@pytest.fixture(params=INSTALLED)
+def backend(request, restore_backend):
+    assert blas.set_backend(request.param) == request.param
+    assert blas.backend() == request.param
+    return request.param
+
+
+def _inputs(rng, shape, dtype):
+    (b, h, tq, tk, d) = shape
+    q = rng.standard_normal((b, h, tq, d)).astype(dtype)
+    k = rng.standard_normal((b, h, tk, d)).astype(dtype)
+    v = rng.standard_normal((b, h, tk, d)).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(1, 2, 97, 97, 59), (2, 1, 33, 300, 64), (1, 3, 515, 515, 7)])
+def test_each_backend_matches_the_dense_formula(rng, backend, shape, dtype):
+    q, k, v = _inputs(rng, shape, dtype)
+    do = rng.standard_normal(q.shape).astype(dtype)
+    out, lse = ft.attention(q, k, v, causal=True, return_lse=True, block_q=64, block_k=96)
+    grads = ft.attention_backward(q, k, v, out, lse, do, causal=True, block_q=64, block_k=96)
+    f64 = [a.astype(np.float64) for a in (q, k, v, do)]
+    ref, _ = dense_attention(*f64[:3], True)
+    ref_grads = dense_attention_backward(*f64, True)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    assert rel_err(out, ref) < tol
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert rel_err(g, r) < 10 * tol
+
+
+def test_each_backend_is_deterministic_and_they_agree(rng, restore_backend):
+    q, k, v = _inputs(rng, (1, 4, 700, 700, 64), np.float32)
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    results = {}
+    for name in INSTALLED:
+        blas.set_backend(name)
+        runs = []
+        for offset in (0, 3):  # misaligned copies: MKL's paths can depend on alignment
+            qs, ks, vs, dos = (_misaligned(a, offset) for a in (q, k, v, do))
+            out, lse = ft.attention(qs, ks, vs, causal=True, return_lse=True)
+            runs.append((out, *ft.attention_backward(qs, ks, vs, out, lse, dos, causal=True)))
+        for a, b in zip(*runs, strict=True):
+            np.testing.assert_array_equal(a, b)
+        results[name] = runs[0]
+    for a, b in zip(results["openblas"], results[INSTALLED[-1]], strict=True):
+        assert rel_err(b, a) < 1e-5
+
+
+def _misaligned(a, offset):
+    """A copy of ``a`` starting ``offset`` elements into a fresh buffer."""
+    buf = np.empty(a.size + offset, dtype=a.dtype)[offset:].reshape(a.shape)
+    buf[...] = a
+    return buf
+
+
+def test_unknown_backend_is_a_clear_error(restore_backend):
+    with pytest.raises(ValueError, match=r"one of \('auto', 'mkl', 'openblas'\), got 'cublas'"):
+        blas.set_backend("cublas")
+
+
+def test_environment_variable_chooses_and_is_checked(monkeypatch, restore_backend):
+    monkeypatch.setattr(blas, "_choice", None)
+    monkeypatch.setenv("FLASHTILE_BLAS", "OpenBLAS")
+    assert blas.backend() == "openblas"
+    monkeypatch.setattr(blas, "_choice", None)
+    monkeypatch.setenv("FLASHTILE_BLAS", "atlas")
+    with pytest.raises(ValueError, match="FLASHTILE_BLAS='atlas'"):
+        blas.backend()
+
+
+def test_missing_mkl_is_a_clear_error_and_auto_falls_back(monkeypatch, restore_backend):
+    monkeypatch.setattr(blas, "_mkl", lambda: None)
+    with pytest.raises(ValueError, match=r"pip install 'flashtile\[mkl\]'"):
+        blas.set_backend("mkl")
+    assert blas.set_backend("auto") == "openblas"
+
+
+@pytest.mark.skipif("mkl" not in INSTALLED, reason="oneMKL not installed")
+def test_mkl_is_the_default_when_installed(monkeypatch, restore_backend):
+    monkeypatch.setattr(blas, "_choice", None)
+    monkeypatch.delenv("FLASHTILE_BLAS", raising=False)
+    assert blas.backend() == "mkl"
