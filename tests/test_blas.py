@@ -108,3 +108,24 @@ def test_mkl_is_the_default_when_installed(monkeypatch, restore_backend):
     monkeypatch.setattr(blas, "_choice", None)
     monkeypatch.delenv("FLASHTILE_BLAS", raising=False)
     assert blas.backend() == "mkl"
+
+
+def test_openblas_is_pinned_to_one_thread_during_kernel_calls(restore_backend):
+    from threadpoolctl import threadpool_info
+
+    blas.set_backend("openblas")
+    with blas.single_threaded_blas():
+        inside = [lib for lib in threadpool_info() if lib["internal_api"] == "openblas"]
+    assert inside and all(lib["num_threads"] == 1 for lib in inside)
+
+
+@pytest.mark.skipif("mkl" not in INSTALLED, reason="oneMKL not installed")
+def test_mkl_runs_sequential_so_nothing_is_pinned(restore_backend):
+    from threadpoolctl import threadpool_info
+
+    blas.set_backend("mkl")
+    assert blas._mkl().sequential
+    before = [lib["num_threads"] for lib in threadpool_info()]
+    with blas.single_threaded_blas():
+        inside = [lib["num_threads"] for lib in threadpool_info()]
+    assert inside == before

@@ -97,9 +97,14 @@ def _mkl() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(path)  # RTLD_LOCAL: its sgemm_ does not shadow OpenBLAS's
     except OSError:
         return None
-    # Both must be set before MKL's first call; they are no-ops if it already ran.
-    lib.MKL_Set_Threading_Layer(_MKL_THREADING_SEQUENTIAL)
-    lib.MKL_Set_Interface_Layer(_MKL_INTERFACE_LP64)
+    # Both must be set before MKL's first call; if something else in the
+    # process used MKL first they change nothing, and each returns the layer
+    # in force (then a threaded MKL is pinned like OpenBLAS around kernel calls).
+    lib.sequential = lib.MKL_Set_Threading_Layer(_MKL_THREADING_SEQUENTIAL) == (
+        _MKL_THREADING_SEQUENTIAL
+    )
+    if lib.MKL_Set_Interface_Layer(_MKL_INTERFACE_LP64) != _MKL_INTERFACE_LP64:
+        return None  # 64-bit integers already chosen: gemm() passes 32-bit ones
     return lib
 
 
@@ -213,11 +218,15 @@ _pin_saved = None
 def single_threaded_blas():
     """Pin BLAS to one thread while any kernel call is running.
 
-    Calls may overlap (several Python threads calling flashtile): the first
-    to enter pins, the last to leave restores, so the user's own BLAS
-    threading is never left changed.
+    Nothing to do when the kernels call a sequential MKL. Calls may overlap
+    (several Python threads calling flashtile): the first to enter pins, the
+    last to leave restores, so the user's own BLAS threading is never left
+    changed.
     """
     global _pin_depth, _pin_saved
+    if backend() == "mkl" and _mkl().sequential:  # the kernels call no threaded BLAS
+        yield
+        return
     with _pin_lock:
         if _pin_depth == 0:
             _pin_saved = _controller().limit(limits=1, user_api="blas")
