@@ -30,6 +30,7 @@ from numba import njit, prange
 from ..masks import block_key_range, tile_fully_visible
 from . import FASTMATH
 from .blas import gemm
+from .memory import prefetch_rows
 from .rowops import exp2_shifted, row_max
 from .tiles import needs_transform, row_bounds, tile_state, transform_row
 
@@ -247,6 +248,10 @@ def forward_kernel(q, k, v, out, lse, visited, seqs, items, scale, kv, block_q, 
                 s = s_buf[: rows * (j1 - j0)].reshape((rows, j1 - j0))
                 k_tile = k[b, hk, ks0 + j0 : ks0 + j1]
                 gemm(gemm_fn, q_tile, k_tile, s, False, True, 0.0)
+                if j1 < hi:  # pull the next K/V tile toward L2 while this one is finished
+                    j2 = min(j1 + block_k, hi)
+                    prefetch_rows(k[b, hk], ks0 + j1, ks0 + j2)
+                    prefetch_rows(v[b, hk], ks0 + j1, ks0 + j2)
                 full = tile_fully_visible(
                     i0, i0 + br, j0, j1, tq, tk, kv.causal, kv.left, kv.right, kv_len
                 )
