@@ -1133,3 +1133,22 @@ def test_float_mask_at_float32_min_hides_keys_without_warnings(rng):
     want = ft.attention(q, k, v, mask=keep)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert (got[:, :, 2] == 0).all()
+
+
+@pytest.mark.parametrize(
+    ("window", "causal", "want"),
+    [((256, 0), True, 64), ((100, 100), False, 64), ((511, 0), True, 128), ((1024, 0), True, 256)],
+)
+def test_default_query_tile_shrinks_with_a_window_band(window, causal, want):
+    """Rows per tile follow the band (about band / 4, 64..256); explicit sizes win."""
+    from flashtile import api
+
+    q = np.zeros((1, 2, 3000, 8), dtype=np.float32)
+    _, block_q, block_k = api._plan(
+        q, q, q, causal, None, {"window": window}, None, None, api.FWD_BLOCKS
+    )
+    assert (block_q, block_k) == (want, api.FWD_BLOCKS[1])
+    _, block_q, _ = api._plan(q, q, q, causal, None, {"window": window}, 200, None, api.FWD_BLOCKS)
+    assert block_q == 200
+    _, block_q, _ = api._plan(q, q, q, causal, None, {}, None, None, api.FWD_BLOCKS)
+    assert block_q == api.FWD_BLOCKS[0]
