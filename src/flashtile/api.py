@@ -181,34 +181,67 @@ def _block_sizes(block_q, block_k, defaults, va, group, tq, tk):
     return min(block_q, tq), min(block_k, tk)  # buffers fit the data
 
 
-def _forward_items(plan, block_q, auto_q) -> tuple[np.ndarray, int]:
+def _forward_items(plan, block_q, block_k, auto_q) -> tuple[np.ndarray, int, object]:
     """Work items ``(sequence, kv head, i0)``, balanced for a static schedule.
 
-    Returns ``(items, block_q)``; with ``auto_q`` block_q is halved (down to
-    MIN_BLOCK_Q) until every thread gets at least four items.
+    Returns ``(items, block_q, kernel variants)``; with ``auto_q`` block_q is
+    halved (down to MIN_BLOCK_Q) until every thread gets at least four items.
+    The variants carry the block map for the final block_q, and with a map an
+    item's cost counts only the key blocks it keeps.
     """
     import numba
 
     want = 4 * numba.get_num_threads()
     while True:
-        items, costs = _enumerate_items(plan, block_q)
+        items, spans = _enumerate_items(plan, block_q)
         if not auto_q or len(items) >= want or block_q <= MIN_BLOCK_Q:
-            return _balance(items, costs), block_q
+            break
         block_q = max(MIN_BLOCK_Q, block_q // 2)
+    kv = _with_states(plan, block_q, block_k)
+    rows = np.minimum(block_q, plan.seqs[items[:, 0], 2] - items[:, 2])
+    if kv.states.size > 0:
+        keys = block_k * _kept_blocks(plan, items, spans, kv.states, block_q, block_k)
+    else:
+        keys = spans[:, 1] - spans[:, 0]
+    return _balance(items, rows * keys + 1), block_q, kv
 
 
 def _enumerate_items(plan, block_q):
+    """``(items (N, 3), spans (N, 2))``: every item and the key range it can see."""
     kv = plan.kv
     n_kv = plan.k4.shape[1]
-    items, costs = [], []
+    items, spans = [], []
     for s, (_, _, tq, _, tk, kv_len) in enumerate(plan.seqs.tolist()):
         for i0 in range(0, tq, block_q):
             i1 = min(i0 + block_q, tq)
             lo, hi = block_key_range(i0, i1, tq, tk, kv.causal, kv.left, kv.right, kv_len)
             for hk in range(n_kv):
                 items.append((s, hk, i0))
-                costs.append((i1 - i0) * (hi - lo) + 1)
-    return np.array(items, dtype=np.int64).reshape(-1, 3), np.array(costs)
+                spans.append((lo, max(lo, hi)))
+    return (
+        np.array(items, dtype=np.int64).reshape(-1, 3),
+        np.array(spans, dtype=np.int64).reshape(-1, 2),
+    )
+
+
+def _kept_blocks(plan, items, spans, states, block_q, block_k):
+    """Key blocks each item computes with a block map: kept ones in its span.
+
+    A block counts when any query head of the item's group keeps it, as in
+    the kernel (:func:`.cpu.tiles.tile_state`).
+    """
+    kept = states != 0  # (Bm, Hm, nq, nk)
+    n_kv = plan.k4.shape[1]
+    if kept.shape[1] > 1:  # per query head: a kv head computes its group's union
+        kept = kept.reshape(kept.shape[0], n_kv, -1, *kept.shape[2:]).any(axis=2)
+    before = np.zeros(kept.shape[:3] + (kept.shape[3] + 1,), dtype=np.int64)
+    np.cumsum(kept, axis=3, out=before[..., 1:])  # kept blocks before block j
+    b = plan.seqs[items[:, 0], 0] % kept.shape[0]
+    h = items[:, 1] % kept.shape[1]
+    qb = items[:, 2] // block_q
+    kb_lo = spans[:, 0] // block_k
+    kb_hi = np.maximum(kb_lo, -(-spans[:, 1] // block_k))
+    return before[b, h, qb, kb_hi] - before[b, h, qb, kb_lo]
 
 
 def _balance(items: np.ndarray, costs: np.ndarray) -> np.ndarray:
@@ -254,8 +287,7 @@ def _run_forward(plan, block_q, block_k, auto_q):
     from .cpu.blas import gemm_for, single_threaded_blas
     from .cpu.forward import forward_kernel
 
-    items, block_q = _forward_items(plan, block_q, auto_q)
-    kv = _with_states(plan, block_q, block_k)  # the block map follows the final block_q
+    items, block_q, kv = _forward_items(plan, block_q, block_k, auto_q)
     out = np.empty(plan.q4.shape[:-1] + (plan.v4.shape[-1],), dtype=plan.q4.dtype)
     lse = np.empty(plan.q4.shape[:-1], dtype=plan.q4.dtype)
     visited = np.empty(len(items), dtype=np.int64)

@@ -32,7 +32,7 @@ from . import FASTMATH
 from .blas import gemm
 from .memory import prefetch_rows
 from .rowops import exp2_shifted, row_max
-from .tiles import needs_transform, row_bounds, tile_state, transform_row
+from .tiles import changes_scores, needs_transform, row_bounds, tile_state, transform_row
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -105,8 +105,10 @@ def softmax_tile(s, m, ell, alpha, q_tile, k_tile, segs, geo, kv, full):
     ``geo = (b, h0, br, i0, tq, tk, kv_len)`` places the tile: row ``r`` is
     query ``i0 + r % br`` of head ``h0 + r // br`` in batch ``b``; ``segs``
     (see :func:`prepare_row`) says which key each column holds; ``k_tile``
-    holds those keys' rows. ``full`` says a one-segment tile is entirely
-    inside every row's positional bounds.
+    holds those keys' rows. ``full`` says every row sees every column: all
+    segments lie inside every row's positional bounds and, with a block
+    map, in fully kept blocks. A full tile without score-changing variants
+    goes straight to the exponential, row by row.
 
     On return ``s`` holds ``P = 2**(S - m_new)`` (exact zeros where hidden),
     ``m``/``ell`` the updated state and ``alpha`` the per-row rescale.
@@ -120,7 +122,7 @@ def softmax_tile(s, m, ell, alpha, q_tile, k_tile, segs, geo, kv, full):
     and the reference raised, as in the textbook update.
     """
     rows = s.shape[0]
-    plain = full and segs.shape[0] == 1 and not needs_transform(kv)
+    plain = full and not changes_scores(kv)
     for r in range(rows):
         row = s[r]
         if plain:
@@ -224,16 +226,24 @@ def forward_kernel(q, k, v, out, lse, visited, seqs, items, scale, kv, block_q, 
             for g0 in range(0, n_kept, per_tile):
                 segs = kept[g0 : min(g0 + per_tile, n_kept)]
                 width = 0
+                full = True  # every row sees every gathered column
                 for g in range(segs.shape[0]):
                     j0, nk = segs[g, 1], segs[g, 2]
                     segs[g, 0] = width
                     k_buf[width : width + nk] = k[b, hk, ks0 + j0 : ks0 + j0 + nk]
                     v_buf[width : width + nk] = v[b, hk, ks0 + j0 : ks0 + j0 + nk]
                     width += nk
+                    full = (
+                        full
+                        and segs[g, 3] == 2
+                        and tile_fully_visible(
+                            i0, i0 + br, j0, j0 + nk, tq, tk, kv.causal, kv.left, kv.right, kv_len
+                        )
+                    )
                 visited[n] += segs.shape[0]  # key blocks computed
                 s = s_buf[: rows * width].reshape((rows, width))
                 gemm(gemm_fn, q_tile, k_buf[:width], s, False, True, 0.0)
-                softmax_tile(s, m, ell, alpha, q_tile, k_buf, segs, geo, kv, False)
+                softmax_tile(s, m, ell, alpha, q_tile, k_buf, segs, geo, kv, full)
                 for r in range(rows):
                     if alpha[r] != 1.0:
                         acc[r] *= alpha[r]

@@ -58,9 +58,15 @@ def row_bounds(i, j0, j1, tq, tk, kv_len, kv):
 
 
 @njit(fastmath=FASTMATH, cache=True)
+def changes_scores(kv):
+    """Whether a variant changes visible scores (softcap, ALiBi, additive mask)."""
+    return kv.softcap > 0.0 or kv.alibi.size > 0 or kv.mask_add.size > 0
+
+
+@njit(fastmath=FASTMATH, cache=True)
 def needs_transform(kv):
-    """Whether any score-changing variant is on."""
-    return kv.softcap > 0.0 or kv.alibi.size > 0 or kv.mask_add.size > 0 or kv.mask_bool.size > 0
+    """Whether :func:`transform_row` has anything to do (a bool mask too)."""
+    return changes_scores(kv) or kv.mask_bool.size > 0
 
 
 @njit(fastmath=FASTMATH, cache=True)
