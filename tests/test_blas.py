@@ -114,7 +114,7 @@ def test_openblas_is_pinned_to_one_thread_during_kernel_calls(restore_backend):
     from threadpoolctl import threadpool_info
 
     blas.set_backend("openblas")
-    with blas.single_threaded_blas():
+    with blas.single_threaded_blas(blas.gemm_for(np.float32)):
         inside = [lib for lib in threadpool_info() if lib["internal_api"] == "openblas"]
     assert inside and all(lib["num_threads"] == 1 for lib in inside)
 
@@ -125,7 +125,22 @@ def test_mkl_runs_sequential_so_nothing_is_pinned(restore_backend):
 
     blas.set_backend("mkl")
     assert blas._mkl().sequential
+    entry = blas.gemm_for(np.float32)
+    assert entry.library == "mkl"
     before = [lib["num_threads"] for lib in threadpool_info()]
-    with blas.single_threaded_blas():
+    with blas.single_threaded_blas(entry):
         inside = [lib["num_threads"] for lib in threadpool_info()]
     assert inside == before
+
+
+@pytest.mark.skipif("mkl" not in INSTALLED, reason="oneMKL not installed")
+def test_small_tiles_go_to_openblas_and_are_pinned(restore_backend):
+    from threadpoolctl import threadpool_info
+
+    blas.set_backend("mkl")
+    assert blas.gemm_for(np.float32, rows=blas.SMALL_TILE_ROWS).library == "mkl"
+    entry = blas.gemm_for(np.float32, rows=blas.SMALL_TILE_ROWS - 1)
+    assert entry.library == "openblas"
+    with blas.single_threaded_blas(entry):
+        inside = [lib for lib in threadpool_info() if lib["internal_api"] == "openblas"]
+    assert inside and all(lib["num_threads"] == 1 for lib in inside)

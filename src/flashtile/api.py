@@ -291,7 +291,8 @@ def _run_forward(plan, block_q, block_k, auto_q):
     out = np.empty(plan.q4.shape[:-1] + (plan.v4.shape[-1],), dtype=plan.q4.dtype)
     lse = np.empty(plan.q4.shape[:-1], dtype=plan.q4.dtype)
     visited = np.empty(len(items), dtype=np.int64)
-    with single_threaded_blas():
+    gemm_fn = gemm_for(plan.q4.dtype)
+    with single_threaded_blas(gemm_fn):
         forward_kernel(
             plan.q4,
             plan.k4,
@@ -305,7 +306,7 @@ def _run_forward(plan, block_q, block_k, auto_q):
             kv,
             block_q,
             block_k,
-            gemm_for(plan.q4.dtype),
+            gemm_fn,
         )
     return out, lse, int(visited.sum())
 
@@ -368,7 +369,8 @@ def _run_backward(plan, out, lse, dout, block_q, block_k):
     # Part p accumulates its share of dk/dv in slice p; summed below in order.
     dk_parts = np.zeros((parts, *k4.shape), k4.dtype)
     dv_parts = np.zeros((parts, *v4.shape), v4.dtype)
-    with single_threaded_blas():
+    gemm_fn = gemm_for(q4.dtype)
+    with single_threaded_blas(gemm_fn):
         backward_kernel(
             q4,
             k4,
@@ -385,7 +387,7 @@ def _run_backward(plan, out, lse, dout, block_q, block_k):
             _with_states(plan, block_q, block_k),
             block_q,
             block_k,
-            gemm_for(q4.dtype),
+            gemm_fn,
         )
     dk, dv = dk_parts[0], dv_parts[0]
     for p in range(1, parts):  # a fixed order: deterministic sums

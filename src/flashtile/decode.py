@@ -166,7 +166,8 @@ def decode_attention(
     if k.dtype == np.float16:
         k, v = k.view(np.uint16), v.view(np.uint16)
     q_work = np.ascontiguousarray(q, dtype=work)
-    with single_threaded_blas():
+    gemm_fn = gemm_for(work, rows=rows)
+    with single_threaded_blas(gemm_fn):
         decode_kernel(
             q_work,
             k,
@@ -179,7 +180,7 @@ def decode_attention(
             scale,
             kernel_variants,
             DECODE_TILE,
-            gemm_for(work),
+            gemm_fn,
         )
     merge_partials(part_out, part_lse, spans, out, lse)
     out = out.astype(q.dtype, copy=False)
