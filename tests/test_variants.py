@@ -962,6 +962,59 @@ def test_block_mask_with_default_tiles_and_padding(rng):
     assert_grads_close(grads, dense_variant_backward(q, k, v, dout, mask=mask, **var), 1e-10)
 
 
+@pytest.mark.parametrize(
+    "var",
+    [
+        {"window": (300, 0), "causal": True},
+        {"window": (40, 10), "kv_lengths": np.array([700, 530])},
+        {"causal": True, "kv_lengths": np.array([700, 301])},
+    ],
+    ids=["causal-window", "window-padding", "causal-padding"],
+)
+def test_gathered_full_blocks_with_positional_limits(rng, var):
+    """Whole kept 64-blocks gathered into one tile, some left of a row's band.
+
+    Regression: a gathered segment wholly left of a row's window used to
+    hide the start of the next segments too (``row_bounds`` returned a start
+    beyond the segment), giving wrong outputs with the default tiles.
+    """
+    q, k, v, dout, _ = Case("x", (2, 2, 2, 700, 700, 16, 16)).build(rng, np.float32)
+    blocks = rng.random((2, 1, 11, 11)) < 0.4
+    blocks |= np.eye(11, dtype=bool)  # the diagonal keeps every row's own key
+    mask = np.kron(blocks, np.ones((64, 64), dtype=bool))[..., :700, :700]
+    bm = ft.block_mask(mask, 64, 64)
+    assert bm.counts()["full"] > 0 and bm.counts()["empty"] > 0
+    out, lse = ft.attention(q, k, v, mask=bm, return_lse=True, **var)
+    want_out, want_lse = dense_variant_attention(*_f64(q, k, v), mask=mask, **var)
+    assert rel_err(out, want_out) < 1e-5
+    assert_lse_close(lse, want_lse, 1e-5)
+    grads = ft.attention_backward(q, k, v, out, lse, dout, mask=bm, **var)
+    want = dense_variant_backward(*_f64(q, k, v, dout), mask=mask, **var)
+    assert_grads_close(grads, want, 1e-4)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (2, 0, 4, 4)])
+def test_block_mask_of_an_empty_mask_has_no_kept_tiles(shape):
+    bm = ft.block_mask(np.ones(shape, dtype=bool), 4, 4)
+    assert bm.states.ndim == 4 and not bm.states.any()
+
+
+def test_block_mask_summary_is_reused_with_a_window(rng, monkeypatch):
+    """A window does not shrink the tiles away from a BlockMask's (no re-summary)."""
+    # 4 heads x 3 query blocks: enough items that block_q is not halved for threads
+    q, k, v, _, _ = Case("x", (1, 4, 4, 300, 300, 8, 8)).build(rng)
+    bm = ft.block_mask(_block_sparse_mask(rng, (1, 1, 300, 300)), 128, 128)
+    want = ft.attention(q, k, v, mask=bm, window=(256, 0), causal=True)
+
+    def no_summary(*args, **kwargs):
+        raise AssertionError("the mask was summarised again")
+
+    monkeypatch.setattr("flashtile.api.block_mask", no_summary)
+    np.testing.assert_array_equal(
+        ft.attention(q, k, v, mask=bm, window=(256, 0), causal=True), want
+    )
+
+
 # --------------------------------------------------------------------------------------
 # 6. Bad inputs: errors that name the values
 # --------------------------------------------------------------------------------------

@@ -169,7 +169,9 @@ def _plan(q, k, v, causal, scale, variants, block_q, block_k, defaults) -> tuple
 
 
 def _block_sizes(block_q, block_k, defaults, va, group, tq, tk):
-    if va.left >= 0 and va.right >= 0:  # a band: see MIN_WINDOW_BLOCK_Q
+    # A band (see MIN_WINDOW_BLOCK_Q); a bool mask keeps its block map's tiles,
+    # so that a BlockMask's summary is reused rather than rebuilt per call.
+    if va.left >= 0 and va.right >= 0 and va.mask_bool is None:
         band = va.left + va.right + 1
         rows = 1 << max(band // 4, 1).bit_length() - 1  # largest power of two <= band / 4
         defaults = (min(defaults[0], max(MIN_WINDOW_BLOCK_Q, rows)), defaults[1])

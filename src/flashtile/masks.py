@@ -185,6 +185,8 @@ def block_mask(mask, block_q: int, block_k: int) -> BlockMask:
     mask4 = np.ascontiguousarray(mask.reshape((1,) * (4 - mask.ndim) + mask.shape))
     bm, hm, tq, tk = mask4.shape
     nq, nk = -(-tq // block_q), -(-tk // block_k)
+    if mask4.size == 0:  # no tiles, or tiles of nothing
+        return BlockMask(mask4, block_q, block_k, np.zeros((bm, hm, nq, nk), dtype=np.int8))
     # Ragged edge tiles are padded by repeating their own last row/column:
     # neutral for both "any kept" and "all kept".
     padded = mask4

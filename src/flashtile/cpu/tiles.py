@@ -50,9 +50,13 @@ class KernelVariants(NamedTuple):
 
 @njit(fastmath=FASTMATH, cache=True)
 def row_bounds(i, j0, j1, tq, tk, kv_len, kv):
-    """Columns ``[a, b)`` of a tile over keys ``[j0, j1)`` that query ``i`` sees."""
+    """Columns ``[a, b)`` of a tile over keys ``[j0, j1)`` that query ``i`` sees.
+
+    Always ``0 <= a <= b <= j1 - j0``: a tile wholly left of the row's range
+    gives ``(j1 - j0, j1 - j0)`` (callers hide ``[0, a)`` and ``[b, n)``).
+    """
     lo, hi = key_bounds(i, tq, tk, kv.causal, kv.left, kv.right, kv_len)
-    a = max(lo, j0) - j0
+    a = min(max(lo, j0), j1) - j0
     b = min(hi, j1) - j0
     return a, max(a, b)
 
