@@ -8,6 +8,11 @@ backends are checked against each other.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
+
 import numpy as np
 import pytest
 
@@ -144,3 +149,42 @@ def test_small_tiles_go_to_openblas_and_are_pinned(restore_backend):
     with blas.single_threaded_blas(entry):
         inside = [lib for lib in threadpool_info() if lib["internal_api"] == "openblas"]
     assert inside and all(lib["num_threads"] == 1 for lib in inside)
+
+
+@pytest.mark.skipif("mkl" not in INSTALLED, reason="oneMKL not installed")
+def test_a_threaded_mkl_chosen_by_the_user_is_kept_and_pinned():
+    """MKL_THREADING_LAYER set: flashtile leaves MKL threaded, pins it per call."""
+    script = """
+import numpy as np
+from threadpoolctl import threadpool_info
+import flashtile as ft
+import flashtile.cpu.blas as blas
+assert blas.backend() == "mkl" and not blas._mkl().sequential
+entry = blas.gemm_for(np.float32)
+mkl = lambda: [i["num_threads"] for i in threadpool_info() if i["internal_api"] == "mkl"]
+before = mkl()
+with blas.single_threaded_blas(entry):
+    assert mkl() == [1], mkl()
+assert mkl() == before, (mkl(), before)
+q = np.random.default_rng(0).standard_normal((1, 2, 300, 16), dtype=np.float32)
+np.save("out.npy", ft.attention(q, q, q, causal=True))
+"""
+    env = {**os.environ, "MKL_THREADING_LAYER": "INTEL", "FLASHTILE_BLAS": "auto"}
+    with tempfile.TemporaryDirectory() as cwd:
+        run = subprocess.run(
+            [sys.executable, "-c", script], env=env, cwd=cwd, capture_output=True, text=True
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        got = np.load(os.path.join(cwd, "out.npy"))
+    q = np.random.default_rng(0).standard_normal((1, 2, 300, 16), dtype=np.float32)
+    assert rel_err(got, ft.attention(q, q, q, causal=True)) < 1e-6
+
+
+@pytest.mark.skipif("mkl" not in INSTALLED, reason="oneMKL not installed")
+def test_an_ilp64_mkl_is_refused_with_its_reason(monkeypatch, restore_backend):
+    monkeypatch.setenv("MKL_INTERFACE_LAYER", "ILP64")
+    monkeypatch.setattr(blas, "_mkl_problem", blas._mkl_problem)  # restored afterwards
+    assert blas._mkl.__wrapped__() is None  # the uncached loader, as on first use
+    monkeypatch.setattr(blas, "_mkl", lambda: None)
+    with pytest.raises(ValueError, match="MKL_INTERFACE_LAYER='ILP64' selects 64-bit"):
+        blas.set_backend("mkl")

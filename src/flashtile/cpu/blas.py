@@ -3,12 +3,18 @@
 The kernels' tile products are Fortran ``sgemm``/``dgemm`` calls through a
 function pointer, from one of two libraries (the *backend*):
 
-* ``"mkl"``: Intel oneMKL from the PyPI ``mkl`` package (``pip install
-  'flashtile[mkl]'``, x86-64). On this project's AVX-512 machine its sgemm
-  runs the attention tile shapes (K = 64 inner dimension) 20-40% faster than
+* ``"mkl"``: Intel oneMKL's ``libmkl_rt`` from the PyPI ``mkl`` package
+  (``pip install 'flashtile[mkl]'``, Linux x86-64), else one the system
+  linker finds. On this project's AVX-512 machine its sgemm runs the
+  attention tile shapes (K = 64 inner dimension) 20-40% faster than
   OpenBLAS, which is most of the gap to PyTorch's CPU flash kernel (itself
-  built on MKL). It is loaded with its *sequential* threading layer: the
-  kernels already run one BLAS call per core.
+  built on MKL). The kernels already run one BLAS call per core, so when
+  flashtile is the first to load it and ``MKL_THREADING_LAYER`` is unset it
+  selects MKL's *sequential* threading layer. That setting is process-wide:
+  other users of the same ``libmkl_rt`` (NumPy built on it, say) then run
+  single-threaded too; set ``MKL_THREADING_LAYER`` (e.g. ``INTEL``) to keep
+  threads, and flashtile pins MKL around its calls instead. PyTorch links
+  its own MKL and is not affected.
 * ``"openblas"``: the OpenBLAS SciPy ships, always present (via
   ``scipy.linalg.cython_blas``).
 
@@ -76,7 +82,7 @@ _choice: str | None = None  # None: read FLASHTILE_BLAS on first use
 
 
 def _mkl_path() -> str | None:
-    """Path of ``libmkl_rt`` from the PyPI ``mkl`` package, else the system's."""
+    """Path of ``libmkl_rt`` from the PyPI ``mkl`` package, else a system one."""
     try:
         files = importlib.metadata.files("mkl") or []
     except importlib.metadata.PackageNotFoundError:
@@ -87,24 +93,53 @@ def _mkl_path() -> str | None:
     return ctypes.util.find_library("mkl_rt")
 
 
+#: Why :func:`_mkl` returned None (for the error of an explicit "mkl").
+_mkl_problem = "oneMKL is not installed: pip install 'flashtile[mkl]' (Linux x86-64)"
+
+
+def _already_loaded(path: str) -> bool:
+    """Whether this process has loaded the library at ``path`` already."""
+    try:
+        ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return False
+    return True
+
+
 @functools.cache
 def _mkl() -> ctypes.CDLL | None:
-    """oneMKL, loaded and set to sequential + LP64, or None if not installed."""
+    """oneMKL's ``libmkl_rt`` set up for the kernels, or None (see ``_mkl_problem``).
+
+    The threading layer is process-wide. flashtile chooses the sequential one
+    only when nobody else has chosen: the library was not loaded before and
+    ``MKL_THREADING_LAYER`` is unset. Otherwise the layer in force stays and
+    MKL is pinned to one thread around each kernel call, like OpenBLAS.
+    """
+    global _mkl_problem
     path = _mkl_path()
     if path is None:
         return None
-    try:
-        lib = ctypes.CDLL(path)  # RTLD_LOCAL: its sgemm_ does not shadow OpenBLAS's
-    except OSError:
+    interface = os.environ.get("MKL_INTERFACE_LAYER", "")
+    if "ILP64" in interface.upper():
+        _mkl_problem = (
+            f"MKL_INTERFACE_LAYER={interface!r} selects 64-bit integers and the kernels "
+            "pass 32-bit ones"
+        )
         return None
-    # Both must be set before MKL's first call; if something else in the
-    # process used MKL first they change nothing, and each returns the layer
-    # in force (then a threaded MKL is pinned like OpenBLAS around kernel calls).
-    lib.sequential = lib.MKL_Set_Threading_Layer(_MKL_THREADING_SEQUENTIAL) == (
-        _MKL_THREADING_SEQUENTIAL
-    )
-    if lib.MKL_Set_Interface_Layer(_MKL_INTERFACE_LP64) != _MKL_INTERFACE_LP64:
-        return None  # 64-bit integers already chosen: gemm() passes 32-bit ones
+    try:
+        loaded_before = _already_loaded(path)
+        lib = ctypes.CDLL(path)  # RTLD_LOCAL: its sgemm_ does not shadow OpenBLAS's
+        set_threading, set_interface = lib.MKL_Set_Threading_Layer, lib.MKL_Set_Interface_Layer
+    except (OSError, AttributeError) as err:
+        _mkl_problem = f"{path} cannot be used: {err}"
+        return None
+    lib.sequential = False
+    if not (loaded_before or os.environ.get("MKL_THREADING_LAYER")):
+        # Takes effect only before MKL's first call; returns the layer in force.
+        lib.sequential = set_threading(_MKL_THREADING_SEQUENTIAL) == _MKL_THREADING_SEQUENTIAL
+    if set_interface(_MKL_INTERFACE_LP64) != _MKL_INTERFACE_LP64:
+        _mkl_problem = "this process's MKL already runs with 64-bit integers (ILP64)"
+        return None
     return lib
 
 
@@ -114,10 +149,7 @@ def _resolve(choice: str) -> str:
     if choice == "auto":
         return "mkl" if _mkl() is not None else "openblas"
     if choice == "mkl" and _mkl() is None:
-        raise ValueError(
-            "BLAS backend 'mkl' requested but oneMKL is not installed: "
-            "pip install 'flashtile[mkl]' (x86-64), or choose 'openblas'"
-        )
+        raise ValueError(f"BLAS backend 'mkl' requested but {_mkl_problem}; or choose 'openblas'")
     return choice
 
 
@@ -217,9 +249,10 @@ def gemm(fn, a, b, c, trans_a, trans_b, beta):
 
 
 @functools.cache
-def _controller() -> ThreadpoolController:
-    backend()  # load the chosen BLAS first, so the scan sees it
-    return ThreadpoolController()  # scans the loaded libraries once (~3 ms)
+def _controller(library: str) -> ThreadpoolController:
+    """The loaded BLAS libraries, scanned (~3 ms) once ``library`` is loaded."""
+    _entry(library, np.dtype(np.float32))
+    return ThreadpoolController()
 
 
 _pin_lock = threading.Lock()
@@ -242,7 +275,8 @@ def single_threaded_blas(entry=None):
         return
     with _pin_lock:
         if _pin_depth == 0:
-            _pin_saved = _controller().limit(limits=1, user_api="blas")
+            library = getattr(entry, "library", None) or backend()
+            _pin_saved = _controller(library).limit(limits=1, user_api="blas")
         _pin_depth += 1
     try:
         yield
