@@ -42,6 +42,9 @@ HEADROOM = 10.0
 #: With a block map, kept key blocks are gathered into tiles of up to this
 #: many keys, so a sparse mask still runs wide, efficient tile products.
 GATHER_KEYS = 512
+#: A tile's rows are split in two across the diagonal only when each half has
+#: at least this many rows and the top half skips at least this many keys.
+MIN_SPLIT_ROWS = 32
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -257,20 +260,43 @@ def forward_kernel(q, k, v, out, lse, visited, seqs, items, scale, kv, block_q, 
                 # A C-contiguous (rows, bc) view: contiguous rows let LLVM vectorise.
                 s = s_buf[: rows * (j1 - j0)].reshape((rows, j1 - j0))
                 k_tile = k[b, hk, ks0 + j0 : ks0 + j1]
-                gemm(gemm_fn, q_tile, k_tile, s, False, True, 0.0)
+                v_tile = v[b, hk, ks0 + j0 : ks0 + j1]
+                full = tile_fully_visible(
+                    i0, i0 + br, j0, j1, tq, tk, kv.causal, kv.left, kv.right, kv_len
+                )
+                # Across the causal diagonal (or a window's right edge) the
+                # first half of the rows sees fewer keys: both products skip
+                # the columns they cannot see (a tenth of the work at T=1024).
+                top, top_w = 0, 0
+                if group == 1 and not full and br >= 2 * MIN_SPLIT_ROWS:
+                    top = br // 2
+                    top_w = row_bounds(i0 + top - 1, j0, j1, tq, tk, kv_len, kv)[1]
+                    if top_w > j1 - j0 - MIN_SPLIT_ROWS:
+                        top = 0  # too little to skip
+                if top > 0:
+                    if top_w > 0:
+                        gemm(
+                            gemm_fn, q_tile[:top], k_tile[:top_w], s[:top, :top_w], False, True, 0.0
+                        )
+                    gemm(gemm_fn, q_tile[top:], k_tile, s[top:], False, True, 0.0)
+                else:
+                    gemm(gemm_fn, q_tile, k_tile, s, False, True, 0.0)
                 if j1 < hi:  # pull the next K/V tile toward L2 while this one is finished
                     j2 = min(j1 + block_k, hi)
                     prefetch_rows(k[b, hk], ks0 + j1, ks0 + j2)
                     prefetch_rows(v[b, hk], ks0 + j1, ks0 + j2)
-                full = tile_fully_visible(
-                    i0, i0 + br, j0, j1, tq, tk, kv.causal, kv.left, kv.right, kv_len
-                )
                 seg1[0, 1], seg1[0, 2] = j0, j1 - j0
+                # Hidden columns (the top rows' unwritten ones too) come back as zeros.
                 softmax_tile(s, m, ell, alpha, q_tile, k_tile, seg1, geo, kv, full)
                 for r in range(rows):
                     if alpha[r] != 1.0:  # most rows keep their reference: nothing to rescale
                         acc[r] *= alpha[r]
-                gemm(gemm_fn, s, v[b, hk, ks0 + j0 : ks0 + j1], acc, False, False, 1.0)
+                if top > 0:
+                    if top_w > 0:
+                        gemm(gemm_fn, s[:top, :top_w], v_tile[:top_w], acc[:top], False, False, 1.0)
+                    gemm(gemm_fn, s[top:], v_tile, acc[top:], False, False, 1.0)
+                else:
+                    gemm(gemm_fn, s, v_tile, acc, False, False, 1.0)
 
         # Normalise once; rows that saw no key get zeros and lse = -inf.
         for r in range(rows):
