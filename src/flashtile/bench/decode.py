@@ -62,12 +62,16 @@ def read_ceiling(reps: int = 7) -> float:
 
 
 def _interleaved(fns, reps: int) -> list[float]:
-    """Median seconds of each function, run in turns ``reps`` times."""
+    """Median seconds of each function, run in turns ``reps`` times.
+
+    Rounds alternate direction (A B C, C B A, ...): on this machine the
+    position within a round alone moved a time by up to 15%.
+    """
     times = [[] for _ in fns]
-    for _ in range(reps):
-        for i, fn in enumerate(fns):
+    for r in range(reps):
+        for i in range(len(fns)) if r % 2 == 0 else reversed(range(len(fns))):
             t0 = time.perf_counter()
-            fn()
+            fns[i]()
             times[i].append(time.perf_counter() - t0)
     return [float(np.median(t)) for t in times]
 
