@@ -31,11 +31,11 @@ The function pointer is passed to the kernels as an argument, so it is looked
 up at run time and the compiled kernels stay cacheable (and one compiled
 kernel serves both backends).
 
-Inside a ``prange`` every kernel thread already owns a core, so
-:func:`single_threaded_blas` pins every loaded BLAS to one thread for the
-duration of a kernel call; otherwise OpenBLAS spawns its own threads inside
-the OpenMP region and warns "Detect OpenMP Loop and this application may
-hang".
+Inside a ``prange`` every kernel thread already owns a core, so unless the
+kernel calls a sequential MKL, :func:`single_threaded_blas` pins every loaded
+BLAS to one thread for the duration of the call; otherwise OpenBLAS spawns
+its own threads inside the OpenMP region and warns "Detect OpenMP Loop and
+this application may hang".
 """
 
 from __future__ import annotations
