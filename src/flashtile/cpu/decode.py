@@ -59,6 +59,23 @@ def load_tile(src, table_row, hk, page, j0, j1, buf, j_end):
     raise NotImplementedError("load_tile is only available inside Numba kernels")
 
 
+def copy_row(src, dst):
+    """``dst[:] = src`` for 1-D arrays, widening float16 bit patterns (uint16)."""
+    raise NotImplementedError("copy_row is only available inside Numba kernels")
+
+
+@overload(copy_row, fastmath=FASTMATH)
+def _copy_row_overload(src, dst):
+    if src.dtype == types.uint16:
+        return lambda src, dst: half_row_to_float(src, dst)
+
+    def impl(src, dst):
+        for c in range(src.shape[0]):  # a loop: slice assignment copies twice
+            dst[c] = src[c]
+
+    return impl
+
+
 @overload(load_tile, fastmath=FASTMATH)
 def _load_tile_overload(src, table_row, hk, page, j0, j1, buf, j_end):
     half = src.dtype == types.uint16
@@ -72,19 +89,16 @@ def _load_tile_overload(src, table_row, hk, page, j0, j1, buf, j_end):
             off, run = j % page, min(page - j % page, j1 - j)
             rows = src[table_row[j // page], hk, off : off + run]
             out = buf[j - j0 : j - j0 + run]
-            # Small pages: each row copied prefetches one row of the page
-            # PREFETCH_PAGES ahead (see the docstring).
             ahead = j - off + PREFETCH_PAGES * page
             reach = min(page, j_end - ahead) if page < j1 - j0 else 0
-            nxt = src[table_row[ahead // page], hk] if reach > 0 else rows
-            for t in range(run):
-                if t < reach:
-                    prefetch_rows(nxt, t, t + 1)
-                if half:
-                    half_row_to_float(rows[t], out[t])
-                else:
-                    for c in range(rows.shape[1]):  # a loop: slice assignment copies twice
-                        out[t, c] = rows[t, c]
+            if reach > 0:  # small pages: prefetch row by row (see the docstring)
+                nxt = src[table_row[ahead // page], hk]
+                for t in range(run):
+                    if t < reach:
+                        prefetch_rows(nxt, t, t + 1)
+                    copy_row(rows[t], out[t])
+            else:
+                copy_row(rows.reshape(rows.size), out.reshape(out.size))
             j += run
         return buf[: j1 - j0]
 
