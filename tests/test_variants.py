@@ -1009,7 +1009,7 @@ def test_block_mask_summary_is_reused_with_a_window(rng, monkeypatch):
     def no_summary(*args, **kwargs):
         raise AssertionError("the mask was summarised again")
 
-    monkeypatch.setattr("flashtile.api.block_mask", no_summary)
+    monkeypatch.setattr("flashtile.planning.block_mask", no_summary)
     np.testing.assert_array_equal(
         ft.attention(q, k, v, mask=bm, window=(256, 0), causal=True), want
     )
@@ -1194,14 +1194,16 @@ def test_float_mask_at_float32_min_hides_keys_without_warnings(rng):
 )
 def test_default_query_tile_shrinks_with_a_window_band(window, causal, want):
     """Rows per tile follow the band (about band / 4, 64..256); explicit sizes win."""
-    from flashtile import api
+    from flashtile import planning
 
     q = np.zeros((1, 2, 3000, 8), dtype=np.float32)
-    _, block_q, block_k = api._plan(
-        q, q, q, causal, None, {"window": window}, None, None, api.FWD_BLOCKS
+    _, block_q, block_k = planning.plan_call(
+        q, q, q, causal, None, {"window": window}, None, None, planning.FWD_BLOCKS
     )
-    assert (block_q, block_k) == (want, api.FWD_BLOCKS[1])
-    _, block_q, _ = api._plan(q, q, q, causal, None, {"window": window}, 200, None, api.FWD_BLOCKS)
+    assert (block_q, block_k) == (want, planning.FWD_BLOCKS[1])
+    _, block_q, _ = planning.plan_call(
+        q, q, q, causal, None, {"window": window}, 200, None, planning.FWD_BLOCKS
+    )
     assert block_q == 200
-    _, block_q, _ = api._plan(q, q, q, causal, None, {}, None, None, api.FWD_BLOCKS)
-    assert block_q == api.FWD_BLOCKS[0]
+    _, block_q, _ = planning.plan_call(q, q, q, causal, None, {}, None, None, planning.FWD_BLOCKS)
+    assert block_q == planning.FWD_BLOCKS[0]

@@ -18,9 +18,9 @@ import numbers
 import numpy as np
 
 from ._validate import compute_dtype, resolve_scale
-from .api import _balance, _kernel_variants
 from .kvlayout import check_cache, decode_variants
 from .masks import block_key_range
+from .planning import balance, kernel_variants
 
 #: Keys per tile: a 256-key K tile of d=128 float32 is 128 KiB, so the tile,
 #: its V tile and the prefetched next pair stay in L2.
@@ -89,7 +89,7 @@ def plan_splits(ranges, kv_heads, num_splits, threads, tile=DECODE_TILE):
     items = np.stack([b, slot_pair % kv_heads, j_lo, j_hi, np.arange(len(b))], axis=1)
     spans = np.stack([first, pair_splits], axis=1).astype(np.int64)
     costs = (items[:, 3] - items[:, 2]) + 64  # + the fixed cost of a chunk
-    return _balance(items, costs), spans
+    return balance(items, costs), spans
 
 
 def decode_attention(
@@ -151,7 +151,7 @@ def decode_attention(
     variants = decode_variants(
         q, layout, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap
     )
-    kernel_variants = _kernel_variants(variants, work, (batch, hq))
+    kernel_vars = kernel_variants(variants, work, (batch, hq))
     scale = resolve_scale(scale, d)
 
     ranges = _visible_ranges(layout.seqlens, tq, variants)
@@ -178,7 +178,7 @@ def decode_attention(
             part_out,
             part_lse,
             scale,
-            kernel_variants,
+            kernel_vars,
             DECODE_TILE,
             gemm_fn,
         )

@@ -183,7 +183,7 @@ def forward_kernel(q, k, v, out, lse, visited, seqs, items, scale, kv, block_q, 
             ``k_start + [0, Tk)`` of batch entry ``b`` (one per batch entry,
             or one per packed sequence for varlen), ``kv_len`` valid keys.
         items: ``(N, 3)`` int64 rows ``(s, kv head, i0)``, in the order the
-            threads should take them (:func:`flashtile.api._forward_items`).
+            threads should take them (:func:`flashtile.planning.forward_items`).
         kv: :class:`KernelVariants`. gemm_fn: :func:`.blas.gemm_for` of the dtype.
     """
     group = q.shape[1] // k.shape[1]
