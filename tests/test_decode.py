@@ -296,10 +296,46 @@ def test_decode_argument_errors(rng):
         flashtile.decode_attention(
             q, k, v, cache_seqlens=[16, 1], block_table=np.array([[0, -1], [9, -1]])
         )
+    with pytest.raises(ValueError, match="without cache_seqlens every sequence fills"):
+        flashtile.decode_attention(q, k, v, block_table=np.array([[0, 1], [1, -1]]))
     with pytest.raises(TypeError, match="block_table must hold integers"):
         flashtile.decode_attention(q, k, v, block_table=np.zeros((2, 1)))
     with pytest.raises(ValueError, match="share the dtype"):
         flashtile.decode_attention(q, k, v.astype(np.float64))
+
+
+@pytest.mark.parametrize("where", ["k nan", "k inf", "q nan"])
+@pytest.mark.parametrize("num_splits", [1, 2, 7])
+def test_a_non_finite_score_gives_nan_like_attention_whatever_the_split(rng, where, num_splits):
+    # A corrupted cache row must not look like an empty sequence (zeros,
+    # lse = -inf), and the split count must not change the answer.
+    q, k, v = _problem(rng, batch=1, hq=2, hkv=1, tq=1, d=8, t_max=600)
+    if where == "q nan":
+        q[0, 1, 0, 3] = np.nan
+    else:
+        k[0, 0, 10, 2] = np.nan if where == "k nan" else np.inf
+    out, lse = flashtile.decode_attention(q, k, v, num_splits=num_splits, return_lse=True)
+    want = flashtile.attention(
+        q[0], np.repeat(k[0], 2, axis=0), np.repeat(v[0], 2, axis=0), causal=True
+    )
+    # (+inf in a key gives a score of +-inf by the sign of q: -inf only hides it.)
+    assert np.isnan(want).any()
+    np.testing.assert_array_equal(np.isnan(out[0]), np.isnan(want))
+    np.testing.assert_array_equal(np.isnan(lse[0]), np.isnan(want[..., 0]))
+    np.testing.assert_allclose(out[0], want, **TOL32)  # equal_nan: the clean rows agree
+
+
+def test_float16_cache_refuses_values_it_would_store_as_inf():
+    cache = flashtile.KVCache(1, 1, 4, 8, dtype=np.float16)
+    cache.append(np.ones((1, 1, 2, 4)), np.ones((1, 1, 2, 4)))
+    big = np.ones((1, 1, 1, 4))
+    big[0, 0, 0, 1] = 1e5
+    with pytest.raises(ValueError, match=r"k holds 100000, beyond float16's range"):
+        cache.append(big, np.ones((1, 1, 1, 4)))
+    assert cache.lengths.tolist() == [2]  # nothing written
+    with pytest.raises(ValueError, match="v holds"):
+        cache.append(np.ones((1, 1, 1, 4)), -big)
+    assert cache.lengths.tolist() == [2]
 
 
 def test_dense_decode_oracle_matches_plain_dense_attention(rng):

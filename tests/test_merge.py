@@ -99,6 +99,17 @@ def test_merge_with_one_empty_side_returns_the_other_exactly(rng, empty_side):
     np.testing.assert_array_equal(got_lse, lse)
 
 
+def test_an_empty_side_contributes_nothing_even_if_its_out_is_garbage(rng):
+    # An empty chunk's out may be an uninitialised buffer: weight 0 must not
+    # turn its NaN into 0 * NaN = NaN.
+    out = rng.normal(size=(3, 2))
+    lse = rng.normal(size=3)
+    garbage = np.full((3, 2), np.nan)
+    got_out, got_lse = merge_states(garbage, np.full(3, -np.inf), out, lse)
+    np.testing.assert_array_equal(got_out, out)
+    np.testing.assert_array_equal(got_lse, lse)
+
+
 def test_merge_with_some_empty_rows(rng):
     """Rows empty on one side take the other side; rows empty on both stay empty."""
     out_a = rng.normal(size=(4, 2))

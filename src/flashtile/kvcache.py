@@ -1,7 +1,7 @@
 """``KVCache``: keys and values of a batch of sequences, grown in place.
 
 A small, explicit cache for serving loops and tests: contiguous or paged,
-float32 or float16 storage, per-sequence lengths, and :meth:`KVCache.attend`
+float32, float64 or float16 storage, per-sequence lengths, and :meth:`KVCache.attend`
 to run :func:`flashtile.decode_attention` on itself. The arrays are public
 (``k``, ``v``, ``block_table``, ``lengths``) so they can be passed to
 ``decode_attention`` directly or inspected.
@@ -105,9 +105,12 @@ class KVCache:
         """Append ``k (n, Hkv, T, d)``, ``v (n, Hkv, T, dv)`` to ``n`` sequences.
 
         ``batch_index`` picks the ``n`` sequences (default: all ``B``, in
-        order). Values are cast to the storage dtype. If any sequence would
-        pass its capacity, or the page pool would run dry, nothing is
-        written and a ``ValueError`` says by how much.
+        order). Values are cast to the storage dtype; finite values beyond
+        float16's range are refused rather than stored as inf (NaN and inf
+        are stored as given: attention then returns NaN for the queries that
+        see them). If any sequence would pass its capacity, or the page pool
+        would run dry, nothing is written and a ``ValueError`` says by how
+        much.
         """
         rows = self._rows(batch_index)
         k, v = np.asarray(k), np.asarray(v)
@@ -119,6 +122,16 @@ class KVCache:
             raise ValueError(f"v has shape {v.shape}; expected {k.shape[:3] + (dv,)}")
         if k.dtype.kind != "f" or v.dtype.kind != "f":
             raise TypeError(f"k and v must be floating point, got {k.dtype} and {v.dtype}")
+        if self.k.dtype == np.float16:
+            limit = float(np.finfo(np.float16).max)
+            for name, a in (("k", k), ("v", v)):
+                over = np.isfinite(a) & (np.abs(a) > limit)
+                if over.any():
+                    raise ValueError(
+                        f"{name} holds {np.abs(a[over]).max():.6g}, beyond float16's range "
+                        f"(+-{limit:.0f}): it would be stored as inf and poison attention; "
+                        f"nothing was written. Use float32 storage (dtype=np.float32)"
+                    )
         t = k.shape[2]
         new = self.lengths[rows] + t
         if new.max(initial=0) > self.capacity:

@@ -142,9 +142,15 @@ def check_cache(q, k_cache, v_cache, cache_seqlens=None, block_table=None):
         bad = used & ((table < 0) | (table >= k.shape[0]))
         if bad.any():
             b, p = np.argwhere(bad)[0]
+            why = (
+                f"sequence {b} has {seqlens[b]} keys"
+                if cache_seqlens is not None
+                else "without cache_seqlens every sequence fills all its table's pages; "
+                "pass cache_seqlens for shorter sequences"
+            )
             raise ValueError(
                 f"block_table[{b}, {p}] = {table[b, p]} is not a page of the cache "
-                f"(0..{k.shape[0] - 1}) but sequence {b} has {seqlens[b]} keys"
+                f"(0..{k.shape[0] - 1}), but {why}"
             )
     return q, CacheLayout(k, v, np.ascontiguousarray(table), seqlens, page, block_table is not None)
 

@@ -59,5 +59,9 @@ def merge_states(out_a, lse_a, out_b, lse_b):
     with np.errstate(divide="ignore"):
         lse = (m_safe + np.log(total)).astype(lse_dtype, copy=False)
     inv = np.divide(1.0, total, out=np.zeros_like(total), where=total != 0)
-    out = (w_a * inv)[..., None] * out_a + (w_b * inv)[..., None] * out_b
+    # A side of weight 0 (lse = -inf) contributes nothing, even if its out
+    # holds NaN or garbage (an empty chunk's buffer, say).
+    part_a = np.where((w_a == 0)[..., None], 0.0, (w_a * inv)[..., None] * out_a)
+    part_b = np.where((w_b == 0)[..., None], 0.0, (w_b * inv)[..., None] * out_b)
+    out = part_a + part_b
     return out.astype(np.result_type(out_a, out_b), copy=False), lse

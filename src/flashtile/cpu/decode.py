@@ -206,7 +206,9 @@ def merge_partials(part_out, part_lse, spans, out, lse):
     run of slots: ``lse = log sum_s exp(lse_s)`` and ``out = sum_s
     exp(lse_s - lse) out_s``, relative to the largest ``lse_s`` so nothing
     overflows; empty partials (``lse_s = -inf``) weigh nothing and a row with
-    no partial left gives zeros and ``-inf``.
+    no partial left gives zeros and ``-inf``. A partial with a NaN or ``+inf``
+    lse (a NaN or infinite score in its chunk) makes the row NaN, whatever
+    the split, as :func:`flashtile.attention` gives.
 
     Args:
         part_out: ``(slots, group * Tq, dv)``; part_lse: ``(slots, group * Tq)``.
@@ -225,9 +227,16 @@ def merge_partials(part_out, part_lse, spans, out, lse):
         for r in range(group * tq):
             h, i = hk * group + r // tq, r % tq
             top = -np.inf
+            broken = False
             for s in range(s0, s0 + count):
-                top = max(top, part_lse[s, r])
+                x = part_lse[s, r]
+                broken |= x != x or x == np.inf  # a NaN or +inf score in the chunk
+                top = max(top, x)
             dst = out[b, h, i]
+            if broken:  # propagate, as attention does; never a silent empty row
+                dst[:] = np.nan
+                lse[b, h, i] = np.nan
+                continue
             dst[:] = 0.0
             if top == -np.inf:
                 lse[b, h, i] = -np.inf
@@ -237,7 +246,7 @@ def merge_partials(part_out, part_lse, spans, out, lse):
                 total += math.exp(part_lse[s, r] - top)
             for s in range(s0, s0 + count):
                 w = math.exp(part_lse[s, r] - top) / total
-                if w > 0.0:
+                if w != 0.0:
                     src = part_out[s, r]
                     for c in range(dv):
                         dst[c] += w * src[c]
