@@ -33,7 +33,14 @@ def decode_attention(
     block_size=64,
 ):
     """``out (B, Hq, Tq, dv)`` (and ``lse (B, Hq, Tq)``) of each sequence's
-    queries against its cached keys; see :func:`flashtile.decode_attention`."""
+    queries against its cached keys; see :func:`flashtile.decode_attention`.
+
+    Same arguments as the fast path, except that there is no ``num_splits``
+    (the reference never splits; ``block_size`` is the key tile of
+    :func:`tiled_attention`). As an oracle it computes, and returns, in the
+    wider of q's and the cache's dtypes (float64 if either is), where the
+    fast path computes in the cache's dtype and returns q's.
+    """
     q, layout = check_cache(q, k_cache, v_cache, cache_seqlens, block_table)
     # Validate the keywords once, with the fast path's messages.
     decode_variants(
