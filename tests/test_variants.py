@@ -948,6 +948,28 @@ def test_block_mask_gives_the_same_answer_as_the_raw_mask(rng, mdims, causal, dt
     assert_grads_close(grads_bm, want, gtol)
 
 
+@pytest.mark.parametrize("lead", [(), (3,)], ids=["(T, d)", "(H, T, d)"])
+def test_block_mask_works_for_inputs_without_batch_or_head_dims(rng, lead):
+    # block_mask stores (1, 1, Tq, Tk); the inputs here have 2 or 3 dims.
+    q, k, v = (rng.standard_normal((*lead, 20, 4)) for _ in range(3))
+    mask = rng.random((20, 20)) < 0.6
+    mask[:, 0] = True
+    bm = ft.block_mask(mask, 8, 8)
+    np.testing.assert_array_equal(ft.attention(q, k, v, mask=bm), ft.attention(q, k, v, mask=mask))
+    np.testing.assert_array_equal(
+        ft.tiled_attention(q, k, v, 8, mask=bm), ft.tiled_attention(q, k, v, 8, mask=mask)
+    )
+    np.testing.assert_array_equal(
+        ft.naive_attention(q, k, v, mask=bm)[0], ft.naive_attention(q, k, v, mask=mask)[0]
+    )
+
+
+def test_a_scalar_mask_is_refused_with_a_clear_error(rng):
+    q = rng.standard_normal((5, 4))
+    with pytest.raises(ValueError, match="mask is a scalar"):
+        ft.attention(q, q, q, mask=np.array(True))
+
+
 def test_block_mask_with_default_tiles_and_padding(rng):
     """A BlockMask built for other tile sizes still gives the exact answer."""
     q, k, v, dout, _ = Case("x", (2, 2, 1, 45, 60, 8, 4)).build(rng)

@@ -134,10 +134,19 @@ def _check_mask(mask, shapes: AttentionShapes):
     if mask is None:
         return None, None, None
     blocks = None
-    if isinstance(mask, BlockMask):
-        blocks, mask = mask, mask.mask
-    mask = np.asarray(mask)
     target = (*shapes.batch, shapes.tq, shapes.tk)
+    if isinstance(mask, BlockMask):
+        # A BlockMask stores its mask as 4-D (Bm, Hm, Tq, Tk): drop the
+        # leading 1s it added for (H, T, d) and (T, d) inputs.
+        blocks, mask = mask, mask.mask
+        while mask.ndim > len(target) and mask.shape[0] == 1:
+            mask = mask[0]
+    mask = np.asarray(mask)
+    if mask.ndim == 0:
+        raise ValueError(
+            "mask is a scalar: pass an array that broadcasts to (..., Tq, Tk), or "
+            "mask=None to keep every key"
+        )
     try:
         np.broadcast_shapes(mask.shape, target)
         fits = mask.ndim <= len(target) and np.broadcast_shapes(mask.shape, target) == target
