@@ -154,6 +154,26 @@ def test_fully_masked_rows_give_zeros_and_zero_grads():
         assert torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
 
 
+def test_empty_batch_runs_forward_and_backward():
+    q, k, v = (torch.randn(0, 2, 4, 8, requires_grad=True) for _ in range(3))
+    ftt.attention(q, k, v, causal=True).sum().backward()
+    assert q.grad.shape == (0, 2, 4, 8) and k.grad.shape == (0, 2, 4, 8)
+
+
+def test_constants_given_as_lists_or_under_no_grad():
+    q, k, v = _qkv(1, 2, 2, 5, 5, 4, dtype=torch.float64)
+    exact = torch.tensor([0.1, 0.3], dtype=torch.float64)
+    # A list of Python floats is not rounded to float32 on the way in.
+    assert torch.equal(
+        ftt.attention(q, k, v, alibi_slopes=[0.1, 0.3]), ftt.attention(q, k, v, alibi_slopes=exact)
+    )
+    bias = torch.zeros(1, 2, 5, 5, dtype=torch.float64, requires_grad=True)  # a learned bias
+    with torch.no_grad():  # no gradient can be dropped: accepted
+        torch.testing.assert_close(ftt.attention(q, k, v, mask=bias), ftt.attention(q, k, v))
+    with pytest.raises(ValueError, match="mask requires grad"):
+        ftt.attention(q, k, v, mask=bias)
+
+
 def test_lse_is_the_log_normaliser_and_carries_no_grad():
     q, k, v = _qkv(1, 2, 2, 5, 7, 3)
     out, lse = ftt.attention(q, k, v, causal=True, return_lse=True)

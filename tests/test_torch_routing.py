@@ -75,10 +75,17 @@ def test_unsupported_calls_pass_through_with_reasons():
             sdpa(q2.double(), k.double(), v.double(), attn_mask=torch.zeros(7, 7).half())
         with pytest.raises(RuntimeError):  # GQA without enable_gqa: SDPA refuses
             sdpa(q, k, v)
-    assert router.routed == 0 and router.passed == 7
+        # Calls SDPA itself rejects reach SDPA and its error (not a routed result).
+        for bad in (torch.rand(7) > 0.5, torch.tensor(True)):
+            with pytest.raises((IndexError, RuntimeError)):
+                sdpa(q2, k, v, attn_mask=bad, is_causal=bad.ndim == 0)
+        sdpa(q2, k, v, dropout_p=torch.tensor(0.0))  # zero, but not a Python number
+    assert router.routed == 0 and router.passed == 10
     assert on_meta.device.type == "meta"
     text = " | ".join(router.reasons)
-    for part in ("dropout_p", "requires grad", "rank 5", "heads 2/1/1", "meta", "float16"):
+    for part in ("dropout_p > 0", "requires grad", "rank 5", "heads 2/1/1", "meta", "float16"):
+        assert part in text, (part, router.reasons)
+    for part in ("attn_mask of rank 1", "attn_mask of rank 0", "dropout_p of type Tensor"):
         assert part in text, (part, router.reasons)
     torch.manual_seed(0)
     torch.testing.assert_close(dropped, SDPA(q2, k, v, dropout_p=0.5))  # same RNG draw

@@ -263,8 +263,8 @@ def backward_items(plan, block_q) -> tuple[np.ndarray, int]:
     seqs = plan.seqs
     pairs = len(seqs) * n_kv
     threads = numba.get_num_threads()
-    most_blocks = int(max(-(-seqs[:, 2] // block_q).max(), 1))
-    parts = 1 if pairs >= threads else min(-(-threads // pairs), most_blocks)
+    most_blocks = int((-(-seqs[:, 2] // block_q)).max(initial=1))
+    parts = 1 if pairs >= threads or pairs == 0 else min(-(-threads // pairs), most_blocks)
     items = np.array(
         [(s, hk, p) for s in range(len(seqs)) for hk in range(n_kv) for p in range(parts)],
         dtype=np.int64,

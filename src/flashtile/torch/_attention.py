@@ -63,13 +63,16 @@ def _check_qkv(q, k, v, enable_gqa: bool) -> None:
 
 
 def _constant_tensor(t, name: str, work: torch.dtype | None) -> torch.Tensor | None:
-    """``mask``/``alibi_slopes`` as a CPU tensor; refused if it asks for a gradient."""
+    """``mask``/``alibi_slopes`` as a CPU tensor; refused if it asks for a gradient
+    that grad mode would compute."""
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
-        t = torch.as_tensor(t)  # NumPy arrays and lists: convenience for slopes
+        # NumPy arrays and lists (a convenience for slopes); Python floats as
+        # float64, so they are not rounded before the kernel sees them.
+        t = torch.as_tensor(t, dtype=torch.float64 if isinstance(t, (list, tuple)) else None)
     _check_device(t, name)
-    if t.requires_grad:
+    if t.requires_grad and torch.is_grad_enabled():
         raise ValueError(
             f"{name} requires grad, but flashtile computes no gradient for it (it is a constant "
             f"to the kernels): pass {name}.detach() if it is fixed; for a learned bias use "
@@ -147,8 +150,8 @@ def attention(
     ValueError naming the alternative; there is no silent fallback.
 
     Gradients: none for ``mask`` and ``alibi_slopes``; passing either with
-    ``requires_grad=True`` (a learned bias) raises a ValueError, so a
-    gradient is never dropped silently. Inputs need not be contiguous
+    ``requires_grad=True`` (a learned bias) while grad mode is on raises a
+    ValueError, so a gradient is never dropped silently. Inputs need not be contiguous
     (transposed views are copied once, inside, when not contiguous).
     """
     _check_qkv(q, k, v, enable_gqa)

@@ -72,8 +72,12 @@ def pass_reason(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, ext
             return f"device {t.device.type} (flashtile runs on CPU)"
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in ACCEPTED_DTYPES:
         return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (need one float dtype)"
-    if not (isinstance(dropout_p, (int, float)) and dropout_p == 0):
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        return f"dropout_p of type {type(dropout_p).__name__} (SDPA's own handling)"
+    if dropout_p != 0:
         return "dropout_p > 0 (flashtile has no dropout)"
+    if not isinstance(is_causal, bool):
+        return f"is_causal of type {type(is_causal).__name__} (SDPA's own handling)"
     if not (q.ndim == k.ndim == v.ndim and q.ndim in (3, 4)):
         return f"rank {q.ndim}/{k.ndim}/{v.ndim} (flashtile takes 3-D or 4-D)"
     if q.shape[:-3] != k.shape[:-3] or k.shape[:-3] != v.shape[:-3]:
@@ -93,6 +97,8 @@ def pass_reason(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, ext
         return None
     if not isinstance(attn_mask, torch.Tensor):
         return "attn_mask is not a tensor"
+    if attn_mask.ndim < 2:
+        return f"attn_mask of rank {attn_mask.ndim} (SDPA takes (..., Tq, Tk))"
     if attn_mask.dtype not in (torch.bool, torch.float32, q.dtype):
         return f"attn_mask dtype {attn_mask.dtype} (SDPA takes bool, float32 or {q.dtype})"
     if attn_mask.requires_grad:
