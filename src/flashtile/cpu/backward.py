@@ -27,7 +27,7 @@ from . import FASTMATH
 from .blas import gemm
 from .forward import LOG2E, load_q_tile
 from .rowops import exp2_shifted
-from .tiles import needs_transform, row_bounds, tile_state, transform_row
+from .tiles import diagonal_split, needs_transform, row_bounds, tile_state, transform_row
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -104,6 +104,7 @@ def backward_kernel(
         dvh = dv[part, b, hk, ks0 : ks0 + tk]
         dkh[:] = 0.0
         dvh[:] = 0.0
+        blocks = np.empty((2, 3), dtype=np.int64)
 
         # Query blocks outer (the stacked q/dO tiles are gathered once each),
         # key blocks inner; dK/dV rows accumulate across query blocks. Every
@@ -141,24 +142,40 @@ def backward_kernel(
                 ds = ds_buf[: rows * bc].reshape((rows, bc))
                 has_tanh = 1 if tanh_buf.size else 0
                 tb = tanh_buf[: rows * bc * has_tanh].reshape((rows * has_tanh, bc))
-                gemm(gemm_fn, qt, kj, p, False, True, 0.0)
                 full = tile_fully_visible(
                     i0, i0 + br, j0, j1, tq, tk, kv.causal, kv.left, kv.right, kv_len
                 )
+                # Row blocks (r0, r1) x the first cw columns: one block, or two
+                # across the diagonal, where the top half of the rows sees only
+                # its first top_w keys and every product skips the rest.
+                top, top_w = diagonal_split(group, br, full, i0, j0, j1, tq, tk, kv_len, kv)
+                blocks[0, 0], blocks[0, 1], blocks[0, 2] = 0, top, top_w
+                blocks[1, 0], blocks[1, 1], blocks[1, 2] = top, rows, bc
+                for g in range(0 if top > 0 else 1, 2):
+                    r0, r1, cw = blocks[g, 0], blocks[g, 1], blocks[g, 2]
+                    if cw > 0:
+                        gemm(gemm_fn, qt[r0:r1], kj[:cw], p[r0:r1, :cw], False, True, 0.0)
                 geo = (b, h0, br, i0, j0, tq, tk, kv_len)
                 probs_tile(p, lse2, tb, geo, kv, full, state == 1)
-                gemm(gemm_fn, p, dot, dvh[j0:j1], True, False, 1.0)  # dV_j += P^T dO_i
-                gemm(gemm_fn, dot, vj, ds, False, True, 0.0)  # dP = dO_i V_j^T
-                for r in range(rows):
-                    dr = delta[r]
-                    for c in range(bc):
-                        ds[r, c] = p[r, c] * (ds[r, c] - dr)  # dS = P * (dP - D)
-                if tanh_buf.size:
-                    for r in range(rows):
-                        for c in range(bc):
-                            ds[r, c] *= 1.0 - tb[r, c] * tb[r, c]  # through softcap's tanh
-                gemm(gemm_fn, ds, kj, dqt, False, False, 1.0)  # dQ_i += dS K_j
-                gemm(gemm_fn, ds, qr, dkh[j0:j1], True, False, 1.0)  # dK_j += dS^T Q_i
+                for g in range(0 if top > 0 else 1, 2):
+                    r0, r1, cw = blocks[g, 0], blocks[g, 1], blocks[g, 2]
+                    if cw == 0:
+                        continue
+                    pg, dsg = p[r0:r1, :cw], ds[r0:r1, :cw]
+                    dog = dot[r0:r1]
+                    gemm(gemm_fn, pg, dog, dvh[j0 : j0 + cw], True, False, 1.0)  # dV_j += P^T dO_i
+                    gemm(gemm_fn, dog, vj[:cw], dsg, False, True, 0.0)  # dP = dO_i V_j^T
+                    # Rows of the C-contiguous tiles (unit stride known: vectorised).
+                    for r in range(r0, r1):
+                        p_row, ds_row, dr = p[r], ds[r], delta[r]
+                        for c in range(cw):
+                            ds_row[c] = p_row[c] * (ds_row[c] - dr)  # dS = P * (dP - D)
+                        if tanh_buf.size:
+                            t_row = tb[r]
+                            for c in range(cw):
+                                ds_row[c] *= 1.0 - t_row[c] * t_row[c]  # through softcap's tanh
+                    gemm(gemm_fn, dsg, kj[:cw], dqt[r0:r1], False, False, 1.0)  # dQ_i += dS K_j
+                    gemm(gemm_fn, dsg, qr[r0:r1], dkh[j0 : j0 + cw], True, False, 1.0)  # dK_j
             for r in range(rows):
                 h = h0 + r // br
                 i = qs0 + i0 + r % br

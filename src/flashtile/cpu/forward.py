@@ -32,7 +32,14 @@ from . import FASTMATH
 from .blas import gemm
 from .memory import prefetch_rows
 from .rowops import exp2_shifted, row_max
-from .tiles import changes_scores, needs_transform, row_bounds, tile_state, transform_row
+from .tiles import (
+    changes_scores,
+    diagonal_split,
+    needs_transform,
+    row_bounds,
+    tile_state,
+    transform_row,
+)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -42,9 +49,6 @@ HEADROOM = 10.0
 #: With a block map, kept key blocks are gathered into tiles of up to this
 #: many keys, so a sparse mask still runs wide, efficient tile products.
 GATHER_KEYS = 512
-#: A tile's rows are split in two across the diagonal only when each half has
-#: at least this many rows and the top half skips at least this many keys.
-MIN_SPLIT_ROWS = 32
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -264,15 +268,9 @@ def forward_kernel(q, k, v, out, lse, visited, seqs, items, scale, kv, block_q, 
                 full = tile_fully_visible(
                     i0, i0 + br, j0, j1, tq, tk, kv.causal, kv.left, kv.right, kv_len
                 )
-                # Across the causal diagonal (or a window's right edge) the
-                # first half of the rows sees fewer keys: both products skip
-                # the columns they cannot see (a tenth of the work at T=1024).
-                top, top_w = 0, 0
-                if group == 1 and not full and br >= 2 * MIN_SPLIT_ROWS:
-                    top = br // 2
-                    top_w = row_bounds(i0 + top - 1, j0, j1, tq, tk, kv_len, kv)[1]
-                    if top_w > j1 - j0 - MIN_SPLIT_ROWS:
-                        top = 0  # too little to skip
+                # Across the diagonal the top rows skip the keys they cannot
+                # see in both products (a tenth of the work at T=1024).
+                top, top_w = diagonal_split(group, br, full, i0, j0, j1, tq, tk, kv_len, kv)
                 if top > 0:
                     if top_w > 0:
                         gemm(

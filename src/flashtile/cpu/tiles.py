@@ -61,6 +61,30 @@ def row_bounds(i, j0, j1, tq, tk, kv_len, kv):
     return a, max(a, b)
 
 
+#: A tile's rows are split in two across the diagonal only when each half has
+#: at least this many rows and the top half skips at least this many keys.
+MIN_SPLIT_ROWS = 32
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def diagonal_split(group, br, full, i0, j0, j1, tq, tk, kv_len, kv):
+    """``(top, top_w)``: split a tile's rows at ``top`` when the rows above it
+    see only the tile's first ``top_w`` keys; ``top = 0`` means no split.
+
+    Across the causal diagonal (or a window's right edge) the first half of
+    a tile's rows sees fewer keys, so the tile products of those rows can
+    skip the columns past ``top_w``. Only with one query head per tile
+    (``group == 1``): stacked GQA heads repeat the same rows per head.
+    """
+    if group != 1 or full or br < 2 * MIN_SPLIT_ROWS:
+        return 0, 0
+    top = br // 2
+    top_w = row_bounds(i0 + top - 1, j0, j1, tq, tk, kv_len, kv)[1]
+    if top_w > j1 - j0 - MIN_SPLIT_ROWS:
+        return 0, 0  # too little to skip
+    return top, top_w
+
+
 @njit(fastmath=FASTMATH, cache=True)
 def changes_scores(kv):
     """Whether a variant changes visible scores (softcap, ALiBi, additive mask)."""
