@@ -1037,6 +1037,27 @@ def test_block_mask_summary_is_reused_with_a_window(rng, monkeypatch):
     )
 
 
+def test_block_mask_summary_is_reused_with_gqa_and_few_items(rng, monkeypatch):
+    """GQA shrinks default query tiles and few items halve them for the threads;
+    neither may move the tiles away from a BlockMask's (no re-summary)."""
+    q, k, v, dout, _ = Case("x", (1, 4, 2, 200, 200, 8, 8)).build(rng)
+    mask = _block_sparse_mask(rng, (1, 1, 200, 200))
+    mask[..., 0] = True
+    bm = ft.block_mask(mask, 64, 64)
+    want, want_lse = ft.attention(q, k, v, mask=mask, return_lse=True)
+    want_grads = ft.attention_backward(q, k, v, want, want_lse, dout, mask=mask)
+
+    def no_summary(*args, **kwargs):
+        raise AssertionError("the mask was summarised again")
+
+    monkeypatch.setattr("flashtile.planning.block_mask", no_summary)
+    out, lse = ft.attention(q, k, v, mask=bm, return_lse=True)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    grads = ft.attention_backward(q, k, v, out, lse, dout, mask=bm)
+    for got, expected in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
 # --------------------------------------------------------------------------------------
 # 6. Bad inputs: errors that name the values
 # --------------------------------------------------------------------------------------

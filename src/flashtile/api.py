@@ -85,7 +85,9 @@ def attention(
     plan, block_q_, block_k_ = plan_call(
         q, k, v, causal, scale, variants, block_q, block_k, FWD_BLOCKS
     )
-    out, lse, _ = _run_forward(plan, block_q_, block_k_, auto_q=block_q is None)
+    # Query tiles shrink for threads unless given, or kept from a BlockMask.
+    auto_q = block_q is None and plan.variants.block_mask is None
+    out, lse, _ = _run_forward(plan, block_q_, block_k_, auto_q=auto_q)
     out = out.reshape(plan.out_shape + out.shape[-1:]).astype(plan.dtype, copy=False)
     if return_lse:
         return out, lse.reshape(plan.out_shape)

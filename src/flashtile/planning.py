@@ -163,10 +163,11 @@ def block_sizes(block_q, block_k, defaults, va, group, tq, tk):
         band = va.left + va.right + 1
         rows = 1 << max(band // 4, 1).bit_length() - 1  # largest power of two <= band / 4
         defaults = (min(defaults[0], max(MIN_WINDOW_BLOCK_Q, rows)), defaults[1])
-    explicit_q = block_q is not None
+    # A BlockMask's tiles are kept whole (no GQA shrink): its summary is reused.
+    keep_q = block_q is not None or (va.mask_bool is not None and va.block_mask is not None)
     block_q = check_block_size(defaults[0] if block_q is None else block_q, "block_q")
     block_k = check_block_size(defaults[1] if block_k is None else block_k, "block_k")
-    if not explicit_q:  # a GQA group shares the tile's rows
+    if not keep_q:  # a GQA group shares the tile's rows
         block_q = max(MIN_BLOCK_Q, block_q // group)
     return min(block_q, tq), min(block_k, tk)  # buffers fit the data
 
