@@ -101,6 +101,17 @@ def test_original_is_restored_on_exceptions_and_strict_mode_raises():
     assert F.scaled_dot_product_attention is SDPA
 
 
+def test_nested_routers_must_exit_in_reverse_order():
+    outer, inner = ftt.route_sdpa(), ftt.route_sdpa()
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(RuntimeError, match="reverse order"):
+        outer.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    outer.__exit__(None, None, None)
+    assert F.scaled_dot_product_attention is SDPA
+
+
 def test_fully_masked_row_matches_sdpa_zero_row():
     q, k, v = _qkv(1, 2, 2, 5, 7, 8)
     mask = torch.ones(5, 7, dtype=torch.bool)

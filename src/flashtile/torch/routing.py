@@ -154,6 +154,11 @@ class SDPARouter(contextlib.ContextDecorator):
         return self
 
     def __exit__(self, *exc_info) -> bool:
+        if torch.nn.functional.scaled_dot_product_attention != self.sdpa:
+            raise RuntimeError(
+                "SDPARouter exited while another router it enclosed is still active: "
+                "exit nested routers in reverse order (use them as `with` blocks)"
+            )
         torch.nn.functional.scaled_dot_product_attention = self._original
         self._original = None
         return False  # exceptions propagate
