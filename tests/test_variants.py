@@ -1198,8 +1198,8 @@ def test_empty_query_blocks_compute_nothing(rng):
     ("kwargs", "exc", "match"),
     [
         ({"alibi_slopes": np.full(2, np.nan)}, ValueError, "finite"),
-        ({"mask": np.full((6, 9), np.nan)}, ValueError, "NaN or \\+inf"),
-        ({"mask": np.full((6, 9), np.inf)}, ValueError, "NaN or \\+inf"),
+        ({"mask": np.full((6, 9), np.nan)}, ValueError, "not NaN, \\+inf"),
+        ({"mask": np.full((6, 9), np.inf)}, ValueError, "not NaN, \\+inf"),
     ],
 )
 def test_non_finite_variant_inputs_are_refused(rng, kwargs, exc, match):
@@ -1229,6 +1229,27 @@ def test_float_mask_at_float32_min_hides_keys_without_warnings(rng):
     want = ft.attention(q, k, v, mask=keep)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert (got[:, :, 2] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_huge_negative_mask_values_hide_keys_on_every_path_and_dtype(rng, dtype):
+    # Below -FLT_MAX / log2(e) a value counts as -inf everywhere, so the
+    # kernel, the reference and both dtypes agree on a fully masked row.
+    q, k, v = (rng.standard_normal((2, 5, 4)).astype(dtype) for _ in range(3))
+    additive = np.zeros((5, 5))
+    additive[1] = np.finfo(np.float32).min  # row 1 sees no key
+    additive[3, 2] = -1e300
+    for out in (
+        ft.attention(q, k, v, mask=additive),
+        ft.tiled_attention(q, k, v, 2, mask=additive),
+        ft.naive_attention(q, k, v, mask=additive)[0],
+    ):
+        assert (out[:, 1] == 0).all()
+        keep = np.ones((5, 5), dtype=bool)
+        keep[1], keep[3, 2] = False, False
+        np.testing.assert_allclose(out, ft.attention(q, k, v, mask=keep), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="not NaN, \\+inf or larger values"):
+        ft.attention(q, k, v, mask=np.full((5, 5), 3e38))
 
 
 @pytest.mark.parametrize(

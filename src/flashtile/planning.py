@@ -97,10 +97,8 @@ def kernel_variants(va, work, batch_heads):
         alibi = np.ascontiguousarray(va.alibi.reshape(-1, batch_heads[1]) * LOG2E, dtype=work)
     mask_add = empty_f
     if va.mask_add is not None:
-        # Values below -FLT_MAX / log2(e), such as torch.finfo(float32).min that
-        # Hugging Face masks use, become -inf here: hidden, like -inf itself.
-        with np.errstate(over="ignore"):
-            mask_add = _mask4(va.mask_add * LOG2E, work)
+        # Finite values lie within +-MASK_LIMIT (variants.py): no overflow.
+        mask_add = _mask4(va.mask_add * LOG2E, work)
     mask_bool = np.zeros((0, 0, 0, 0), dtype=np.bool_)
     states = np.zeros((0, 0, 0, 0), dtype=np.int8)
     if va.mask_bool is not None:

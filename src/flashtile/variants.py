@@ -26,6 +26,13 @@ import numpy as np
 from ._validate import AttentionShapes, check_flag
 from .masks import BlockMask, normalize_window
 
+#: Float mask values below ``-MASK_LIMIT`` count as ``-inf`` (hidden), and
+#: values above it are refused. The kernels work in log2 units, where a
+#: float32 score beyond ``FLT_MAX / log2(e)`` overflows; fixing the rule here
+#: makes every path and dtype agree. ``finfo(float32).min``, which Hugging Face
+#: masks use for hidden positions, lies below it.
+MASK_LIMIT = float(np.finfo(np.float32).max) / math.log2(math.e)
+
 
 @dataclass(frozen=True)
 class Variants:
@@ -163,11 +170,13 @@ def _check_mask(mask, shapes: AttentionShapes):
             f"mask has dtype {mask.dtype}: pass a bool mask (True = keep) or a float mask "
             f"added to the scores (-inf = hidden)"
         )
-    if np.isnan(mask).any() or np.isposinf(mask).any():
+    if np.isnan(mask).any() or (mask > MASK_LIMIT).any():
         raise ValueError(
-            "a float mask may hold finite values and -inf (hidden), not NaN or +inf: "
-            "they would turn whole rows into NaN"
+            f"a float mask may hold values up to {MASK_LIMIT:.3g} and -inf (hidden), not "
+            f"NaN, +inf or larger values: they would turn whole rows into NaN"
         )
+    if (mask < -MASK_LIMIT).any():  # hidden, for every path and dtype
+        mask = np.where(mask < -MASK_LIMIT, -np.inf, mask)
     return None, mask, None
 
 
