@@ -121,8 +121,47 @@ def test_forgotten_rescale_names_the_later_block_case():
 def test_whole_row_softmax_does_not_stream():
     code, text = check_planted("softmax_whole_row")
     assert code == 1
-    assert "Summary: 8/9 passed" in text  # the values are right ...
+    assert "Summary: 10/11 passed" in text  # the values are right ...
     assert "does not stream: np.maximum.reduce read 12 entries of x" in text  # ... the method not
+
+
+@pytest.mark.parametrize("stem", ["softmax_block_max", "softmax_frozen_max"])
+def test_a_max_that_is_not_the_running_max_fails(stem):
+    # Shifting by any reference is exact until the logits spread past ~709:
+    # the 800-apart cases catch a block-local or a frozen first-block max.
+    code, text = check_planted(stem)
+    assert code == 1
+    assert "  FAIL  a later logit 800 above the first (block_size=1)" in text
+
+
+def test_builtin_max_and_sum_do_not_stream():
+    code, text = check_planted("softmax_builtin_max")
+    assert code == 1
+    assert "does not stream: max() read 12 entries of x at once" in text
+
+
+def test_zeros_like_of_v_is_not_a_read_of_v():
+    code, text = check_planted("causal_zeros_like", "causal_tiled")
+    assert code == 0, text
+
+
+def test_hints_survive_an_unwritable_progress_file(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("FLASHTILE_STATE", str(blocker / "learn.json"))  # under a file
+    code, text = learn("hint", "online_softmax")
+    assert code == 0 and "hint 1" in text.lower()
+    assert "could not save hint progress" in capsys.readouterr().err
+    (tmp_path / "odd.json").write_text('{"hints": []}')
+    monkeypatch.setenv("FLASHTILE_STATE", str(tmp_path / "odd.json"))
+    assert learn("hint", "online_softmax")[0] == 0
+
+
+def test_a_solution_that_is_not_a_python_file(tmp_path):
+    path = tmp_path / "solution.txt"
+    path.write_text("def online_softmax(x, block_size):\n    return x\n")
+    code, text = learn("check", "online_softmax", str(path))
+    assert code == 1 and "save your solution as a .py file" in text
 
 
 def test_full_score_matrix_does_not_stream():

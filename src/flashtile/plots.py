@@ -230,5 +230,11 @@ def run_plot(args, out=None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"flashtile plot {args.plot}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(
+            f"flashtile plot {args.plot}: cannot write {path}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 1
     print(f"wrote {written}", file=out)
     return 0

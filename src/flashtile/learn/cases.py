@@ -79,6 +79,14 @@ def _online_softmax_cases() -> list[Case]:
         _softmax_case("block_size larger than n (n=5, block_size=8)", _rng(4).normal(size=5), 8),
         _softmax_case("logits near 1000, uneven blocks", 1000 + 5 * _rng(5).random(10), 3),
         _softmax_case("logits near -1000, uneven blocks", -1000 - 5 * _rng(6).random(10), 4),
+        # Spreads beyond ~709 (where exp overflows or underflows to 0): only
+        # a *running* max over every block seen so far survives these.
+        _softmax_case("a later logit 800 above the first (block_size=1)", [0.0, 800.0, 1.0], 1),
+        _softmax_case(
+            "the first block 800 above every later one (block_size=2)",
+            [800.0, 1.0, 0.0, -5.0, 3.0],
+            2,
+        ),
         _softmax_case(
             "streaming: no whole-row max or sum (n=12, block_size=3)",
             np.concatenate([_rng(7).standard_normal(10), [4.0, 1.0]]),
@@ -100,10 +108,11 @@ def _qkv(seed, n_q, n_k, d, d_v, scale=1.0):
     )
 
 
-def _kv_streams(block_size):
+def _kv_streams(block_size, names):
+    """K and V instrumented, named as the exercise's signature names them."""
     return (
-        Stream(1, "K", block_size, "everything"),
-        Stream(2, "V", block_size, "everything"),
+        Stream(1, names[0], block_size, "everything"),
+        Stream(2, names[1], block_size, "everything"),
     )
 
 
@@ -118,8 +127,19 @@ def _attention_case(name, func, qkv, block_size, causal, stream=False):
         func,
         lambda: (q.copy(), k.copy(), v.copy(), block_size),
         expect,
-        streams=_kv_streams(block_size) if stream else (),
+        streams=_kv_streams(block_size, ("k", "v") if causal else ("K", "V")) if stream else (),
     )
+
+
+def _spread_scores(seed, last: bool):
+    """Q, K, V (d=4, n_k=7) where one key scores about 800 above the rest for
+    every query: the last key (the running max must move) or the first (it
+    must stay)."""
+    q, k, v = _qkv(seed, 2, 7, 4, 3)
+    q[:, 0] = 40.0
+    k[:, 0] = 0.0
+    k[-1 if last else 0, 0] = 40.0  # scores 40 * 40 / sqrt(4) = 800 for that key
+    return q, k, v
 
 
 def _online_attention_cases() -> list[Case]:
@@ -129,6 +149,8 @@ def _online_attention_cases() -> list[Case]:
     q, k, v = _qkv(18, 2, 9, 4, 3)
     k = 0.1 * k
     k[-1] = 3.0 * q[0]  # row 0's only large score is the very last key
+    spread = _spread_scores(46, last=True)
+    spread_first = _spread_scores(47, last=False)
     return [
         case("small example (n_q=2, n_k=4, d=3, block_size=2)", _qkv(11, 2, 4, 3, 3), 2),
         case("block_size=1", _qkv(12, 3, 5, 4, 4), 1),
@@ -138,6 +160,8 @@ def _online_attention_cases() -> list[Case]:
         case("d != d_v (d=4, d_v=6, n_k=7, block_size=3)", _qkv(16, 4, 7, 4, 6), 3),
         case("scores near 1000 (scaled Q and K)", _qkv(17, 3, 7, 4, 3, scale=22.0), 3),
         case("a row whose max is only in the last block (n_k=9, block_size=4)", (q, k, v), 4),
+        case("a last key scoring 800 above the others (n_k=7, block_size=3)", spread, 3),
+        case("a first key scoring 800 above the others (n_k=7, block_size=3)", spread_first, 3),
         case("streaming: K and V read block by block", _qkv(19, 3, 10, 4, 3), 3, stream=True),
     ]
 

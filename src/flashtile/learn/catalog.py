@@ -274,10 +274,12 @@ v (T, d_v), result (T, d_v). Query i may attend to keys 0..i only.
 
 Start from the online attention loop (exercise online_attention) and, inside
 each key block, set the scores of future keys (key index > query index) to
--inf before the block's maxima and exponentials. Take care: with uneven
-blocks a query can meet a block where every key is in its future. Its block
-maximum is then -inf, and exp(-inf - (-inf)) is NaN, so such rows must keep
-their state unchanged (or the block can be skipped for them).
+-inf before the block's maxima and exponentials. Take care: a query meets
+blocks where every key is in its future. Their scores are all -inf, so the
+block's own maximum is -inf, and exponentiating against it gives
+exp(-inf - (-inf)) = NaN. Exponentiate against the running maximum over all
+blocks so far instead (finite from the first block on: every query sees key
+0); such a block then adds exp(-inf) = 0 and leaves the row's state as it was.
 
 The checker compares with flashtile.tiled_attention(..., causal=True) for
 block sizes that do and do not divide T, block size 1 and larger than T,
@@ -301,9 +303,11 @@ def causal_tiled_attention(q, k, v, block_size):
         "Positions: q_pos = np.arange(T)[:, None] and k_pos = np.arange(start, stop)[None, :]; "
         "a key is visible when k_pos <= q_pos.",
         "scores = np.where(k_pos <= q_pos, scores, -np.inf) before taking the block maxima.",
-        "A row whose whole block is masked has m_new = -inf. Exponentiate against a safe "
-        "origin: base = np.where(np.isfinite(m_new), m_new, 0.0), then p = np.exp(scores - "
-        "base[:, None]) and alpha = np.exp(m - base) are 0 where they should be.",
+        "A row whose whole block is masked has a block maximum of -inf: never exponentiate "
+        "against the block's own max. Against the running max, m_new = np.maximum(m, "
+        "scores.max(axis=1)), it is harmless: np.exp(scores - m_new[:, None]) is 0 there. "
+        "(m_new is finite from the first block on, since every query sees key 0; where a row "
+        "may have seen no key yet, use base = np.where(np.isfinite(m_new), m_new, 0.0).)",
         "Every query sees at least key 0, so ell > 0 at the end: return acc / ell[:, None].",
     ),
 )

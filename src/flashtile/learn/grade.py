@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .cases import CASES, Case, ShapeProblem
-from .probe import Probe, keep_tracked, plain, track
+from .probe import Probe, instrumented_builtins, keep_tracked, plain, track
 
 RTOL, ATOL = 1e-6, 1e-9
 
@@ -41,7 +41,10 @@ def load(path: Path):
     """Import the learner's file as a module (its folder joins ``sys.path``)."""
     sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location("learner_solution", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path.name} is not a Python file: save your solution as a .py file")
     module = importlib.util.module_from_spec(spec)
+    module.__dict__.update(instrumented_builtins())  # see probe.instrumented_builtins
     sys.modules["learner_solution"] = module
     spec.loader.exec_module(module)
     return module

@@ -9,7 +9,9 @@ an operation that touched more than one block's worth.
 Two modes:
 
 - ``"reductions"`` (the score row ``x`` of ``online_softmax``): only
-  reductions, sorts and contractions count, because the final
+  reductions, sorts and contractions count (NumPy's, the array methods,
+  and Python's ``max``/``min``/``sum``/``sorted``, see
+  :func:`instrumented_builtins`), because the final
   normalisation ``exp(x - m) / ell`` is elementwise over the whole row by
   design. Elementwise results stay tracked, so ``e = np.exp(x); e.sum()`` is
   caught too.
@@ -61,6 +63,9 @@ _WHOLE_READS = frozenset(
 )
 
 _REDUCING_METHODS = ("reduce", "accumulate", "reduceat")
+
+#: Functions whose result takes only the shape and dtype of a tracked input.
+_FRESH_BUFFERS = frozenset({"empty_like", "full_like", "ones_like", "zeros_like"})
 
 
 class Probe:
@@ -151,7 +156,10 @@ class Tracked(np.ndarray):
         if name in _WHOLE_READS:
             for probe, size in _probes(list(args) + list(kwargs.values())):
                 probe.note(f"np.{name}", size)
-        return super().__array_function__(func, types, args, kwargs)
+        result = super().__array_function__(func, types, args, kwargs)
+        # zeros_like(v) and friends hold nothing read from the input: an
+        # output buffer, not part of the stream (later updates of it are free).
+        return plain(result) if name in _FRESH_BUFFERS else result
 
     # Methods implemented in C that never reach the ufunc machinery.
     def _whole(self, name: str) -> None:
@@ -181,6 +189,30 @@ class Tracked(np.ndarray):
     def dot(self, *args, **kwargs):
         self._whole("dot")
         return self.view(np.ndarray).dot(*plain(list(args)), **kwargs)
+
+    def tolist(self):
+        self._whole("tolist")
+        return self.view(np.ndarray).tolist()
+
+
+def instrumented_builtins() -> dict:
+    """``max``, ``min``, ``sum`` and ``sorted`` that report a whole tracked
+    array, for the learner's module namespace: Python's built-ins walk an
+    array element by element and never reach NumPy's hooks."""
+    import builtins
+
+    def wrap(name):
+        original = getattr(builtins, name)
+
+        def reporting(*args, **kwargs):
+            for probe, size in _probes(list(args)):
+                probe.note(f"{name}()", size)
+            return original(*args, **kwargs)
+
+        reporting.__name__ = name
+        return reporting
+
+    return {name: wrap(name) for name in ("max", "min", "sum", "sorted")}
 
 
 def _rewrap(result, probe: Probe):

@@ -103,8 +103,13 @@ def check(name: str, file: str | Path, timeout: float = 10.0, out: TextIO | None
             if not detailed:  # the full story for the first failure only
                 detailed = True
                 if "expected" in event:
-                    print(f"{_INDENT}expected: {event['expected']}", file=out)
-                    print(f"{_INDENT}got:      {event['got']}", file=out)
+                    for label, value in (
+                        ("expected: ", event["expected"]),
+                        ("got:      ", event["got"]),
+                    ):
+                        # Continuation lines of a printed array line up under its first.
+                        text = value.replace("\n", "\n" + _INDENT + " " * len(label))
+                        print(f"{_INDENT}{label}{text}", file=out)
                 if event.get("traceback"):
                     print(_indent(event["traceback"]), file=out)
                 if event.get("hint"):

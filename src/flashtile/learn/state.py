@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 ENV_VAR = "FLASHTILE_STATE"
@@ -31,22 +32,34 @@ def _load() -> dict:
 
 def _save(data: dict) -> None:
     path = state_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True), encoding="utf-8")
-    tmp.replace(path)  # never leave a half-written file behind
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True), encoding="utf-8")
+        tmp.replace(path)  # never leave a half-written file behind
+    except OSError as exc:
+        print(
+            f"flashtile learn: could not save hint progress to {path} ({exc.strerror or exc}); "
+            f"set {ENV_VAR} to a writable file to keep it",
+            file=sys.stderr,
+        )
+
+
+def _hints(data: dict) -> dict:
+    hints = data.get("hints")
+    return hints if isinstance(hints, dict) else {}
 
 
 def hints_shown(name: str) -> int:
     """How many hints of exercise ``name`` have been shown so far."""
-    value = _load().get("hints", {}).get(name, 0)
+    value = _hints(_load()).get(name, 0)
     return value if isinstance(value, int) and value >= 0 else 0
 
 
 def set_hints_shown(name: str, count: int) -> None:
     """Remember that ``count`` hints of ``name`` have been shown (0 resets)."""
     data = _load()
-    hints = data.get("hints") if isinstance(data.get("hints"), dict) else {}
+    hints = _hints(data)
     hints[name] = count
     data["hints"] = hints
     _save(data)

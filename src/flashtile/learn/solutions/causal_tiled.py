@@ -16,8 +16,10 @@ def causal_tiled_attention(q, k, v, block_size):
         scores = q @ k[start:stop].T / np.sqrt(d)
         scores = np.where(k_pos <= q_pos, scores, -np.inf)
         m_new = np.maximum(m, scores.max(axis=1))
-        # Rows that have seen no key yet keep m = -inf; exponentiate against 0
-        # there so that exp(-inf - (-inf)) = NaN never happens.
+        # m_new is the running max, finite from the first block on (every
+        # query sees key 0), so a block wholly in a row's future adds
+        # exp(-inf - m_new) = 0. The guard keeps the loop safe where a row
+        # may have seen no key yet (m_new = -inf), e.g. when reused for Tq > Tk.
         base = np.where(np.isfinite(m_new), m_new, 0.0)
         alpha = np.exp(m - base)
         p = np.exp(scores - base[:, None])
