@@ -52,7 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="tiled vs naive attention, memory table, a row walked through")
     trace = sub.add_parser("trace", help="the online softmax of a vector, block by block")
-    trace.add_argument("--x", type=_parse_vector, required=True, help='e.g. "0 1 5 2 9"')
+    trace.add_argument(
+        "--x",
+        type=_parse_vector,
+        required=True,
+        help='e.g. "0 1 5 2 9"; starting with a negative value, write --x="-3 1 2"',
+    )
     trace.add_argument("--block-size", type=positive_int, default=2)
     # bench.cli needs only NumPy; torch is imported when its provider is checked.
     from .bench.cli import add_bench_parser

@@ -203,7 +203,12 @@ def add_plot_parser(subparsers):
     mask.add_argument("--window", type=int, default=24, help="keys left of a query; -1 = none")
     mask.add_argument("--pad", type=int, default=10, help="padding keys at the end (default 10)")
     trace = kind("trace", "running max and normaliser per block of one score row")
-    trace.add_argument("--x", type=_parse_vector, required=True, help='e.g. "0 1 5 2 9"')
+    trace.add_argument(
+        "--x",
+        type=_parse_vector,
+        required=True,
+        help='e.g. "0 1 5 2 9"; starting with a negative value, write --x="-3 1 2"',
+    )
     trace.add_argument("--block-size", type=positive_int, default=2)
     return p
 
