@@ -336,6 +336,8 @@ def test_float16_cache_refuses_values_it_would_store_as_inf():
     with pytest.raises(ValueError, match="v holds"):
         cache.append(np.ones((1, 1, 1, 4)), -big)
     assert cache.lengths.tolist() == [2]
+    cache.append(np.full((1, 1, 1, 4), 65510.0), np.ones((1, 1, 1, 4)))  # rounds to 65504
+    assert cache.k[0, 0, 2, 0] == 65504
 
 
 def test_dense_decode_oracle_matches_plain_dense_attention(rng):

@@ -172,6 +172,10 @@ def test_constants_given_as_lists_or_under_no_grad():
         torch.testing.assert_close(ftt.attention(q, k, v, mask=bias), ftt.attention(q, k, v))
     with pytest.raises(ValueError, match="mask requires grad"):
         ftt.attention(q, k, v, mask=bias)
+    keep = [[True, False, False, True, True]] * 5  # a list of bools stays a bool mask
+    torch.testing.assert_close(
+        ftt.attention(q, k, v, mask=keep), ftt.attention(q, k, v, mask=torch.tensor(keep))
+    )
 
 
 def test_lse_is_the_log_normaliser_and_carries_no_grad():

@@ -1040,8 +1040,10 @@ def test_block_mask_summary_is_reused_with_a_window(rng, monkeypatch):
 def test_block_mask_summary_is_reused_with_gqa_and_few_items(rng, monkeypatch):
     """GQA shrinks default query tiles and few items halve them for the threads;
     neither may move the tiles away from a BlockMask's (no re-summary)."""
-    q, k, v, dout, _ = Case("x", (1, 4, 2, 200, 200, 8, 8)).build(rng)
-    mask = _block_sparse_mask(rng, (1, 1, 200, 200))
+    # 2 query blocks x 1 kv head = 2 items: fewer than 4 per thread, so a
+    # default call would halve its query tiles (and GQA would shrink them).
+    q, k, v, dout, _ = Case("x", (1, 2, 1, 128, 128, 8, 8)).build(rng)
+    mask = _block_sparse_mask(rng, (1, 1, 128, 128))
     mask[..., 0] = True
     bm = ft.block_mask(mask, 64, 64)
     want, want_lse = ft.attention(q, k, v, mask=mask, return_lse=True)

@@ -123,13 +123,13 @@ class KVCache:
         if k.dtype.kind != "f" or v.dtype.kind != "f":
             raise TypeError(f"k and v must be floating point, got {k.dtype} and {v.dtype}")
         if self.k.dtype == np.float16:
-            limit = float(np.finfo(np.float16).max)
             for name, a in (("k", k), ("v", v)):
-                over = np.isfinite(a) & (np.abs(a) > limit)
+                with np.errstate(over="ignore"):
+                    over = np.isfinite(a) & np.isinf(a.astype(np.float16))
                 if over.any():
                     raise ValueError(
                         f"{name} holds {np.abs(a[over]).max():.6g}, beyond float16's range "
-                        f"(+-{limit:.0f}): it would be stored as inf and poison attention; "
+                        f"(+-65504): it would be stored as inf and poison attention; "
                         f"nothing was written. Use float32 storage (dtype=np.float32)"
                     )
         t = k.shape[2]

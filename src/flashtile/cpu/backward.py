@@ -12,7 +12,9 @@ query block ``i`` and each key block ``j`` it can see::
 
 with ``D = rowsum(dO * O)`` (softcap multiplies ``dS`` by ``1 - tanh**2``).
 Five BLAS products per tile (three accumulate straight into the gradients),
-one recomputed exponential. With fewer ``(sequence, kv head)`` pairs than
+one recomputed exponential; a tile across the causal diagonal runs them as
+two row blocks, the top one over only the keys it sees
+(:func:`.tiles.diagonal_split`). With fewer ``(sequence, kv head)`` pairs than
 threads, a pair is split into parts over its query blocks with private
 ``dk``/``dv`` sums (see :func:`backward_kernel`).
 """

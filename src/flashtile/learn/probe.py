@@ -157,9 +157,13 @@ class Tracked(np.ndarray):
             for probe, size in _probes(list(args) + list(kwargs.values())):
                 probe.note(f"np.{name}", size)
         result = super().__array_function__(func, types, args, kwargs)
-        # zeros_like(v) and friends hold nothing read from the input: an
-        # output buffer, not part of the stream (later updates of it are free).
-        return plain(result) if name in _FRESH_BUFFERS else result
+        # zeros_like(v) of K or V is an output buffer holding nothing read from
+        # them: not part of their stream. (A score row's copies stay tracked,
+        # so a buffer filled from x and reduced whole is still caught.)
+        found = _probes(list(args))
+        if name in _FRESH_BUFFERS and found and all(p.mode == "everything" for p, _ in found):
+            return plain(result)
+        return result
 
     # Methods implemented in C that never reach the ufunc machinery.
     def _whole(self, name: str) -> None:

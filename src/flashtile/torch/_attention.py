@@ -68,9 +68,13 @@ def _constant_tensor(t, name: str, work: torch.dtype | None) -> torch.Tensor | N
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
-        # NumPy arrays and lists (a convenience for slopes); Python floats as
-        # float64, so they are not rounded before the kernel sees them.
-        t = torch.as_tensor(t, dtype=torch.float64 if isinstance(t, (list, tuple)) else None)
+        # NumPy arrays and lists (a convenience for slopes). A list of Python
+        # floats becomes float64, not torch's default float32, so it is not
+        # rounded before the kernel sees it; bools and ints keep their kind.
+        converted = torch.as_tensor(t)
+        if isinstance(t, (list, tuple)) and converted.dtype.is_floating_point:
+            converted = torch.as_tensor(t, dtype=torch.float64)
+        t = converted
     _check_device(t, name)
     if t.requires_grad and torch.is_grad_enabled():
         raise ValueError(

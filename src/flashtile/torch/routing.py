@@ -33,10 +33,11 @@ Semantics of routed calls:
   returned NaN there. A float mask that hides with a large finite value
   (``torch.finfo(dtype).min``, as Hugging Face builds them) differs on fully
   hidden rows: SDPA averages every value there, flashtile still gives zeros
-  (``min * log2(e)`` overflows to ``-inf`` inside flashtile). Partly hidden
-  rows agree.
-* A float ``attn_mask`` holding NaN or ``+inf`` is refused by flashtile with a
-  ValueError (it is not scanned for here: that would cost a pass over the mask).
+  (values below ``-FLT_MAX / log2(e)`` count as ``-inf`` in flashtile, see
+  ``flashtile.variants.MASK_LIMIT``). Partly hidden rows agree.
+* A float ``attn_mask`` holding NaN, ``+inf`` or values above that limit is
+  refused by flashtile with a ValueError (it is not scanned for here: that
+  would cost a pass over the mask).
 
 Under ``torch.compile`` the router is traced like any Python function: the
 counters then record the calls made while tracing, not every run.
