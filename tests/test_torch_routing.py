@@ -101,6 +101,16 @@ def test_original_is_restored_on_exceptions_and_strict_mode_raises():
     assert F.scaled_dot_product_attention is SDPA
 
 
+def test_a_learned_bias_is_routed_when_no_gradient_is_computed():
+    q, k, v = _qkv(1, 2, 2, 5, 5, 8)
+    bias = torch.zeros(5, 5, requires_grad=True)
+    with torch.no_grad(), ftt.route_sdpa() as router:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    assert router.routed == 1 and router.passed == 0
+    with torch.no_grad():
+        torch.testing.assert_close(out, SDPA(q, k, v, attn_mask=bias))
+
+
 def test_nested_routers_must_exit_in_reverse_order():
     outer, inner = ftt.route_sdpa(), ftt.route_sdpa()
     outer.__enter__()

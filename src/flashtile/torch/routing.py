@@ -102,7 +102,7 @@ def pass_reason(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, ext
         return f"attn_mask of rank {attn_mask.ndim} (SDPA takes (..., Tq, Tk))"
     if attn_mask.dtype not in (torch.bool, torch.float32, q.dtype):
         return f"attn_mask dtype {attn_mask.dtype} (SDPA takes bool, float32 or {q.dtype})"
-    if attn_mask.requires_grad:
+    if attn_mask.requires_grad and torch.is_grad_enabled():
         return "attn_mask requires grad (a learned bias; flashtile gives masks no gradient)"
     if not _broadcasts(attn_mask.shape, (*q.shape[:-1], k.shape[-2])):
         return f"attn_mask shape {tuple(attn_mask.shape)} does not broadcast to the scores"
