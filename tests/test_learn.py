@@ -140,8 +140,15 @@ def test_builtin_max_and_sum_do_not_stream():
     assert "does not stream: max() read 12 entries of x at once" in text
 
 
-def test_zeros_like_of_v_is_not_a_read_of_v():
-    code, text = check_planted("causal_zeros_like", "causal_tiled")
+def test_zeros_like_of_v_is_not_a_read_of_v(tmp_path):
+    # The reference solution with its accumulator made by np.zeros_like(v):
+    # a buffer of v's shape, not a read of v.
+    code, source = learn("hint", "causal_tiled", "--solution")
+    line = "acc = np.zeros((T, v.shape[1]))"
+    assert line in source
+    path = tmp_path / "causal_zeros_like.py"
+    path.write_text(source.replace(line, "acc = np.zeros_like(v)"))
+    code, text = learn("check", "causal_tiled", str(path))
     assert code == 0, text
 
 
