@@ -24,7 +24,9 @@ def tiled_grads(q, k, v, dout, block_size, causal=False, scale=None, fwd_block=N
     out, lse = tiled_attention(
         q, k, v, fwd_block or block_size, causal=causal, scale=scale, return_lse=True
     )
-    return tiled_attention_backward(q, k, v, out, dout, lse, block_size, causal=causal, scale=scale)
+    return tiled_attention_backward(
+        q, k, v, out, lse, dout, block_size=block_size, causal=causal, scale=scale
+    )
 
 
 def assert_grads_close(got, ref, tol):
@@ -203,3 +205,64 @@ def test_backward_float64_dtype(rng):
     q, k, v = problem(rng, (4, 2), (5, 2), (5, 3))
     grads = tiled_grads(q, k, v, rng.normal(size=(4, 3)), 2)
     assert all(g.dtype == np.float64 for g in grads)
+
+
+# The earlier argument order (q, k, v, out, dout, lse, block_size, causal) still runs,
+# with a DeprecationWarning that names the new one.
+OLD_ORDER_CALLS = {
+    "positional-flags": lambda q, k, v, o, lse, g: ((q, k, v, o, g, lse, 3, True), {}),
+    "positional-block": lambda q, k, v, o, lse, g: ((q, k, v, o, g, lse, 3), {"causal": True}),
+    "keyword-flags": lambda q, k, v, o, lse, g: (
+        (q, k, v, o, g, lse),
+        {"block_size": 3, "causal": True},
+    ),
+    "new-order-positional-block": lambda q, k, v, o, lse, g: (
+        (q, k, v, o, lse, g, 3),
+        {"causal": True},
+    ),
+}
+
+
+@pytest.mark.parametrize("spell", OLD_ORDER_CALLS.values(), ids=OLD_ORDER_CALLS.keys())
+def test_old_argument_order_warns_and_gives_the_same_gradients(rng, spell):
+    q, k, v = problem(rng, (2, 7, 3), (2, 5, 3), (2, 5, 4))
+    dout = rng.normal(size=(2, 7, 4))
+    out, lse = tiled_attention(q, k, v, 3, causal=True, return_lse=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new order warns about nothing
+        want = tiled_attention_backward(q, k, v, out, lse, dout, block_size=3, causal=True)
+    args, kwargs = spell(q, k, v, out, lse, dout)
+    with pytest.warns(
+        DeprecationWarning, match=r"call tiled_attention_backward\(q, k, v, out, lse, dout"
+    ):
+        got = tiled_attention_backward(*args, **kwargs)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    ref = dense_attention_backward(q, k, v, dout, causal=True)
+    assert_grads_close(got, ref, 1e-10)  # and the right gradients, not merely the same
+
+
+def test_default_block_size_gives_the_same_gradients(rng):
+    q, k, v = problem(rng, (70, 3), (90, 3), (90, 2))
+    dout = rng.normal(size=(70, 2))
+    out, lse = tiled_attention(q, k, v, 7, return_lse=True)
+    got = tiled_attention_backward(q, k, v, out, lse, dout)
+    assert_grads_close(got, tiled_attention_backward(q, k, v, out, lse, dout, block_size=7), 1e-12)
+    assert_grads_close(got, dense_attention_backward(q, k, v, dout), 1e-10)
+
+
+@pytest.mark.parametrize(
+    ("extra", "kwargs", "match"),
+    [
+        ((3, True, None), {}, "at most 8 positional arguments, got 9"),
+        ((3,), {"block_size": 3}, "both positionally and by keyword"),
+        ((3, False), {"causal": True}, "both positionally and by keyword"),
+    ],
+    ids=["too-many", "block_size-twice", "causal-twice"],
+)
+def test_old_argument_order_refuses_ambiguous_flags(rng, extra, kwargs, match):
+    q, k, v = problem(rng, (5, 3), (6, 3), (6, 2))
+    out, lse = tiled_attention(q, k, v, 3, return_lse=True)
+    dout = np.ones_like(out)
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match=match):
+        tiled_attention_backward(q, k, v, out, dout, lse, *extra, **kwargs)

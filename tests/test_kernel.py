@@ -88,7 +88,7 @@ def test_backward_matches_reference(rng, shape, causal, tiles):
     grads = ft.attention_backward(
         q, k, v, out, lse, dout, causal=causal, block_q=tiles[0], block_k=tiles[1]
     )
-    ref = ft.tiled_attention_backward(q, k, v, out, dout, lse, 64, causal)
+    ref = ft.tiled_attention_backward(q, k, v, out, lse, dout, block_size=64, causal=causal)
     for got, want in zip(grads, ref, strict=True):
         assert got.shape == want.shape
         assert rel_err(got, want) < 1e-11
@@ -101,7 +101,7 @@ def test_backward_float32_and_deterministic(rng, causal):
     out, lse = ft.attention(q, k, v, causal=causal, return_lse=True)
     first = ft.attention_backward(q, k, v, out, lse, dout, causal=causal, block_q=64, block_k=96)
     again = ft.attention_backward(q, k, v, out, lse, dout, causal=causal, block_q=64, block_k=96)
-    ref = ft.tiled_attention_backward(*_f64(q, k, v, out, dout, lse), 128, causal)
+    ref = ft.tiled_attention_backward(*_f64(q, k, v, out, lse, dout), block_size=128, causal=causal)
     for got, repeat, want in zip(first, again, ref, strict=True):
         assert got.dtype == np.float32
         np.testing.assert_array_equal(got, repeat)  # bit-identical
@@ -317,7 +317,9 @@ def test_kernel_matches_reference_for_any_tiles_and_variants(
     np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-12, atol=1e-12)
     dout = rng.standard_normal(out.shape)
     grads = ft.attention_backward(q, k, v, out, lse, dout, causal=causal, **tiles, **variants)
-    want = ft.tiled_attention_backward(q, k, v, ref, dout, ref_lse, 5, causal, **variants)
+    want = ft.tiled_attention_backward(
+        q, k, v, ref, ref_lse, dout, block_size=5, causal=causal, **variants
+    )
     for got, expected in zip(grads, want, strict=True):
         # Relative to max(|ref|, 1): with one visible key dq is exactly 0 in
         # exact arithmetic and the reference's is rounding noise.
@@ -352,7 +354,9 @@ def test_tiles_split_across_the_diagonal_match_the_reference(rng, shape, causal,
     assert rel_err(out, ref) < 1e-12
     dout = rng.standard_normal(out.shape)
     grads = ft.attention_backward(q, k, v, out, lse, dout, causal=causal, **tiles, **variants)
-    want = ft.tiled_attention_backward(q, k, v, ref, dout, ref_lse, 32, causal, **variants)
+    want = ft.tiled_attention_backward(
+        q, k, v, ref, ref_lse, dout, block_size=32, causal=causal, **variants
+    )
     for got, expected in zip(grads, want, strict=True):
         assert np.all(np.isfinite(got)) and rel_err(got, expected) < 1e-11
 
@@ -413,7 +417,7 @@ def test_backward_splits_a_lone_head_over_threads_deterministically(rng, dtype):
     tiles = {"block_q": 32, "block_k": 48}
     first = ft.attention_backward(q, k, v, out, lse, dout, causal=True, **tiles)
     again = ft.attention_backward(q, k, v, out, lse, dout, causal=True, **tiles)
-    want = ft.tiled_attention_backward(*_f64(q, k, v, out, dout, lse), 64, True)
+    want = ft.tiled_attention_backward(*_f64(q, k, v, out, lse, dout), block_size=64, causal=True)
     tol = 1e-5 if dtype == np.float32 else 1e-11
     for got, repeat, expected in zip(first, again, want, strict=True):
         np.testing.assert_array_equal(got, repeat)

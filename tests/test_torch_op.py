@@ -128,7 +128,7 @@ def test_variants_equal_the_numpy_reference_float64():
     kr, vr = (np.repeat(a, 2, axis=1) for a in (kn, vn))
     ref_out, ref_lse = flashtile.tiled_attention(qn, kr, vr, 4, return_lse=True, **np_kw)
     ref_grads = flashtile.tiled_attention_backward(
-        qn, kr, vr, ref_out, dout.numpy(), ref_lse, 4, **np_kw
+        qn, kr, vr, ref_out, ref_lse, dout.numpy(), block_size=4, **np_kw
     )
     np.testing.assert_allclose(out.detach().numpy(), ref_out, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(lse.numpy(), ref_lse, rtol=1e-10, atol=1e-12)

@@ -1,10 +1,14 @@
-"""Every validation error: the right exception type and a message naming the values."""
+"""Every validation error: the right exception type and a message naming the
+values, the same on every entry point (naive, reference, fast, their backwards,
+varlen), for the core inputs and for the variants.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+import flashtile as ft
 from flashtile import (
     attention_memory_elements,
     naive_attention,
@@ -19,20 +23,28 @@ def z(*shape, dtype=np.float64):
     return np.zeros(shape, dtype=dtype)
 
 
-def call_tiled(q, k, v, **kw):
-    return tiled_attention(q, k, v, 2, **kw)
+def _backward(backward, **fixed):
+    """A backward entry called like a forward: zero ``out``/``lse``/``dout`` shaped
+    for ``q`` and ``v`` (both backwards take ``out, lse, dout``)."""
+
+    def call(q, k, v, **kw):
+        lead = np.shape(q)[:-1]
+        out = z(*lead, np.shape(v)[-1])
+        return backward(q, k, v, out, z(*lead), out, **fixed, **kw)
+
+    return call
 
 
-def call_naive(q, k, v, **kw):
-    return naive_attention(q, k, v, **kw)
-
-
-def call_backward(q, k, v, **kw):
-    return tiled_attention_backward(q, k, v, z(5, 3), z(5, 3), z(5), 2, **kw)
-
-
-ATTENTION_CALLS = [call_tiled, call_naive, call_backward]
-ids = ["tiled", "naive", "backward"]
+# Every entry point, called as f(q, k, v, **kwargs).
+CALLS = {
+    "naive": naive_attention,
+    "reference": lambda q, k, v, **kw: tiled_attention(q, k, v, 2, **kw),
+    "reference-backward": _backward(tiled_attention_backward, block_size=2),
+    "fast": ft.attention,
+    "fast-backward": _backward(ft.attention_backward),
+}
+ATTENTION_CALLS = list(CALLS.values())
+ids = list(CALLS)
 
 
 @pytest.mark.parametrize("call", ATTENTION_CALLS, ids=ids)
@@ -78,7 +90,7 @@ def test_block_size_not_positive(bad):
     with pytest.raises(ValueError, match=rf"block_size must be >= 1, got {bad}"):
         online_attention(z(5, 4), z(6, 4), z(6, 3), bad)
     with pytest.raises(ValueError, match=rf"block_size must be >= 1, got {bad}"):
-        tiled_attention_backward(z(5, 4), z(6, 4), z(6, 3), z(5, 3), z(5, 3), z(5), bad)
+        tiled_attention_backward(z(5, 4), z(6, 4), z(6, 3), z(5, 3), z(5), z(5, 3), block_size=bad)
 
 
 @pytest.mark.parametrize(
@@ -91,7 +103,7 @@ def test_block_size_not_an_integer(bad, shown):
     with pytest.raises(TypeError, match=rf"block_size must be a positive integer, got {shown}"):
         online_softmax(z(5), bad)
     with pytest.raises(TypeError, match=rf"block_size must be a positive integer, got {shown}"):
-        tiled_attention_backward(z(5, 4), z(6, 4), z(6, 3), z(5, 3), z(5, 3), z(5), bad)
+        tiled_attention_backward(z(5, 4), z(6, 4), z(6, 3), z(5, 3), z(5), z(5, 3), block_size=bad)
 
 
 def test_numpy_integer_block_size_is_accepted():
@@ -145,13 +157,13 @@ def test_mixed_dtypes_in_v():
         tiled_attention(z(5, 4), z(6, 4), z(6, 3, dtype=np.float16), 2)
 
 
-@pytest.mark.parametrize("call", [call_tiled, call_naive], ids=ids[:2])
+@pytest.mark.parametrize("call", ATTENTION_CALLS, ids=ids)
 def test_empty_query_sequence(call):
     with pytest.raises(ValueError, match=r"Tq is 0 \(q \(0, 4\)"):
         call(z(0, 4), z(6, 4), z(6, 3))
 
 
-@pytest.mark.parametrize("call", [call_tiled, call_naive], ids=ids[:2])
+@pytest.mark.parametrize("call", ATTENTION_CALLS, ids=ids)
 def test_empty_key_sequence(call):
     with pytest.raises(ValueError, match=r"Tk is 0 \(q \(5, 4\), k \(0, 4\), v \(0, 3\)"):
         call(z(5, 4), z(0, 4), z(0, 3))
@@ -195,34 +207,37 @@ def test_scale_must_be_a_real_number(bad):
         tiled_attention(z(5, 4), z(6, 4), z(6, 3), 2, scale=bad)
 
 
+# (lse and dout passed in the earlier order are recognised: see test_backward.py)
 @pytest.mark.parametrize(
-    "out_shape,dout_shape,lse_shape,match",
+    "out_shape,lse_shape,dout_shape,match",
     [
-        # lse and dout swapped
-        ((5, 3), (5,), (5, 3), r"dout has shape \(5,\), expected \(5, 3\)"),
+        ((5, 3), (5,), (5,), r"dout has shape \(5,\), expected \(5, 3\)"),
         ((5, 3), (5, 3), (5, 3), r"lse has shape \(5, 3\), expected \(5,\)"),
-        ((3, 5), (5, 3), (5,), r"out has shape \(3, 5\), expected \(5, 3\)"),
-        ((5, 3), (5, 3), (6,), r"lse has shape \(6,\), expected \(5,\)"),
-        ((5, 3), (1, 5, 3), (5,), r"dout has shape \(1, 5, 3\), expected \(5, 3\)"),
+        ((3, 5), (5,), (5, 3), r"out has shape \(3, 5\), expected \(5, 3\)"),
+        ((5, 3), (6,), (5, 3), r"lse has shape \(6,\), expected \(5,\)"),
+        ((5, 3), (5,), (1, 5, 3), r"dout has shape \(1, 5, 3\), expected \(5, 3\)"),
     ],
 )
-def test_backward_wrong_state_shapes(out_shape, dout_shape, lse_shape, match):
+@pytest.mark.parametrize("backward", ["reference", "fast"])
+def test_backward_wrong_state_shapes(backward, out_shape, lse_shape, dout_shape, match):
+    states = (z(*out_shape), z(*lse_shape), z(*dout_shape))
     with pytest.raises(ValueError, match=match):
-        tiled_attention_backward(
-            z(5, 4), z(6, 4), z(6, 3), z(*out_shape), z(*dout_shape), z(*lse_shape), 2
-        )
+        if backward == "reference":
+            tiled_attention_backward(z(5, 4), z(6, 4), z(6, 3), *states, block_size=2)
+        else:
+            ft.attention_backward(z(5, 4), z(6, 4), z(6, 3), *states)
 
 
 def test_backward_state_shape_uses_broadcast_batch():
     q, k, v = z(2, 5, 4), z(1, 6, 4), z(1, 6, 3)
     with pytest.raises(ValueError, match=r"out has shape \(1, 5, 3\), expected \(2, 5, 3\)"):
-        tiled_attention_backward(q, k, v, z(1, 5, 3), z(2, 5, 3), z(2, 5), 2)
+        tiled_attention_backward(q, k, v, z(1, 5, 3), z(2, 5), z(2, 5, 3), block_size=2)
 
 
 def test_backward_integer_state_is_refused():
     with pytest.raises(TypeError, match=r"dout has dtype int64"):
         tiled_attention_backward(
-            z(5, 4), z(6, 4), z(6, 3), z(5, 3), z(5, 3, dtype=np.int64), z(5), 2
+            z(5, 4), z(6, 4), z(6, 3), z(5, 3), z(5), z(5, 3, dtype=np.int64), block_size=2
         )
 
 
@@ -241,3 +256,123 @@ def test_memory_elements_needs_an_integer(bad):
 def test_online_softmax_scalar_is_refused():
     with pytest.raises(ValueError, match=r"x is a scalar"):
         online_softmax(np.float64(1.0), 1)
+
+
+# --------------------------------------------------------------------------------------
+# Variants: GQA heads, window, ALiBi, softcap, padding, masks, varlen
+# --------------------------------------------------------------------------------------
+
+
+def test_a_scalar_mask_is_refused_with_a_clear_error(rng):
+    q = rng.standard_normal((5, 4))
+    with pytest.raises(ValueError, match="mask is a scalar"):
+        ft.attention(q, q, q, mask=np.array(True))
+
+
+_B, _HQ, _HKV, _TQ, _TK, _D = 2, 4, 2, 5, 9, 8
+
+BAD_INPUTS = [
+    # (id, overrides, exceptions, substrings the message must contain)
+    (
+        "heads-6-4",
+        {"q": np.zeros((_B, 6, _TQ, _D)), "k": np.zeros((_B, 4, _TK, _D))},
+        ValueError,
+        ["6", "4"],
+    ),
+    ("window-minus-2", {"window": (-2, 0)}, ValueError, ["-2"]),
+    ("window-right-minus-5", {"window": (3, -5)}, ValueError, ["-5"]),
+    ("alibi-shape-5", {"alibi_slopes": np.ones(5)}, ValueError, ["(5,)"]),
+    ("alibi-shape-3x4", {"alibi_slopes": np.ones((3, 4))}, ValueError, ["(3, 4)"]),
+    ("softcap-zero", {"softcap": 0.0}, ValueError, ["softcap", "0"]),
+    ("softcap-negative", {"softcap": -1.5}, ValueError, ["softcap", "-1.5"]),
+    ("kv_lengths-shape", {"kv_lengths": np.array([9, 9, 9])}, ValueError, ["kv_lengths", "(3,)"]),
+    ("kv_lengths-too-long", {"kv_lengths": np.array([9, 12])}, ValueError, ["12", "9"]),
+    (
+        "kv_lengths-and-key_padding_mask",
+        {"kv_lengths": np.array([9, 9]), "key_padding_mask": np.ones((_B, _TK), dtype=bool)},
+        ValueError,
+        ["kv_lengths", "key_padding_mask"],
+    ),
+    ("mask-shape", {"mask": np.ones((3, 5), dtype=bool)}, ValueError, ["(3, 5)"]),
+    ("mask-int", {"mask": np.ones((_TQ, _TK), dtype=np.int64)}, (TypeError, ValueError), ["int64"]),
+]
+
+
+def _assert_message_names(excinfo, needles):
+    msg = str(excinfo.value)
+    assert "unexpected keyword" not in msg, msg
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+
+
+@pytest.mark.parametrize("entry", list(CALLS))
+@pytest.mark.parametrize(
+    ("overrides", "exc", "needles"),
+    [b[1:] for b in BAD_INPUTS],
+    ids=[b[0] for b in BAD_INPUTS],
+)
+def test_bad_variant_inputs_name_the_values(entry, overrides, exc, needles):
+    kw = dict(overrides)
+    q = kw.pop("q", np.zeros((_B, _HQ, _TQ, _D)))
+    k = kw.pop("k", np.zeros((_B, _HKV, _TK, _D)))
+    v = np.zeros(k.shape)
+    with pytest.raises(exc) as excinfo:
+        CALLS[entry](q, k, v, **kw)
+    _assert_message_names(excinfo, needles)
+
+
+BAD_VARLEN = [
+    ("cu_q-not-from-0", {"cu_seqlens_q": [1, 4, 9]}, ["cu_seqlens_q"]),
+    (
+        "cu_k-decreasing",
+        {"cu_seqlens_q": [0, 3, 6, 9], "cu_seqlens_k": [0, 7, 5, 12]},
+        ["cu_seqlens_k"],
+    ),
+    ("cu_q-not-total", {"cu_seqlens_q": [0, 4, 8]}, ["cu_seqlens_q", "8", "9"]),
+    ("cu_k-not-total", {"cu_seqlens_k": [0, 6, 11]}, ["cu_seqlens_k", "11", "12"]),
+    ("cu-different-counts", {"cu_seqlens_k": [0, 3, 6, 12]}, ["cu_seqlens"]),
+    ("heads-3-2", {"q": np.zeros((3, 9, 4))}, ["3", "2"]),
+    ("window-minus-2", {"window": (-2, 0)}, ["-2"]),
+    ("softcap-zero", {"softcap": 0.0}, ["softcap"]),
+]
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+@pytest.mark.parametrize(
+    ("overrides", "needles"), [b[1:] for b in BAD_VARLEN], ids=[b[0] for b in BAD_VARLEN]
+)
+def test_bad_varlen_inputs_name_the_values(overrides, needles, backward):
+    kw = dict(overrides)
+    q = kw.pop("q", np.zeros((2, 9, 4)))
+    k = v = np.zeros((2, 12, 4))
+    cu_q = np.asarray(kw.pop("cu_seqlens_q", [0, 4, 9]), dtype=np.int64)
+    cu_k = np.asarray(kw.pop("cu_seqlens_k", [0, 5, 12]), dtype=np.int64)
+    with pytest.raises(ValueError) as excinfo:
+        if backward:
+            out, lse = np.zeros(q.shape), np.zeros(q.shape[:-1])
+            ft.varlen_attention_backward(q, k, v, out, lse, out, cu_q, cu_k, **kw)
+        else:
+            ft.varlen_attention(q, k, v, cu_q, cu_k, **kw)
+    _assert_message_names(excinfo, needles)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"alibi_slopes": np.full(2, np.nan)}, ValueError, "finite"),
+        ({"mask": np.full((6, 9), np.nan)}, ValueError, "not NaN, \\+inf"),
+        ({"mask": np.full((6, 9), np.inf)}, ValueError, "not NaN, \\+inf"),
+    ],
+)
+def test_non_finite_variant_inputs_are_refused(rng, kwargs, exc, match):
+    q, k, v = (rng.standard_normal((1, 2, t, 4)) for t in (6, 9, 9))
+    with pytest.raises(exc, match=match):
+        ft.attention(q, k, v, **kwargs)
+    with pytest.raises(exc, match=match):
+        ft.tiled_attention(q, k, v, 4, **kwargs)
+
+
+def test_softcap_accepts_a_zero_dim_array(rng):
+    q, k, v = (rng.standard_normal((1, 2, t, 4)) for t in (6, 9, 9))
+    a = ft.attention(q, k, v, softcap=np.array(2.0))
+    np.testing.assert_array_equal(a, ft.attention(q, k, v, softcap=2.0))

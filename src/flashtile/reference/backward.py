@@ -14,6 +14,8 @@ No ``Tq x Tk`` array is ever stored; each tile is ``(Tq, block_size)``.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from .._validate import check_block_size, check_same_shape
@@ -29,27 +31,51 @@ def _sum_to_shape(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return grad.sum(axis=axes, keepdims=True) if axes else grad
 
 
+#: Keys per recomputed tile when the caller does not choose one.
+DEFAULT_BLOCK_SIZE = 64
+
+_NEW_ORDER = (
+    "tiled_attention_backward(q, k, v, out, lse, dout, block_size=..., causal=...), "
+    "the order of attention_backward"
+)
+
+
 def tiled_attention_backward(
-    q, k, v, out, dout, lse, block_size: int, causal: bool = False, *, scale=None, **variants
+    q, k, v, out, lse, dout, *legacy, block_size=None, causal=False, scale=None, **variants
 ):
     """Gradients ``(dq, dk, dv)`` of :func:`tiled_attention` by recomputation.
+
+    Takes the arguments of :func:`flashtile.attention_backward`, in its order.
 
     Args:
         q, k, v: the forward inputs, ``(..., Tq, d)``, ``(..., Tk, d)``,
             ``(..., Tk, dv)``.
         out: the forward output ``(batch..., Tq, dv)`` (batch = broadcast
             leading dims).
-        dout: upstream gradient, same shape as ``out``.
         lse: ``(batch..., Tq)`` from ``tiled_attention(..., return_lse=True)``.
-        block_size: keys per recomputed tile (any value gives the same result).
-        causal, scale, variants: as in the forward. With ``softcap`` the chain
-            rule through ``tanh`` is applied; masks and ALiBi are constants.
+        dout: upstream gradient, same shape as ``out``.
+        block_size: keys per recomputed tile (keyword-only; any value gives
+            the same result; None means 64).
+        causal, scale, variants: as in the forward (keyword-only). With
+            ``softcap`` the chain rule through ``tanh`` is applied; masks and
+            ALiBi are constants.
 
     Returns:
         ``dq``, ``dk``, ``dv`` with the shapes and dtypes of ``q``, ``k``,
         ``v`` (summed over a query-head group for GQA). Rows that saw no key
         (``lse = -inf``) contribute nothing.
+
+    Deprecated: the earlier order ``(q, k, v, out, dout, lse, block_size,
+    causal)``, recognised by a positional ``block_size``/``causal`` or by the
+    fifth argument shaped like ``out`` and the sixth like ``lse``, still runs
+    correctly with a :class:`DeprecationWarning`.
     """
+    if _old_order(out, lse, dout, legacy):
+        lse, dout = dout, lse
+    if legacy:
+        block_size, causal = _legacy_flags(legacy, block_size, causal)
+    if block_size is None:
+        block_size = DEFAULT_BLOCK_SIZE
     in_shapes = [np.shape(a) for a in (q, k, v)]
     pb = _prepare(q, k, v, causal, scale, variants)
     block_size = check_block_size(block_size)
@@ -84,6 +110,43 @@ def tiled_attention_backward(
         for g, s in zip((dq, dk, dv), in_shapes, strict=True)
     )
     return tuple(grads)
+
+
+def _old_order(out, fifth, sixth, legacy: tuple) -> bool:
+    """Whether ``fifth, sixth`` are ``dout, lse`` (the deprecated order); warns if so
+    or if ``block_size``/``causal`` came positionally.
+
+    The shapes decide: ``out`` is ``(batch..., Tq, dv)`` and ``lse`` one dim
+    shorter, so the two orders cannot be confused. Shapes that fit neither
+    order follow the positional flags (validation then names the bad shape).
+    """
+    o = np.shape(out)
+    looks_old = len(o) > 0 and np.shape(fifth) == o and np.shape(sixth) == o[:-1]
+    looks_new = len(o) > 0 and np.shape(fifth) == o[:-1] and np.shape(sixth) == o
+    old = looks_old or (bool(legacy) and not looks_new)
+    if old or legacy:
+        warnings.warn(
+            "tiled_attention_backward(q, k, v, out, dout, lse, block_size, causal) is "
+            f"deprecated: call {_NEW_ORDER}",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    return old
+
+
+def _legacy_flags(legacy: tuple, block_size, causal):
+    """``block_size, causal`` from the deprecated positional ``block_size[, causal]``."""
+    if len(legacy) > 2:
+        raise TypeError(
+            f"tiled_attention_backward takes at most 8 positional arguments, got "
+            f"{6 + len(legacy)}: call {_NEW_ORDER}"
+        )
+    if block_size is not None or (len(legacy) == 2 and causal is not False):
+        raise TypeError(
+            "tiled_attention_backward got block_size or causal both positionally and "
+            f"by keyword: call {_NEW_ORDER}"
+        )
+    return legacy[0], (legacy[1] if len(legacy) == 2 else causal)
 
 
 def _sum_groups(grad: np.ndarray, group: int) -> np.ndarray:
