@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from flashtile.learn import EXERCISES, add_learn_parser, run_learn
+from flashtile.learn import EXERCISES
+from flashtile.learn.cli import add_parser, run_learn
 from flashtile.learn.cases import CASES
 
 PLANTED = Path(__file__).resolve().parent / "learn_solutions"
@@ -25,7 +26,7 @@ def learn(*argv: str) -> tuple[int, str]:
     """Parse ``flashtile learn ARGV`` with a parser of our own and run it."""
     parser = argparse.ArgumentParser(prog="flashtile")
     sub = parser.add_subparsers(dest="command")
-    add_learn_parser(sub)
+    add_parser(sub)
     args = parser.parse_args(["learn", *argv])
     buf = io.StringIO()
     code = run_learn(args, out=buf)
