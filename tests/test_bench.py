@@ -409,8 +409,9 @@ def test_help_lists_every_preset_by_what_it_measures(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     text = capsys.readouterr().out
+    words = " ".join(text.split())  # the epilog is wrapped to the terminal
     for name, preset in presets.PRESETS.items():
-        assert f"  {name:<9} {preset.measures}" in text
+        assert f" {name} {preset.measures}" in words
     assert "issue" not in text.lower()
     assert set(presets.PRESETS) >= {"core", "quick", "variants", "torch-op", "decode"}
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import textwrap
 from pathlib import Path
 from typing import NamedTuple
 
@@ -62,14 +63,26 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             f"with the others. Without case options this runs the '{DEFAULT}' preset."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="presets:\n"
-        + "\n".join(f"  {name:<9} {preset.measures}" for name, preset in PRESETS.items()),
+        epilog=_presets_help(),
     )
     _add_case_options(p)
     _add_run_options(p)
     _add_output_options(p)
     p.set_defaults(func=run_bench)
     return p
+
+
+def _presets_help(width: int = 79) -> str:
+    """The presets and what each measures, wrapped in a hanging indent."""
+    lines = ["presets:"]
+    for name, preset in PRESETS.items():
+        first = f"  {name:<9} "
+        lines.append(
+            textwrap.fill(
+                preset.measures, width, initial_indent=first, subsequent_indent=" " * len(first)
+            )
+        )
+    return "\n".join(lines)
 
 
 def _add_case_options(p: argparse.ArgumentParser) -> None:
