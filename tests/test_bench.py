@@ -432,9 +432,7 @@ def test_rounds_are_shuffled_then_reversed_and_slow_calls_stop_at_the_budget(mon
     monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(clock)))
     seen = []
     calls = {"fast": lambda: None, "slow": lambda: [next(clock), next(clock)]}
-    times = timing.interleaved_times(
-        calls, 5, budget=6.0, on_call=lambda n, r: seen.append((n, r))
-    )
+    times = timing.interleaved_times(calls, 5, budget=6.0, on_call=lambda n, r: seen.append((n, r)))
     assert times["fast"] == [1.0] * 5  # every round
     assert times["slow"] == [3.0, 3.0]  # 3 s a call: stops once 6 s are spent
     assert [r for n, r in seen if n == "slow"] == [0, 1]

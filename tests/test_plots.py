@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from flashtile.masks import BlockMask, visible
 from flashtile.learn.plots import PLOT_HINT, add_parser, example_mask, plot_memory, run_plot
+from flashtile.masks import BlockMask, visible
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
