@@ -392,6 +392,25 @@ def test_decode_bench_cases_verify_and_report_targets():
         assert lines[0].endswith("x (no target at this size)")
 
 
+def test_decode_preset_runs_end_to_end(monkeypatch, capsys):
+    from flashtile.bench import decode
+
+    small = dataclasses.replace(presets.PRESETS["decode"], decode_lengths=(256,))
+    monkeypatch.setitem(presets.PRESETS, "decode", small)
+    monkeypatch.setattr(decode, "CEILING_BYTES", 1 << 20)
+    assert main(["bench", "--decode", "--reps", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("decode  : q (B, 32, 1, 128)") and "read ceiling" in lines[0]
+    rows = [line.split(" | ")[0] for line in lines if line.startswith("| Tk=")]
+    assert rows == [
+        "| Tk=256",
+        "| Tk=256, paged 16",
+        "| Tk=256, paged 256",
+        "| Tk=256, float16 cache",
+    ]
+    assert any(line.startswith("* target: Tk=256, paged 16: time(paged)") for line in lines)
+
+
 def test_decode_is_a_preset_and_refuses_the_options_it_would_ignore(capsys):
     for argv in (["--decode"], ["--preset", "decode"]):
         plan = _plan(*argv, "--reps", "3")
