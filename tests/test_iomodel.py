@@ -8,15 +8,13 @@ import math
 
 import pytest
 
-from flashtile.iomodel import (
+from flashtile.learn.io_table import add_parser, io_table, run_io
+from flashtile.learn.iomodel import (
     Blocks,
-    add_io_parser,
     closed_forms,
     default_blocks,
-    io_table,
     paper_blocks,
     parse_sram,
-    run_io,
     standard_backward_io,
     standard_forward_io,
     tile_sizes,
@@ -27,7 +25,7 @@ from flashtile.iomodel import (
 
 def _parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_io_parser(parser.add_subparsers(dest="command"))
+    add_parser(parser.add_subparsers(dest="command"))
     return parser.parse_args(["io", *argv])
 
 

@@ -9,15 +9,15 @@ import sys
 import numpy as np
 import pytest
 
+from flashtile.learn.plots import PLOT_HINT, add_parser, example_mask, plot_memory, run_plot
 from flashtile.masks import BlockMask, visible
-from flashtile.plots import PLOT_HINT, add_plot_parser, example_mask, plot_memory, run_plot
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def _parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_plot_parser(parser.add_subparsers(dest="command"))
+    add_parser(parser.add_subparsers(dest="command"))
     return parser.parse_args(["plot", *argv])
 
 

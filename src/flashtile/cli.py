@@ -1,5 +1,11 @@
 """The ``flashtile`` command line: ``demo``, ``trace``, ``bench``, and the
-learning lab's ``learn``, ``io`` and ``plot``."""
+learning lab's ``learn``, ``io`` and ``plot``.
+
+Every subcommand lives with the code it runs and registers itself through an
+``add_parser(subparsers)`` function that sets ``func``, the function that runs
+it; ``main`` only parses and calls ``args.func(args)``. Nothing imports this
+module back (the shared argparse types are in :mod:`flashtile.argtypes`).
+"""
 
 from __future__ import annotations
 
@@ -7,41 +13,18 @@ import argparse
 import os
 import sys
 
-import numpy as np
+from .bench import cli as bench_cli
+from .learn import cli as learn_cli
+from .learn import io_table, plots, walkthrough
 
-
-def _parse_vector(text: str) -> np.ndarray:
-    try:
-        values = [float(tok) for tok in text.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--x must be numbers separated by spaces or commas, got {text!r}"
-        ) from None
-    if not values:
-        raise argparse.ArgumentTypeError("--x is empty: give at least one number")
-    return np.array(values)
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a positive integer, with a clear message otherwise."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a positive number, with a clear message otherwise."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
+#: One registration function per group of subcommands, in ``--help`` order.
+SUBCOMMANDS = (
+    walkthrough.add_parsers,  # demo, trace
+    bench_cli.add_parser,
+    learn_cli.add_parser,
+    io_table.add_parser,
+    plots.add_parser,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,56 +33,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Exact attention computed tile by tile with an online softmax.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="tiled vs naive attention, memory table, a row walked through")
-    trace = sub.add_parser("trace", help="the online softmax of a vector, block by block")
-    trace.add_argument(
-        "--x",
-        type=_parse_vector,
-        required=True,
-        help='e.g. "0 1 5 2 9"; starting with a negative value, write --x="-3 1 2"',
-    )
-    trace.add_argument("--block-size", type=positive_int, default=2)
-    # bench.cli needs only NumPy; torch is imported when its provider is checked.
-    from .bench.cli import add_bench_parser
-
-    add_bench_parser(sub)
-    from .iomodel import add_io_parser
-    from .learn.cli import add_learn_parser
-    from .plots import add_plot_parser
-
-    add_learn_parser(sub)
-    add_io_parser(sub)
-    add_plot_parser(sub)
+    for register in SUBCOMMANDS:
+        register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (the process's arguments when None) and run the subcommand;
+    its exit status."""
     args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        from .walkthrough import demo_text
-
-        print(demo_text())
-    elif args.command == "trace":
-        from .walkthrough import trace_table
-
-        print(trace_table(args.x, args.block_size))
-    elif args.command == "bench":
-        from .bench.cli import run_bench
-
-        return run_bench(args)
-    elif args.command == "learn":
-        from .learn.cli import run_learn
-
-        return run_learn(args)
-    elif args.command == "io":
-        from .iomodel import run_io
-
-        return run_io(args)
-    elif args.command == "plot":
-        from .plots import run_plot
-
-        return run_plot(args)
-    return 0
+    return args.func(args)
 
 
 def entry() -> int:

@@ -1,12 +1,16 @@
 """``flashtile bench``: verify attention providers, then time them side by side.
 
-Modules: :mod:`.cases` (cases, FLOP formula, presets), :mod:`.providers`
-(the implementations compared), :mod:`.runner` (verify, measure, time),
-:mod:`.memory` (peak extra memory), :mod:`.machine` (header and sgemm
-ceiling), :mod:`.report` (table, JSON, plot), :mod:`.cli` (the subcommand),
-:mod:`.variant_cases` and :mod:`.variant_providers` (the ``variants`` preset:
-windows, block-sparse masks, GQA, varlen).
-Nothing here imports torch until a torch provider is used.
+Modules, from the bottom up: :mod:`.cases` (a case and its FLOP formula),
+:mod:`.providers` (the implementations compared), :mod:`.timing` (the one
+timer: interleaved, shuffled rounds, medians), :mod:`.targets` (the one
+target-line format), :mod:`.memory` (peak extra memory), :mod:`.machine`
+(header and sgemm ceiling), :mod:`.variant_cases` and
+:mod:`.variant_providers` (windows, block-sparse masks, GQA, varlen),
+:mod:`.torch_op` (the torch layer's cost), :mod:`.runner` (verify, measure,
+time), :mod:`.report` (table, JSON, plot), :mod:`.decode` (KV-cache decoding
+in GB/s), :mod:`.startup` (time to a first call), :mod:`.presets` (the named
+benchmarks) and :mod:`.cli` (the subcommand). No module imports one listed
+after it. Nothing here imports torch until a torch provider is used.
 """
 
 from .cases import Case, attention_flops

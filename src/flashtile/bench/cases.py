@@ -1,4 +1,4 @@
-"""What one benchmark case is, its FLOP count, and the named presets.
+"""What one benchmark case is, and its FLOP count.
 
 A case is one attention problem ``q, k, v: (B, H, T, d)`` float32 with
 ``Tq == Tk == T``, run either forward only (``fwd``) or forward then backward
@@ -15,10 +15,7 @@ matmuls against the forward's two, i.e. 2.5x the forward, so
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .variant_cases import Variant
+from typing import Protocol
 
 MODES = ("fwd", "fwd+bwd")
 
@@ -27,6 +24,16 @@ MODES = ("fwd", "fwd+bwd")
 SLOW_PROVIDERS = frozenset({"numpy-naive", "numpy-tiled"})
 #: Above this T the slow providers are never run for fwd+bwd (minutes per call).
 SLOW_BWD_MAX_T = 2048
+
+
+class Variant(Protocol):
+    """What a case needs of its variant (:class:`.variant_cases.Variant` is the one)."""
+
+    def describe(self, H: int) -> str:
+        """A short name, e.g. ``window=(256,0)``; ``H`` is the case's query heads."""
+
+    def pairs(self, T: int, causal: bool) -> int:
+        """Visible ``(query, key)`` pairs per (batch, head)."""
 
 
 @dataclass(frozen=True)
@@ -121,51 +128,3 @@ def sweep(Ts, ds, causal: str, mode: str, B: int, H: int, providers=None) -> lis
     flags = {"yes": (True,), "no": (False,), "both": (False, True)}[causal]
     modes = MODES if mode == "both" else (mode,)
     return [Case(T, d, c, m, B, H, providers) for m in modes for d in ds for T in Ts for c in flags]
-
-
-FAST = ("flashtile", "torch-sdpa")
-
-
-def issue_cases(B: int = 1, H: int = 8) -> list[Case]:
-    """The cases of the issue's table (fp32, B=1, H=8, d=64 unless said).
-
-    The main rows compare flashtile with torch SDPA; numpy-naive joins only
-    the fwd T=4096 non-causal row, which gives the "vs numpy-naive" figure.
-    """
-    return [
-        Case(4096, 64, False, "fwd", B, H, (*FAST, "numpy-naive")),
-        Case(4096, 64, True, "fwd", B, H, FAST),
-        Case(1024, 64, True, "fwd", B, H, FAST),
-        Case(1024, 64, False, "fwd", B, H, FAST),
-        Case(2048, 64, True, "fwd+bwd", B, H, FAST),
-        Case(2048, 64, False, "fwd+bwd", B, H, FAST),
-        Case(2048, 128, True, "fwd", B, H, FAST),
-    ]
-
-
-def quick_cases(B: int = 1, H: int = 2) -> list[Case]:
-    """A smoke run of a few seconds: tiny T, every provider, both modes."""
-    return sweep((64, 256), (32,), "both", "both", B, H)
-
-
-def variants_cases(B: int = 1, H: int = 8) -> list[Case]:
-    """Issue 4's variant cases (window, block-sparse, GQA, varlen): see :mod:`.variant_cases`."""
-    from .variant_cases import variant_cases
-
-    return variant_cases(B, H)
-
-
-def torch_op_cases(B: int = 1, H: int = 8) -> list[Case]:
-    """Issue 5's torch operator cases: see :mod:`.torch_op`."""
-    from .torch_op import torch_op_cases as build
-
-    return build(B, H)
-
-
-#: preset name -> (function building its cases, default H)
-PRESETS = {
-    "issue": (issue_cases, 8),
-    "quick": (quick_cases, 2),
-    "variants": (variants_cases, 8),
-    "torch-op": (torch_op_cases, 8),
-}

@@ -1,9 +1,11 @@
 """``flashtile bench``: options, and the run from cases to table, JSON and plot.
 
-A bare ``flashtile bench`` runs the ``issue`` preset. ``--T/--d/--causal/--mode``
-describe a custom sweep instead (their cartesian product) and cannot be
-combined with ``--preset``. The exit status is 1 when a provider FAILED
-verification or raised, 0 otherwise.
+A bare ``flashtile bench`` runs the ``core`` preset; ``--preset NAME`` picks
+another (:mod:`.presets`), ``--decode`` is ``--preset decode``.
+``--T/--d/--causal/--mode`` describe a custom sweep instead (their cartesian
+product) and cannot be combined with a preset. The exit status is 2 for
+options that contradict each other, 1 when a provider FAILED verification or
+raised, 0 otherwise.
 """
 
 from __future__ import annotations
@@ -11,127 +13,184 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import textwrap
 from pathlib import Path
+from typing import NamedTuple
 
-from ..cli import positive_float as _positive_float
-from ..cli import positive_int as _positive_int
-from .cases import PRESETS, sweep
+from ..argtypes import positive_float, positive_int
+from .cases import Case, sweep
+from .decode import run_decode_bench
 from .machine import header_lines, machine_info, sgemm_gflops
 from .memory import rss_method
-from .providers import OPT_IN, PROVIDERS, make_providers
+from .presets import DEFAULT, PRESETS, Preset
+from .providers import OPT_IN, PROVIDERS, TorchSDPAProvider, _import_torch, make_providers
 from .report import footnotes, format_table, plot, require_matplotlib, to_json
 from .runner import Progress, ReferenceCache, run_case
 from .startup import measure_startup, startup_lines
-from .torch_op import target_lines as torch_op_targets
-from .variant_providers import target_lines
 
 SWEEP_OPTIONS = ("T", "d", "causal", "mode")
 DEFAULT_T = (1024, 4096)
 DEFAULT_D = (64,)
+DEFAULT_B = 1
 DEFAULT_H = 8
+DEFAULT_REPS = 5
+DEFAULT_TIME_BUDGET = 3.0
+DEFAULT_MAX_SLOW_T = 4096
+#: Options of the attention benches that the decode bench does not read, with
+#: their defaults: giving one with ``--preset decode`` is an error, not ignored.
+ATTENTION_ONLY = {
+    "B": DEFAULT_B,
+    "H": None,
+    "providers": None,
+    "time_budget": DEFAULT_TIME_BUDGET,
+    "max_slow_T": DEFAULT_MAX_SLOW_T,
+    "json": None,
+    "plot": None,
+    "markdown": False,
+    "no_ceiling": False,
+    "no_memory": False,
+    "startup": False,
+}
 
 
-def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``bench`` on an ``add_subparsers()`` object and return its parser."""
     p = subparsers.add_parser(
         "bench",
-        help="verify then time attention providers side by side (default: the issue preset)",
+        help=f"verify then time attention providers side by side (default: --preset {DEFAULT})",
         description=(
-            "Verify every provider against a float64 reference, then time it side by side "
-            "with the others. Without case options this runs the 'issue' preset."
+            "Verify every provider against a float64 reference, then time it side by side\n"
+            f"with the others. Without case options this runs the '{DEFAULT}' preset."
         ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_presets_help(),
     )
-    cases = p.add_argument_group("cases (a custom sweep; not with --preset)")
-    cases.add_argument(
+    _add_case_options(p)
+    _add_run_options(p)
+    _add_output_options(p)
+    p.set_defaults(func=run_bench)
+    return p
+
+
+def _presets_help(width: int = 79) -> str:
+    """The presets and what each measures, wrapped in a hanging indent."""
+    lines = ["presets:"]
+    for name, preset in PRESETS.items():
+        first = f"  {name:<9} "
+        lines.append(
+            textwrap.fill(
+                preset.measures, width, initial_indent=first, subsequent_indent=" " * len(first)
+            )
+        )
+    return "\n".join(lines)
+
+
+def _add_case_options(p: argparse.ArgumentParser) -> None:
+    cases = p.add_argument_group("cases (a preset, or a custom sweep of the options below)")
+    which = cases.add_mutually_exclusive_group()
+    which.add_argument(
         "--preset",
-        choices=sorted(PRESETS),
-        help="issue (default), quick, variants (issue 4: window, block-sparse, GQA, varlen), "
-        "or torch-op (issue 5: flashtile.torch.attention vs SDPA and vs the bare kernels)",
+        choices=list(PRESETS),
+        help=f"a named benchmark (default {DEFAULT}; the list is at the end)",
+    )
+    which.add_argument(
+        "--decode", dest="preset", action="store_const", const="decode", help="= --preset decode"
     )
     cases.add_argument(
         "--T",
         nargs="+",
-        type=_positive_int,
+        type=positive_int,
         metavar="T",
         help=f"sequence lengths (default {' '.join(map(str, DEFAULT_T))})",
     )
     cases.add_argument(
-        "--d", nargs="+", type=_positive_int, metavar="D", help="head dims (default 64)"
+        "--d", nargs="+", type=positive_int, metavar="D", help="head dims (default 64)"
     )
     cases.add_argument("--causal", choices=("both", "yes", "no"), help="default both")
     cases.add_argument("--mode", choices=("fwd", "fwd+bwd", "both"), help="default both")
-    p.add_argument("--B", type=_positive_int, default=1, help="batch (default 1)")
-    p.add_argument(
-        "--H",
-        type=_positive_int,
-        default=None,
-        help=f"heads (default {DEFAULT_H}; the quick preset uses 2)",
+    cases.add_argument("--B", type=positive_int, default=DEFAULT_B, help="batch (default 1)")
+    cases.add_argument(
+        "--H", type=positive_int, help=f"heads (default {DEFAULT_H}; the quick preset uses 2)"
     )
-    p.add_argument(
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    run = p.add_argument_group("providers and timing")
+    run.add_argument(
         "--providers",
         nargs="+",
         choices=list(PROVIDERS),
         metavar="NAME",
         help=f"subset of {', '.join(PROVIDERS)} (replaces a preset's per-case choice)",
     )
-    p.add_argument("--reps", type=_positive_int, help="timed calls (default 5; 9 with --decode)")
-    p.add_argument(
+    run.add_argument(
+        "--reps", type=positive_int, help=f"timed calls (default {DEFAULT_REPS}; 9 for decode)"
+    )
+    run.add_argument(
         "--time-budget",
-        type=_positive_float,
-        default=3.0,
+        type=positive_float,
+        default=DEFAULT_TIME_BUDGET,
         metavar="S",
         help="stop timing a provider once its calls add up to S seconds (default 3)",
     )
-    p.add_argument(
+    run.add_argument(
         "--max-slow-T",
-        type=_positive_int,
-        default=4096,
+        type=positive_int,
+        default=DEFAULT_MAX_SLOW_T,
         metavar="T",
         help="largest T for numpy-naive / numpy-tiled, and for torch-sdpa given a dense "
         "T x T mask in the variants preset (default 4096)",
     )
-    p.add_argument("--json", metavar="PATH", help="write every number and the machine as JSON")
-    p.add_argument("--plot", metavar="PATH", help="GFLOP/s vs T per provider (needs matplotlib)")
-    p.add_argument("--markdown", action="store_true", help="print the table as markdown")
-    p.add_argument("--no-ceiling", action="store_true", help="skip the sgemm ceiling measurement")
-    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory calls")
-    p.add_argument(
+
+
+def _add_output_options(p: argparse.ArgumentParser) -> None:
+    out = p.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", help="write every number and the machine as JSON")
+    out.add_argument("--plot", metavar="PATH", help="GFLOP/s vs T per provider (needs matplotlib)")
+    out.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    out.add_argument("--no-ceiling", action="store_true", help="skip the sgemm ceiling measurement")
+    out.add_argument("--no-memory", action="store_true", help="skip the peak-memory calls")
+    out.add_argument(
         "--startup",
         action="store_true",
         help="also time import + first call in new processes, cold (empty Numba cache) and warm",
     )
-    p.add_argument(
-        "--decode",
-        action="store_true",
-        help="instead of the attention cases: KV-cache decoding (issue 6) in GB/s against "
-        "torch SDPA and a measured memory-read ceiling (uses --reps, default 9 here)",
-    )
-    return p
 
 
-def _build_cases(args):
-    """The case list and the preset name (None for a custom sweep); ValueError on conflicts."""
+class Plan(NamedTuple):
+    """What one ``flashtile bench`` run does."""
+
+    name: str | None  # the preset's name; None for a custom sweep
+    preset: Preset | None
+    cases: list[Case]
+    providers: list[str]  # the provider names wanted, in canonical order
+
+
+def plan_run(args) -> Plan:
+    """The preset or sweep that ``args`` ask for; ValueError on contradicting options."""
     given = [f"--{o}" for o in SWEEP_OPTIONS if getattr(args, o) is not None]
-    preset = args.preset
-    if preset and given:
+    name = args.preset
+    if name and given:
         raise ValueError(
-            f"--preset {preset} fixes the cases, so {' '.join(given)} cannot be added: "
+            f"--preset {name} fixes the cases, so {' '.join(given)} cannot be added: "
             "drop --preset for a custom sweep, or drop the case options"
         )
-    if preset is None and not given:
-        preset = "issue"
-    if preset:
-        build, default_h = PRESETS[preset]
-        cases = build(args.B, args.H or default_h)
+    if name is None and not given:
+        name = DEFAULT
+    preset = PRESETS[name] if name else None
+    if preset is not None and preset.decode_lengths:
+        unused = [
+            "--" + o.replace("_", "-") for o, d in ATTENTION_ONLY.items() if getattr(args, o) != d
+        ]
+        if unused:
+            raise ValueError(f"--preset {name} does not use {' '.join(unused)}: drop them")
+        return Plan(name, preset, [], [])
+    if preset is not None:
+        cases = preset.cases(args.B, args.H or preset.H)
     else:
-        cases = sweep(
-            args.T or DEFAULT_T,
-            args.d or DEFAULT_D,
-            args.causal or "both",
-            args.mode or "both",
-            args.B,
-            args.H or DEFAULT_H,
-        )
+        ts, ds = args.T or DEFAULT_T, args.d or DEFAULT_D
+        causal, mode = args.causal or "both", args.mode or "both"
+        cases = sweep(ts, ds, causal, mode, args.B, args.H or DEFAULT_H)
     if args.providers:  # an explicit choice overrides the preset's per-case providers
         cases = [dataclasses.replace(c, providers=None) for c in cases]
         wanted = list(args.providers)
@@ -139,59 +198,84 @@ def _build_cases(args):
         wanted = [n for n in PROVIDERS if n not in OPT_IN]
         if all(c.providers is not None for c in cases):
             wanted = [n for n in PROVIDERS if any(n in c.providers for c in cases)]
-    return cases, preset, wanted
+    return Plan(name, preset, cases, wanted)
 
 
 def run_bench(args, out=None) -> int:
     """Run ``flashtile bench`` for parsed ``args``; print to ``out`` (stdout)."""
     out = out or sys.stdout
-    if args.decode:
-        from .decode import run_decode_bench
-
-        return run_decode_bench(out, reps=args.reps or 9)
     try:
-        cases, preset, wanted = _build_cases(args)
+        plan = plan_run(args)
         if args.plot:
             require_matplotlib()  # fail before a long sweep, not after
     except (ValueError, ImportError) as exc:
         print(f"flashtile bench: error: {exc}", file=sys.stderr)
         return 2
+    reps = args.reps or (plan.preset.reps if plan.preset else DEFAULT_REPS)
+    if plan.preset is not None and plan.preset.decode_lengths:
+        return run_decode_bench(out, reps=reps, lengths=plan.preset.decode_lengths)
 
-    notes, providers = [], []
-    for p in make_providers(wanted):
-        ok, why = p.available()
-        if ok:
-            providers.append(p)
-        else:
-            notes.append(f"skipped {p.name}: {why}")
-    torch_threads = None
-    if any(p.name == "torch-sdpa" for p in providers):
-        from .providers import _import_torch
-
-        torch_threads = _import_torch().get_num_threads()
-
-    info = machine_info(torch_threads)
+    providers, notes = _available(plan.providers)
+    info = machine_info(_torch_threads(providers))
     ceiling = None if args.no_ceiling else sgemm_gflops()
     for line in header_lines(info, ceiling):
         print(line, file=out)
-    H = cases[0].H if cases else args.H
+    H = plan.cases[0].H if plan.cases else args.H
     print(
-        f"cases   : {len(cases)} ({preset or 'custom'}), fp32, B={args.B}, H={H}; "
+        f"cases   : {len(plan.cases)} ({plan.name or 'custom'}), fp32, B={args.B}, H={H}; "
         f"providers: {', '.join(p.name for p in providers) or 'none'}",
         file=out,
     )
     for note in notes:
         print(f"note    : {note}", file=out)
-    startup = None
-    if args.startup:
-        startup = measure_startup()
-        for line in startup_lines(startup):
-            print(line, file=out)
+    startup = measure_startup() if args.startup else None
+    for line in startup_lines(startup or {}):
+        print(line, file=out)
     out.flush()
     if not providers:
         print("flashtile bench: error: no provider is available", file=sys.stderr)
         return 1
 
+    results = _run_cases(plan.cases, providers, args, reps)
+    memory_method = None if args.no_memory else rss_method()
+    print(f"\n{format_table(results, markdown=args.markdown)}\n", file=out)
+    for note in footnotes(results, memory_method):
+        print(f"* {note}", file=out)
+    targets = plan.preset.targets(results) if plan.preset and plan.preset.targets else []
+    for line in targets:
+        print(f"* target: {line}", file=out)
+    if args.json:
+        config = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+        config["preset"], config["reps"] = plan.name, reps
+        text = to_json(results, info, ceiling, config, notes, memory_method, startup, targets)
+        Path(args.json).write_text(text + "\n")
+        print(f"wrote {args.json}", file=out)
+    if args.plot:
+        _write_plot(results, args.plot, ceiling, out)
+    return 1 if any(r.status in ("FAILED", "ERROR") for r in results) else 0
+
+
+def _available(names: list[str]):
+    """The providers among ``names`` usable here, and a note for each one skipped."""
+    providers, notes = [], []
+    for p in make_providers(names):
+        ok, why = p.available()
+        if ok:
+            providers.append(p)
+        else:
+            notes.append(f"skipped {p.name}: {why}")
+    return providers, notes
+
+
+def _torch_threads(providers) -> int | None:
+    """torch's thread count when a torch provider runs (torch is not imported otherwise)."""
+    if not any(isinstance(p, TorchSDPAProvider) for p in providers):
+        return None
+    return _import_torch().get_num_threads()
+
+
+def _run_cases(cases, providers, args, reps: int) -> list:
+    """Every case's results, in order, with a progress line on a terminal."""
     refs, results = ReferenceCache(), []
     progress = Progress(len(cases))
     try:
@@ -200,7 +284,7 @@ def run_bench(args, out=None) -> int:
                 case,
                 providers,
                 refs,
-                reps=args.reps or 5,
+                reps=reps,
                 time_budget=args.time_budget,
                 max_slow_t=args.max_slow_T,
                 measure_memory=not args.no_memory,
@@ -208,28 +292,13 @@ def run_bench(args, out=None) -> int:
             )
     finally:
         progress.close()
+    return results
 
-    memory_method = None if args.no_memory else rss_method()
-    print("", file=out)
-    print(format_table(results, markdown=args.markdown), file=out)
-    print("", file=out)
-    for note in footnotes(results, memory_method):
-        print(f"* {note}", file=out)
-    targets = target_lines(results) + torch_op_targets(results)
-    for line in targets:
-        print(f"* target: {line}", file=out)
 
-    if args.json:
-        config = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-        config["preset"] = preset
-        text = to_json(results, info, ceiling, config, notes, memory_method, startup, targets)
-        Path(args.json).write_text(text + "\n")
-        print(f"wrote {args.json}", file=out)
-    if args.plot:
-        try:
-            plot(results, args.plot, ceiling)
-        except ValueError as exc:
-            print(f"flashtile bench: plot not written: {exc}", file=sys.stderr)
-        else:
-            print(f"wrote {args.plot}", file=out)
-    return 1 if any(r.status in ("FAILED", "ERROR") for r in results) else 0
+def _write_plot(results, path: str, ceiling, out) -> None:
+    try:
+        plot(results, path, ceiling)
+    except ValueError as exc:
+        print(f"flashtile bench: plot not written: {exc}", file=sys.stderr)
+    else:
+        print(f"wrote {path}", file=out)

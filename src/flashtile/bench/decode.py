@@ -1,26 +1,35 @@
-"""``flashtile bench --decode``: decoding against a KV cache, in GB/s.
+"""``flashtile bench --preset decode``: decoding against a KV cache, in GB/s.
 
 A decode step is a read of the cache, so the figure of merit is bytes of K/V
 read per second, compared with torch SDPA on the same tensors (4-D,
 ``enable_gqa=True``) and with a measured memory-read ceiling: a parallel sum
 over a 512 MiB array timed in the same run. Every case checks its answer
 (against SDPA, or the contiguous cache for the paged ones) before timing,
-and providers are timed interleaved, so a noisy neighbour hits both.
+and providers are timed interleaved (:mod:`.timing`), so a noisy neighbour
+hits both.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from functools import partial
 
 import numpy as np
 
 from ..decode import decode_attention
+from .targets import target_line
+from .timing import interleaved_medians, interleaved_times
 
-#: The issue's shape: q (1, 32, Tq, 128) against an 8-head GQA cache.
+#: The measured shape: q (B, 32, 1, 128) against an 8-head GQA cache (Llama-style).
 HQ, HKV, D = 32, 8, 128
 CEILING_BYTES = 512 << 20
+
+#: Targets: speedup over torch SDPA per cache length (no target at other
+#: lengths), time ratio paged / contiguous per page size, and the padded batch
+#: against its valid bytes at the one-sequence speed.
+SPEEDUP_FLOORS = {65536: 5.0, 8192: 3.0}
+PAGED_LIMITS = {16: 1.3, 256: 1.1}
+BATCH_LIMIT = 1.2
 
 
 @dataclasses.dataclass
@@ -57,23 +66,8 @@ def read_ceiling(reps: int = 7) -> float:
     big = np.ones(CEILING_BYTES // 4, dtype=np.float32)
     parts = np.zeros(64, dtype=np.float32)
     parallel_sum(big, parts)
-    best = min(_interleaved([lambda: parallel_sum(big, parts)], 1)[0] for _ in range(reps))
+    best = min(interleaved_times({"sum": lambda: parallel_sum(big, parts)}, reps)["sum"])
     return big.nbytes / best / 1e9
-
-
-def _interleaved(fns, reps: int) -> list[float]:
-    """Median seconds of each function, run in turns ``reps`` times.
-
-    Rounds alternate direction (A B C, C B A, ...): on this machine the
-    position within a round alone moved a time by up to 15%.
-    """
-    times = [[] for _ in fns]
-    for r in range(reps):
-        for i in range(len(fns)) if r % 2 == 0 else reversed(range(len(fns))):
-            t0 = time.perf_counter()
-            fns[i]()
-            times[i].append(time.perf_counter() - t0)
-    return [float(np.median(t)) for t in times]
 
 
 def _cache(rng, batch: int, t_max: int):
@@ -112,7 +106,12 @@ def _sdpa(torch, q, k, v):
 
 
 def run_decode_cases(lengths=(8192, 65536), reps: int = 9, seed: int = 0) -> list[DecodeRow]:
-    """Time every decode case; ``lengths``: the single-sequence cache lengths."""
+    """Time every decode case; ``lengths``: the single-sequence cache lengths.
+
+    The longest length also gets the paged caches (pages of 16 and 256 keys),
+    the float16 cache and the batch of 16, each judged against the contiguous
+    one-sequence call timed interleaved with it.
+    """
     try:
         import torch
     except ImportError:
@@ -123,31 +122,33 @@ def run_decode_cases(lengths=(8192, 65536), reps: int = 9, seed: int = 0) -> lis
     for t in lengths:
         q, k, v = _cache(rng, 1, t)
         ours = partial(decode_attention, q, k, v)
-        fns = [ours]
+        calls = {"flashtile": ours}
         if torch is not None:
-            fns.append(_sdpa(torch, q, k, v))
-            _check(ours(), fns[1]().numpy(), f"Tk={t} against torch SDPA")
-        times = _interleaved(fns, reps)
-        rows.append(DecodeRow(f"Tk={t}", k.nbytes * 2, times[0], times[1] if torch else None))
+            calls["torch"] = _sdpa(torch, q, k, v)
+            _check(ours(), calls["torch"]().numpy(), f"Tk={t} against torch SDPA")
+        times = interleaved_medians(calls, reps)
+        rows.append(DecodeRow(f"Tk={t}", k.nbytes * 2, times["flashtile"], times.get("torch")))
         if t != longest:
             continue
-        for page in (16, 256):
+        for page in PAGED_LIMITS:
             pk, pv, table = _paged(rng, k, v, page)
             paged = partial(decode_attention, q, pk, pv, block_table=table)
             _check(paged(), ours(), f"page size {page} against the contiguous cache")
-            t_paged, t_cont = _interleaved([paged, ours], reps)
-            rows.append(DecodeRow(f"Tk={t}, paged {page}", k.nbytes * 2, t_paged, None, t_cont))
+            times = interleaved_medians({"paged": paged, "contiguous": ours}, reps)
+            row = DecodeRow(f"Tk={t}, paged {page}", k.nbytes * 2, times["paged"])
+            rows.append(dataclasses.replace(row, baseline=times["contiguous"]))
         k16, v16 = k.astype(np.float16), v.astype(np.float16)
         half = partial(decode_attention, q, k16, v16)
-        t_half, t_cont = _interleaved([half, ours], reps)
-        rows.append(DecodeRow(f"Tk={t}, float16 cache", k16.nbytes * 2, t_half, None, t_cont))
+        times = interleaved_medians({"float16": half, "float32": ours}, reps)
+        row = DecodeRow(f"Tk={t}, float16 cache", k16.nbytes * 2, times["float16"])
+        rows.append(dataclasses.replace(row, baseline=times["float32"]))
         del k16, v16
         rows.append(_batch_row(rng, torch, reps, t, ours, k.nbytes * 2))
     return rows
 
 
 def _batch_row(rng, torch, reps: int, longest: int, single, single_bytes: int) -> DecodeRow:
-    """16 sequences of ``longest/64 .. longest/2`` keys (1k..32k for the issue's
+    """16 sequences of ``longest/64 .. longest/2`` keys (1k..32k for a cache of
     65536) in one padded cache, of which only the valid keys are read.
 
     Its baseline is its valid bytes at the speed of ``single`` (the one long
@@ -157,7 +158,7 @@ def _batch_row(rng, torch, reps: int, longest: int, single, single_bytes: int) -
     q, k, v = _cache(rng, len(lengths), int(lengths.max()))
     ours = partial(decode_attention, q, k, v, cache_seqlens=lengths)
     valid = int(lengths.sum()) * HKV * D * 4 * 2
-    fns = [ours, single]
+    calls = {"flashtile": ours, "single": single}
     if torch is not None:  # SDPA needs a padding mask: it reads every padded key
         mask = torch.from_numpy(np.arange(k.shape[2])[None, :] < lengths[:, None])
         tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
@@ -169,15 +170,15 @@ def _batch_row(rng, torch, reps: int, longest: int, single, single_bytes: int) -
                     tq, tk, tv, attn_mask=mask, enable_gqa=True
                 )
 
-        fns.append(sdpa)
+        calls["torch"] = sdpa
         _check(ours(), sdpa().numpy(), "batch of 16 against torch SDPA with a padding mask")
-    times = _interleaved(fns, reps)
+    times = interleaved_medians(calls, reps)
     return DecodeRow(
         f"B=16, lengths {lengths[0]}..{lengths[-1]}",
         valid,
-        times[0],
-        times[2] if torch is not None else None,
-        times[1] * valid / single_bytes,
+        times["flashtile"],
+        times.get("torch"),
+        times["single"] * valid / single_bytes,
         note="baseline: its valid bytes at the one-sequence speed",
     )
 
@@ -206,35 +207,23 @@ def decode_table(rows: list[DecodeRow], ceiling: float) -> list[str]:
 
 
 def target_lines(rows: list[DecodeRow]) -> list[str]:
-    """Issue 6's targets, each with the measured value and a verdict."""
-    by = {r.case: r for r in rows}
-    checks = []
-
-    def add(case, label, value, limit, at_least):
-        if value is None:
-            return
-        ok = value >= limit if at_least else value <= limit
-        sign = ">=" if at_least else "<="
-        checks.append(f"{label}: {value:.2f} ({sign} {limit}) {'met' if ok else 'MISSED'}")
-
-    for case, floor in (("Tk=65536", 5.0), ("Tk=8192", 3.0)):
-        r = by.get(case)
-        if r and r.torch:
-            add(case, f"{case} speedup over torch SDPA", r.torch / r.flashtile, floor, True)
-    for page, limit in ((16, 1.3), (256, 1.1)):
-        r = next((r for r in rows if r.case.endswith(f", paged {page}")), None)
-        if r:
-            add(r.case, f"paged {page} / contiguous", r.flashtile / r.baseline, limit, False)
-    r = next((r for r in rows if r.case.startswith("B=16")), None)
-    if r:
-        add(
-            r.case,
-            "batch of 16 / its bytes at one-sequence speed",
-            r.flashtile / r.baseline,
-            1.2,
-            False,
-        )
-    return checks
+    """The decode targets, each with the measured value and a verdict."""
+    lines = []
+    for r in rows:
+        if r.case.startswith("Tk=") and "," not in r.case:  # one contiguous sequence
+            if r.torch is None:
+                continue
+            floor = SPEEDUP_FLOORS.get(int(r.case[len("Tk=") :]))
+            what = f"{r.case}: time(torch SDPA) / time(flashtile)"
+            lines.append(target_line(what, r.torch / r.flashtile, floor, at_least=True, unit="x"))
+        elif ", paged " in r.case:
+            limit = PAGED_LIMITS[int(r.case.rsplit(" ", 1)[1])]
+            what = f"{r.case}: time(paged) / time(contiguous)"
+            lines.append(target_line(what, r.flashtile / r.baseline, limit, at_least=False))
+        elif r.case.startswith("B=16"):
+            what = f"{r.case}: time(batch) / time(its valid bytes at one-sequence speed)"
+            lines.append(target_line(what, r.flashtile / r.baseline, BATCH_LIMIT, at_least=False))
+    return lines
 
 
 def run_decode_bench(out, reps: int = 9, lengths=(8192, 65536)) -> int:

@@ -13,7 +13,8 @@ from .runner import TOLERANCE, Result
 
 FLOP_NOTE = (
     "GFLOP/s counts fwd = 4*B*H*T^2*d (halved when causal) and fwd+bwd = 3.5 x fwd "
-    "(bwd = 2.5 x fwd); ms is the median of reps timed interleaved with the other providers"
+    "(bwd = 2.5 x fwd); ms is the median of reps timed in shuffled rounds interleaved with the "
+    "other providers"
 )
 VARIANT_FLOP_NOTE = (
     "variant cases (label ends in pairs/head) count useful work only: fwd = 4*B*H*d*pairs, "

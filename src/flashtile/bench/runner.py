@@ -13,7 +13,7 @@ For one case the runner
    timed (a fast wrong answer is not a result). This call is also the warm-up
    (Numba compiles here, BLAS threads start);
 4. measures the peak extra memory of one call (see :mod:`.memory`);
-5. times the providers in interleaved rounds (A B C, C B A, A B C, ...) so
+5. times the providers in interleaved, shuffled rounds (:mod:`.timing`) so
    that slow drifts of a shared, noisy machine hit all of them alike, and
    reports the median. A provider stops early once its timed calls add up to
    ``time_budget`` seconds (at least one call is always timed).
@@ -22,7 +22,6 @@ For one case the runner
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -34,6 +33,7 @@ from . import variant_cases, variant_providers
 from .cases import Case, slow_skip_reason
 from .memory import peak_memory
 from .providers import Provider
+from .timing import interleaved_times
 
 #: Relative norm error a float32 provider must stay under (float32 attention
 #: lands around 1e-7..1e-6; 1e-4 leaves room for long sums, not for bugs).
@@ -173,6 +173,52 @@ class Progress:
             self.stream.flush()
 
 
+def _prepare(
+    provider: Provider,
+    case: Case,
+    inputs,
+    refs: ReferenceCache,
+    max_slow_t: int,
+    measure_memory: bool,
+    progress: Progress,
+):
+    """The Result of ``provider`` on ``case`` and its verified call (None: not to time)."""
+    res = Result(case, provider.name)
+    if case.variant is not None:
+        reason = variant_providers.skip_reason(provider.name, case, max_slow_t)
+    else:
+        reason = slow_skip_reason(provider.name, case, max_slow_t)
+    if reason:
+        res.status, res.note = "skipped", reason
+        return res, None
+    solved = variant_providers.provider_case(provider.name, case)
+    res.flops = solved.flops
+    progress.show(f"{case.label}: float64 reference")
+    ref = refs.get(solved, inputs)
+    progress.show(f"{case.label}: verify {provider.name}")
+    call = _call(provider, case, inputs)
+    if not _verify(res, call, ref):
+        return res, None
+    if measure_memory:
+        progress.show(f"{case.label}: memory {provider.name}")
+        mem = peak_memory(call)
+        res.rss_peak, res.traced_peak = mem.rss, mem.traced
+    return res, call
+
+
+def _speedups(results: list[Result]) -> None:
+    """Fill each result's time ratio to torch-sdpa and numpy-naive on the same case."""
+    by_name = {res.provider: res for res in results}
+    for res in results:
+        for other, attr in (
+            ("torch-sdpa", "speedup_vs_torch"),
+            ("numpy-naive", "speedup_vs_naive"),
+        ):
+            base = by_name.get(other)
+            if res.median_s and base is not None and base.median_s:
+                setattr(res, attr, base.median_s / res.median_s)
+
+
 def run_case(
     case: Case,
     providers: list[Provider],
@@ -193,52 +239,20 @@ def run_case(
     progress = progress or Progress(0)
     if case.providers is not None:
         providers = [p for p in providers if p.name in case.providers]
-    results, calls = [], {}
     inputs = make_inputs(case)
+    results, calls = [], {}
     for p in providers:
-        res = Result(case, p.name)
+        res, call = _prepare(p, case, inputs, refs, max_slow_t, measure_memory, progress)
         results.append(res)
-        reason = slow_skip_reason(p.name, case, max_slow_t)
-        if case.variant is not None:
-            reason = variant_providers.skip_reason(p.name, case, max_slow_t)
-        if reason:
-            res.status, res.note = "skipped", reason
-            continue
-        solved = variant_providers.provider_case(p.name, case)
-        res.flops = solved.flops
-        progress.show(f"{case.label}: float64 reference")
-        ref = refs.get(solved, inputs)
-        progress.show(f"{case.label}: verify {p.name}")
-        call = _call(p, case, inputs)
-        if not _verify(res, call, ref):
-            continue
-        if measure_memory:
-            progress.show(f"{case.label}: memory {p.name}")
-            mem = peak_memory(call)
-            res.rss_peak, res.traced_peak = mem.rss, mem.traced
-        calls[p.name] = (res, call)
+        if call is not None:
+            calls[p.name] = call
 
-    spent = dict.fromkeys(calls, 0.0)
-    order = list(calls)
-    for r in range(reps):
-        for name in order if r % 2 == 0 else order[::-1]:
-            res, call = calls[name]
-            if res.times and spent[name] >= time_budget:
-                continue  # adaptive: a slow provider gets fewer reps
-            progress.show(f"{case.label}: time {name} ({r + 1}/{reps})")
-            start = time.perf_counter()
-            call()
-            res.times.append(time.perf_counter() - start)
-            spent[name] += res.times[-1]
+    def show(name: str, r: int) -> None:
+        progress.show(f"{case.label}: time {name} ({r + 1}/{reps})")
 
-    by_name = {res.provider: res for res in results}
+    times = interleaved_times(calls, reps, budget=time_budget, on_call=show)
     for res in results:
-        for other, attr in (
-            ("torch-sdpa", "speedup_vs_torch"),
-            ("numpy-naive", "speedup_vs_naive"),
-        ):
-            base = by_name.get(other)
-            if res.median_s and base is not None and base.median_s:
-                setattr(res, attr, base.median_s / res.median_s)
+        res.times = times.get(res.provider, [])
+    _speedups(results)
     progress.step()
     return results

@@ -1,25 +1,26 @@
 """The ``torch-op`` preset: what the torch layer of :mod:`flashtile.torch` costs.
 
 Three providers run forward+backward on the same inputs, timed interleaved in
-one process (medians, see :mod:`.runner`):
+one process (medians, see :mod:`.timing`):
 
 * ``torch-sdpa``: ``torch.nn.functional.scaled_dot_product_attention``;
 * ``flashtile-torch``: :func:`flashtile.torch.attention` (custom ops, autograd);
 * ``flashtile``: :func:`flashtile.attention` + :func:`flashtile.attention_backward`
   called directly on the NumPy arrays.
 
-Issue 5's targets, at ``B=1, H=8, T=2048, d=64`` causal: ``time(torch-sdpa) /
+Targets, at ``B=1, H=8, T=2048, d=64`` causal: ``time(torch-sdpa) /
 time(flashtile-torch)`` at least 0.8 (stretch 1.0), and the torch layer's
-overhead ``time(flashtile-torch) / time(flashtile) - 1`` under 5%. A short
+overhead ``time(flashtile-torch) / time(flashtile) - 1`` at most 5%. A short
 ``T=256`` case shows the same fixed overhead where it weighs more.
 """
 
 from __future__ import annotations
 
 from .cases import Case
+from .targets import target_line
 
 PROVIDERS = ("torch-sdpa", "flashtile", "flashtile-torch")
-#: (T, d, causal) per case; the first is the issue's target case.
+#: (T, d, causal) per case; the targets apply to the first.
 SHAPES = ((2048, 64, True), (256, 64, True))
 RATIO_TARGET, RATIO_STRETCH = 0.8, 1.0
 OVERHEAD_TARGET = 0.05
@@ -41,21 +42,27 @@ def target_lines(results) -> list[str]:
         op = t.get("flashtile-torch")
         if op is None:
             continue
-        issue_case = (case.T, case.d, case.causal) == SHAPES[0]
+        sized = (case.T, case.d, case.causal) == SHAPES[0]
         if "torch-sdpa" in t:
-            x = t["torch-sdpa"] / op
-            ok = "met" if x >= RATIO_TARGET else "missed"
-            goal = f"target >= {RATIO_TARGET:g}: {ok}; stretch {RATIO_STRETCH:g}"
             lines.append(
-                f"{case.label}: time(torch-sdpa) / time(flashtile-torch) = {x:.2f}x "
-                f"({goal if issue_case else 'no target at this size'})"
+                target_line(
+                    f"{case.label}: time(torch-sdpa) / time(flashtile-torch)",
+                    t["torch-sdpa"] / op,
+                    RATIO_TARGET if sized else None,
+                    at_least=True,
+                    unit="x",
+                    stretch=RATIO_STRETCH,
+                )
             )
         if "flashtile" in t:
-            over = op / t["flashtile"] - 1.0
-            ok = "met" if over < OVERHEAD_TARGET else "missed"
-            goal = f"target < {OVERHEAD_TARGET:.0%}: {ok}"
+            what = "torch-layer overhead time(flashtile-torch) / time(flashtile) - 1"
             lines.append(
-                f"{case.label}: torch-layer overhead time(flashtile-torch) / time(flashtile) "
-                f"- 1 = {over:+.1%} ({goal if issue_case else 'no target at this size'})"
+                target_line(
+                    f"{case.label}: {what}",
+                    op / t["flashtile"] - 1.0,
+                    OVERHEAD_TARGET if sized else None,
+                    at_least=False,
+                    unit="%",
+                )
             )
     return lines

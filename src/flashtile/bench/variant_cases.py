@@ -1,4 +1,4 @@
-"""Attention-variant cases of ``flashtile bench`` (``--preset variants``, issue 4).
+"""Attention-variant cases of ``flashtile bench`` (``--preset variants``).
 
 A variant case is a :class:`~.cases.Case` with a :class:`Variant`: a sliding
 window, a block-sparse boolean mask, GQA (fewer k/v heads) or a packed
@@ -197,7 +197,10 @@ def variant_cases(
     gqa: tuple[int, int, int] = (4, 2048, 128),
     seqlens: tuple[int, ...] | None = None,
 ) -> list[Case]:
-    """Issue 4's cases; the keywords shrink them (tests use T=64).
+    """The variants preset's cases; the keywords shrink them (tests use T=64).
+
+    A window at two lengths (``T`` and ``long_T``: is the time linear in T?),
+    a block-sparse mask, GQA and a packed varlen batch.
 
     ``gqa = (group, T, d)``: ``group * H`` query heads on ``H`` k/v heads.
     ``seqlens`` defaults to 8 lengths spread 128..2048.

@@ -1,4 +1,4 @@
-"""How each provider runs a variant case, and the lines that compare with issue 4.
+"""How each provider runs a variant case, and the target lines of the ``variants`` preset.
 
 The runner asks this module, for a case with a :class:`~.variant_cases.Variant`,
 whether a provider runs it (:func:`skip_reason`), which problem it really
@@ -35,6 +35,7 @@ from flashtile.masks import normalize_window, visible
 
 from .cases import Case
 from .providers import Provider, _import_torch
+from .targets import target_line
 from .variant_cases import block_fraction, cu_seqlens, dense_mask, flashtile_kwargs
 
 
@@ -153,13 +154,16 @@ def _padded(case: Case, q, k, v, opts):
     return pad(q), pad(k), pad(v), post
 
 
-def _verdict(value: float, target: float, at_least: bool) -> str:
-    ok = value >= target if at_least else value <= target
-    return f"(target {'>=' if at_least else '<='} {target:g}: {'met' if ok else 'missed'})"
+#: The goals of the variants preset, each a time ratio or a speedup.
+WINDOW_SPEEDUP, WINDOW_STRETCH = 10.0, 20.0  # torch-sdpa with a bool mask / flashtile
+SPARSE_RATIO = 1.5  # time / (kept block fraction x dense time)
+GQA_SPEEDUP = 1.0  # torch-sdpa with enable_gqa / flashtile
+VARLEN_RATIO = 1.2  # varlen_attention / per-sequence attention, summed
+LINEARITY_RATIO = 1.3  # time(T2) / (T2/T1 x time(T1)) for a window
 
 
 def target_lines(results) -> list[str]:
-    """One line per issue-4 target that the timed results allow to compute."""
+    """One line per target of the variants preset that the timed results allow to compute."""
     by_case = defaultdict(dict)
     for r in results:
         if r.case.variant is not None and r.median_s:
@@ -167,43 +171,41 @@ def target_lines(results) -> list[str]:
     lines, windows = [], defaultdict(list)
     for case, t in by_case.items():
         va, f = case.variant, t.get("flashtile")
+        if not f:
+            continue
         name = f"{va.describe(case.H)} T={case.T} d={case.d}{' causal' if case.causal else ''}"
         torch = t.get("torch-sdpa")
-        if f and va.window is not None and va.seqlens is None and va.sparse_block is None:
+        if va.window is not None and va.seqlens is None and va.sparse_block is None:
             windows[(va, case.causal, case.B, case.H, case.d)].append((case.T, f))
             if torch:
-                x = torch / f
+                what = f"{name}: time(torch-sdpa, bool mask) / time(flashtile)"
                 lines.append(
-                    f"{name}: time(torch-sdpa, bool mask) / time(flashtile) = {x:.1f}x "
-                    f"{_verdict(x, 10, True)}; stretch 20x"
+                    target_line(
+                        what,
+                        torch / f,
+                        WINDOW_SPEEDUP,
+                        at_least=True,
+                        unit="x",
+                        stretch=WINDOW_STRETCH,
+                    )
                 )
-        if f and va.sparse_block is not None and t.get("flashtile-dense"):
+        if va.sparse_block is not None and t.get("flashtile-dense"):
             frac = block_fraction(va, case.T)
             for p in ("flashtile", "flashtile-blockmask"):
                 if p in t:
+                    what = f"{name}: time({p}) / ({frac:.4f} x time(flashtile-dense))"
                     x = t[p] / (frac * t["flashtile-dense"])
-                    lines.append(
-                        f"{name}: time({p}) / ({frac:.4f} x time(flashtile-dense)) = "
-                        f"{x:.2f} {_verdict(x, 1.5, False)}"
-                    )
-        if f and va.kv_heads is not None and torch:
-            x = torch / f
-            lines.append(
-                f"{name}: time(torch-sdpa, enable_gqa) / time(flashtile) = {x:.2f}x "
-                f"{_verdict(x, 1.0, True)}"
-            )
-        if f and va.seqlens is not None and t.get("flashtile-per-seq"):
+                    lines.append(target_line(what, x, SPARSE_RATIO, at_least=False))
+        if va.kv_heads is not None and torch:
+            what = f"{name}: time(torch-sdpa, enable_gqa) / time(flashtile)"
+            lines.append(target_line(what, torch / f, GQA_SPEEDUP, at_least=True, unit="x"))
+        if va.seqlens is not None and t.get("flashtile-per-seq"):
+            what = f"{name}: time(varlen_attention) / time(per-sequence attention, summed)"
             x = f / t["flashtile-per-seq"]
-            lines.append(
-                f"{name}: time(varlen_attention) / time(per-sequence attention, summed) "
-                f"= {x:.2f} {_verdict(x, 1.2, False)}"
-            )
+            lines.append(target_line(what, x, VARLEN_RATIO, at_least=False))
     for (va, *_, H, _d), points in windows.items():
         points.sort()
         for (t1, s1), (t2, s2) in itertools.pairwise(points):
-            x = s2 / (t2 / t1 * s1)
-            lines.append(
-                f"{va.describe(H)} linearity: time(T={t2}) / "
-                f"({t2 / t1:g} x time(T={t1})) = {x:.2f} {_verdict(x, 1.3, False)}"
-            )
+            what = f"{va.describe(H)} linearity: time(T={t2}) / ({t2 / t1:g} x time(T={t1}))"
+            lines.append(target_line(what, s2 / (t2 / t1 * s1), LINEARITY_RATIO, at_least=False))
     return lines

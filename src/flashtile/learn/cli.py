@@ -1,8 +1,8 @@
 """``flashtile learn``: a small lab for the online softmax and FlashAttention.
 
 Sub-commands: ``list`` (the default), ``show NAME``, ``start NAME``,
-``check NAME FILE`` and ``hint NAME``. :func:`add_learn_parser` registers
-them on the main parser and :func:`run_learn` executes the parsed arguments.
+``check NAME FILE`` and ``hint NAME``. :func:`add_parser` registers them on
+the main parser and :func:`run_learn` executes the parsed arguments.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from ..cli import positive_float
+from ..argtypes import positive_float
 from . import state
 from .catalog import EXERCISES, Exercise, lookup
 
@@ -25,7 +25,7 @@ def _exercise(text: str) -> Exercise:
         raise argparse.ArgumentTypeError(exc.args[0]) from None
 
 
-def add_learn_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``learn`` and its sub-commands on ``subparsers``; return its parser."""
     names = ", ".join(EXERCISES)
     learn = subparsers.add_parser(
@@ -52,6 +52,7 @@ def add_learn_parser(subparsers) -> argparse.ArgumentParser:
     group = hint.add_mutually_exclusive_group()
     group.add_argument("--reset", action="store_true", help="start the hints over")
     group.add_argument("--solution", action="store_true", help="print a reference solution")
+    learn.set_defaults(func=run_learn)
     return learn
 
 

@@ -3,9 +3,10 @@
 ``flashtile learn check`` runs this module in a separate Python process so
 that a learner's endless loop can be stopped from outside and a crash cannot
 take the command line down with it. It imports FILE, runs every case of the
-exercise NAME and writes one JSON object per line (``start``, ``result``,
-``load_error``, ``done``) to its original stdout; anything the learner prints
-goes to stderr so it cannot corrupt that protocol.
+exercise NAME and writes one JSON object per line (``ready`` once its own
+imports are done, then ``start``, ``result``, ``load_error``, ``done``) to its
+original stdout; anything the learner prints goes to stderr so it cannot
+corrupt that protocol.
 """
 
 from __future__ import annotations
@@ -180,6 +181,7 @@ def main(argv: list[str]) -> int:
         proto.flush()
 
     keep_tracked()
+    emit(event="ready")  # the learner's time limit starts here, not at our imports
     try:
         module = load(path)
     except BaseException as exc:

@@ -2,7 +2,10 @@
 
 The grader (:mod:`flashtile.learn.grade`) streams one JSON event per line, so
 when the time limit stops it the last ``start`` without a ``result`` names
-the case that hung, and the cases after it are listed as not run.
+the case that hung, and the cases after it are listed as not run. The limit
+counts the learner's code only: it starts at the grader's ``ready`` event,
+after the interpreter has started and imported NumPy and flashtile (seconds
+on a busy machine), which get :data:`STARTUP_LIMIT` of their own.
 """
 
 from __future__ import annotations
@@ -12,12 +15,16 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TextIO
 
 from .cases import CASES
 
 _INDENT = " " * 8
+#: Seconds the grader may take to start and import, before the learner's limit.
+STARTUP_LIMIT = 120.0
+_POLL = 0.02
 
 
 def _grader_env() -> dict[str, str]:
@@ -29,26 +36,26 @@ def _grader_env() -> dict[str, str]:
 
 
 def run_grader(name: str, path: Path, timeout: float) -> tuple[list[dict], bool, int, str]:
-    """Run the grader; return ``(events, timed_out, exit code, stderr tail)``."""
+    """Run the grader; return ``(events, timed_out, exit code, stderr tail)``.
+
+    ``timeout`` seconds start at the grader's ``ready`` event; before it, the
+    grader has :data:`STARTUP_LIMIT` seconds to start.
+    """
     cmd = [sys.executable, "-m", "flashtile.learn.grade", name, str(path)]
-    # Learner output goes to a file, not a pipe: a print loop cannot fill memory
-    # or block the child on a full pipe.
-    with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as err:
+    # Both streams go to files, not pipes: a print loop cannot fill memory or
+    # block the child on a full pipe, and the events can be read while it runs.
+    # The events file is in append mode: the child shares its offset, so our
+    # seek to read it must not move where the child writes.
+    with (
+        tempfile.TemporaryFile("a+", encoding="utf-8", errors="replace") as out,
+        tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as err,
+    ):
         proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            env=_grader_env(),
+            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True, env=_grader_env()
         )
-        try:
-            stdout, _ = proc.communicate(timeout=timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, _ = proc.communicate()
-            timed_out = True
+        timed_out = _wait(proc, out, timeout)
+        out.seek(0)
+        stdout = out.read()
         err.seek(0, os.SEEK_END)
         err.seek(max(0, err.tell() - 4000))
         tail = err.read()
@@ -57,8 +64,29 @@ def run_grader(name: str, path: Path, timeout: float) -> tuple[list[dict], bool,
         try:
             events.append(json.loads(line))
         except json.JSONDecodeError:
-            continue  # not ours
+            continue  # not ours (a partial last line of a killed grader)
     return events, timed_out, proc.returncode, tail
+
+
+def _wait(proc: subprocess.Popen, out, timeout: float) -> bool:
+    """Wait for ``proc``; kill it ``timeout`` s after its ``ready`` line in ``out``.
+
+    True when it was killed.
+    """
+    deadline = time.monotonic() + STARTUP_LIMIT
+    ready = False
+    while proc.poll() is None:
+        if not ready:
+            out.seek(0)
+            if '"ready"' in out.readline():
+                ready = True
+                deadline = time.monotonic() + timeout
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            return True
+        time.sleep(_POLL)
+    return False
 
 
 def _indent(text: str) -> str:

@@ -1,13 +1,17 @@
-"""Text shown by ``flashtile demo`` and ``flashtile trace``.
+"""``flashtile demo`` and ``flashtile trace``: the algorithm walked through in text.
 
-Everything here returns strings so the CLI only prints and tests can read.
+:func:`demo_text` and :func:`trace_table` return strings, so the commands only
+print and tests can read; :func:`add_parsers` registers both commands.
 """
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
-from .reference import (
+from ..argtypes import VECTOR_HELP, number_vector, positive_int
+from ..reference import (
     attention_memory_elements,
     naive_attention,
     online_softmax,
@@ -88,3 +92,27 @@ def demo_text(seed: int = 0) -> str:
     out.append("")
     out.append("Try: flashtile trace --x '1000 1001 1002' --block-size 2")
     return "\n".join(out)
+
+
+def run_demo(args, out=None) -> int:
+    """``flashtile demo``: print :func:`demo_text`."""
+    print(demo_text(), file=out or sys.stdout)
+    return 0
+
+
+def run_trace(args, out=None) -> int:
+    """``flashtile trace``: print :func:`trace_table` for ``--x`` and ``--block-size``."""
+    print(trace_table(args.x, args.block_size), file=out or sys.stdout)
+    return 0
+
+
+def add_parsers(subparsers) -> None:
+    """Register ``demo`` and ``trace`` on an ``add_subparsers()`` object."""
+    demo = subparsers.add_parser(
+        "demo", help="tiled vs naive attention, memory table, a row walked through"
+    )
+    demo.set_defaults(func=run_demo)
+    trace = subparsers.add_parser("trace", help="the online softmax of a vector, block by block")
+    trace.add_argument("--x", type=number_vector, required=True, help=VECTOR_HELP)
+    trace.add_argument("--block-size", type=positive_int, default=2)
+    trace.set_defaults(func=run_trace)

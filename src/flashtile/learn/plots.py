@@ -1,7 +1,7 @@
 """``flashtile plot``: the algorithm's pictures as PNG files.
 
 Four figures: ``memory`` (score storage vs online state over T), ``io`` (HBM
-traffic vs N from :mod:`flashtile.iomodel`), ``mask`` (a block mask's tile
+traffic vs N from :mod:`.iomodel`), ``mask`` (a block mask's tile
 states) and ``trace`` (the online normaliser of one row, block by block).
 
 matplotlib is optional (``pip install 'flashtile[plot]'``) and imported only
@@ -16,6 +16,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+from ..argtypes import VECTOR_HELP, number_vector, positive_int
+from ..masks import block_mask, normalize_window, visible
+from ..reference import attention_memory_elements, online_softmax_steps
+from .iomodel import parse_sram, standard_forward_io, tiled_forward_io
 
 PLOT_HINT = "flashtile plot needs matplotlib: pip install 'flashtile[plot]'"
 
@@ -45,8 +50,6 @@ _OFFSET = {"textcoords": "offset points", "fontsize": "small"}
 
 def plot_memory(path, max_tokens: int = 65536) -> Path:
     """Log-log plot of ``T^2`` score elements vs ``T`` online-state elements per head."""
-    from .reference import attention_memory_elements
-
     tokens = 2 ** np.arange(4, int(np.log2(max_tokens)) + 1)
     if tokens.size < 2:
         raise ValueError(f"--max-T {max_tokens}: give at least 32 so the plot has a line")
@@ -68,8 +71,6 @@ def plot_memory(path, max_tokens: int = 65536) -> Path:
 
 def plot_io(path, ns, d: int, srams, bytes_per_element: int = 4) -> Path:
     """HBM bytes vs N: standard attention, and the tiled forward for each SRAM size."""
-    from .iomodel import standard_forward_io, tiled_forward_io
-
     ns, srams = sorted(set(ns)), sorted(set(srams))
     if len(ns) < 2:
         raise ValueError("plot io needs at least two values of --N to draw lines")
@@ -94,8 +95,6 @@ def example_mask(tokens: int, block: int, window: int, pad: int):
     ``window`` keys to the left of each query (-1: none); the last ``pad`` keys
     are padding. Returns ``(BlockMask, visible (T, T) bool)``.
     """
-    from .masks import block_mask, normalize_window, visible
-
     if not 0 <= pad < tokens:
         raise ValueError(f"--pad {pad}: give 0 <= pad < T = {tokens}")
     left, right = normalize_window((window, 0), causal=True)
@@ -145,8 +144,6 @@ def _rgb(colour: str) -> tuple[float, float, float]:
 
 def plot_trace(path, x, block_size: int) -> Path:
     """Scores with the running max per block (top) and the running sum ``ell`` (bottom)."""
-    from .reference import online_softmax_steps
-
     x = np.asarray(x, dtype=np.float64)
     if x.ndim != 1 or x.size == 0:
         raise ValueError(f"trace needs a non-empty 1-D vector, got shape {x.shape}")
@@ -178,10 +175,8 @@ def plot_trace(path, x, block_size: int) -> Path:
     return _save(fig, path)
 
 
-def add_plot_parser(subparsers):
+def add_parser(subparsers):
     """Register ``plot`` with its sub-commands memory / io / mask / trace."""
-    from .cli import _parse_vector, positive_int  # lazy: cli imports this module
-
     p = subparsers.add_parser("plot", help="draw the algorithm's pictures as PNG files")
     kinds = p.add_subparsers(dest="plot", required=True, metavar="{memory,io,mask,trace}")
 
@@ -203,20 +198,14 @@ def add_plot_parser(subparsers):
     mask.add_argument("--window", type=int, default=24, help="keys left of a query; -1 = none")
     mask.add_argument("--pad", type=int, default=10, help="padding keys at the end (default 10)")
     trace = kind("trace", "running max and normaliser per block of one score row")
-    trace.add_argument(
-        "--x",
-        type=_parse_vector,
-        required=True,
-        help='e.g. "0 1 5 2 9"; starting with a negative value, write --x="-3 1 2"',
-    )
+    trace.add_argument("--x", type=number_vector, required=True, help=VECTOR_HELP)
     trace.add_argument("--block-size", type=positive_int, default=2)
+    p.set_defaults(func=run_plot)
     return p
 
 
 def run_plot(args, out=None) -> int:
     """Draw the chosen figure and print its path; 1 without matplotlib, 2 for bad options."""
-    from .iomodel import parse_sram
-
     out = sys.stdout if out is None else out
     path = args.out or f"flashtile-{args.plot}.png"
     try:

@@ -1,0 +1,92 @@
+"""The named benchmarks of ``flashtile bench --preset NAME``, as one table.
+
+A preset names what it measures, builds its cases from ``(B, H)``, and says
+which target lines its results are judged by. ``decode`` is the KV-cache
+decoding bench of :mod:`.decode`, which times its own cases in GB/s.
+Adding a benchmark is one entry in :data:`PRESETS`. Only the command line
+(:mod:`.cli`) reads this module; nothing in the bench imports it back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import torch_op, variant_cases, variant_providers
+from .cases import Case, sweep
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One named benchmark.
+
+    Attributes:
+        measures: what it measures, in one line (``--help`` shows it).
+        cases: ``(B, H) -> cases``; None for the decode bench.
+        H: heads when ``--H`` is not given.
+        reps: timed calls per provider when ``--reps`` is not given.
+        targets: ``results -> target lines``, or None when it has no targets.
+        decode_lengths: the cache lengths of the decode bench; a preset with
+            lengths runs :func:`.decode.run_decode_bench` instead of cases.
+    """
+
+    measures: str
+    cases: Callable[[int, int], list[Case]] | None = None
+    H: int = 8
+    reps: int = 5
+    targets: Callable[[list], list[str]] | None = None
+    decode_lengths: tuple[int, ...] = ()
+
+
+#: The two providers every row of the core preset compares.
+FAST = ("flashtile", "torch-sdpa")
+
+
+def core_cases(B: int = 1, H: int = 8) -> list[Case]:
+    """flashtile against torch SDPA at the sizes that matter (fp32, d=64 unless said).
+
+    numpy-naive joins only the fwd T=4096 non-causal row, which gives the
+    "vs numpy-naive" figure.
+    """
+    return [
+        Case(4096, 64, False, "fwd", B, H, (*FAST, "numpy-naive")),
+        Case(4096, 64, True, "fwd", B, H, FAST),
+        Case(1024, 64, True, "fwd", B, H, FAST),
+        Case(1024, 64, False, "fwd", B, H, FAST),
+        Case(2048, 64, True, "fwd+bwd", B, H, FAST),
+        Case(2048, 64, False, "fwd+bwd", B, H, FAST),
+        Case(2048, 128, True, "fwd", B, H, FAST),
+    ]
+
+
+def quick_cases(B: int = 1, H: int = 2) -> list[Case]:
+    """A smoke run of a few seconds: tiny T, every provider, both modes."""
+    return sweep((64, 256), (32,), "both", "both", B, H)
+
+
+#: preset name -> Preset, in ``--help`` order; :data:`DEFAULT` runs when no
+#: case option is given.
+PRESETS: dict[str, Preset] = {
+    "core": Preset(
+        "flashtile vs torch SDPA, fwd and fwd+bwd, T=1024..4096 (the default)", core_cases
+    ),
+    "quick": Preset("a smoke run of seconds: T=64 and 256, d=32, every provider", quick_cases, 2),
+    "variants": Preset(
+        "sliding window, block-sparse mask, GQA and varlen vs torch SDPA and the dense "
+        "and per-sequence baselines",
+        variant_cases.variant_cases,
+        targets=variant_providers.target_lines,
+    ),
+    "torch-op": Preset(
+        "flashtile.torch.attention fwd+bwd vs torch SDPA and vs the bare kernels "
+        "(the torch layer's cost)",
+        torch_op.torch_op_cases,
+        targets=torch_op.target_lines,
+    ),
+    "decode": Preset(
+        "KV-cache decoding in GB/s vs torch SDPA and a measured memory-read ceiling",
+        reps=9,
+        decode_lengths=(8192, 65536),
+    ),
+}
+DEFAULT = "core"

@@ -1,0 +1,47 @@
+"""The ``flashtile`` command line: every subcommand registers itself and runs from ``main``."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashtile.cli import build_parser, main
+
+COMMANDS = ("demo", "trace", "bench", "learn", "io", "plot")
+
+
+def test_every_subcommand_is_registered_with_the_function_that_runs_it():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert tuple(sub.choices) == COMMANDS
+    for name, parser in sub.choices.items():
+        func = parser.get_default("func")
+        assert callable(func) and func.__name__ == f"run_{name}", name
+
+
+@pytest.mark.parametrize("command", [(), *((c,) for c in COMMANDS)])
+def test_help_has_no_tracker_words(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: flashtile")
+    assert "issue" not in text.lower()
+
+
+def test_trace_prints_the_running_max_per_block(capsys):
+    assert main(["trace", "--x", "0 1 5 2 9", "--block-size", "2"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:5]]
+    assert [row[0] for row in rows] == ["0", "1", "2"]
+    assert [float(row[-3]) for row in rows] == [1, 5, 9]  # m_new after each block
+
+
+def test_trace_refuses_text_and_names_the_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["trace", "--x", "1 two 3"])
+    err = capsys.readouterr().err
+    assert "argument --x: expected numbers separated by spaces or commas, got '1 two 3'" in err
+
+
+def test_demo_runs(capsys):
+    assert main(["demo"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("flashtile demo") and "max |tiled - naive|" in text
