@@ -197,7 +197,7 @@ class NumpyTiledProvider(Provider):
     def forward_backward(self, q, k, v, dout, causal):
         out, lse = flashtile.tiled_attention(q, k, v, TILED_BLOCK, causal, return_lse=True)
         dq, dk, dv = flashtile.tiled_attention_backward(
-            q, k, v, out, dout, lse, TILED_BLOCK, causal
+            q, k, v, out, lse, dout, block_size=TILED_BLOCK, causal=causal
         )
         return out, dq, dk, dv
 

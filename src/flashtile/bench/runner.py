@@ -114,7 +114,7 @@ class ReferenceCache:
         if case.mode == "fwd+bwd":
             if key not in self._bwd:
                 self._bwd[key] = flashtile.tiled_attention_backward(
-                    q, k, v, out, dout, lse, REFERENCE_BLOCK, case.causal
+                    q, k, v, out, lse, dout, block_size=REFERENCE_BLOCK, causal=case.causal
                 )
             ref.update(zip(("dq", "dk", "dv"), self._bwd[key], strict=True))
         return ref
