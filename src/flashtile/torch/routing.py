@@ -152,7 +152,10 @@ def _script_as_sdpa(standin, active: bool) -> None:
     installed stand-in is listed there while it is active. Scripted code thus
     calls SDPA itself, as it would outside the router.
     """
-    table = torch.jit._builtins._get_builtin_table()
+    builtins = getattr(torch.jit, "_builtins", None)  # private; absent in a torch without it
+    if builtins is None:
+        return
+    table = builtins._get_builtin_table()
     if active:
         table[id(standin)] = "aten::scaled_dot_product_attention"
     else:
