@@ -7,11 +7,12 @@ call it would route on to SDPA with that message as its reason. Both read
 this one function, so they cannot disagree about what flashtile supports.
 
 The rule covers what the torch layer decides: types, devices, dtypes, ranks,
-heads, sizes, flags, ``scale``, ``window``, and the mask's and slopes' kind
-and shape broadcasting. The kernels' own validation still refuses bad values
-inside an accepted argument (NaN in a float mask, slopes of the wrong length,
-a negative ``softcap``) with a ValueError; reading them here would cost a pass
-over the data.
+heads, sizes, flags, ``scale``, ``window``, the kind of the mask and slopes
+(plain CPU tensors, no gradient wanted) and the mask's broadcasting. The
+kernels' own validation still refuses bad values inside an accepted argument
+(NaN in a float mask, slopes of the wrong length, a negative ``softcap``) with
+a ValueError; the router never passes slopes or softcap, and reading a mask's
+values here would cost a pass over it.
 """
 
 from __future__ import annotations
