@@ -318,3 +318,19 @@ def test_errors_are_clear():
         grad.sum().backward()
     with pytest.raises(ValueError, match="window"):
         ftt.attention(q, k, v, enable_gqa=True, window=(-3, 0))
+
+
+def test_flags_are_bools_and_masks_plain_tensors():
+    q, k, v = _qkv(1, 2, 2, 5, 7, 3, grad=False)
+    wrong = (("causal", 1), ("causal", torch.tensor(True)), ("enable_gqa", "no"), ("return_lse", 0))
+    for flag, value in wrong:
+        with pytest.raises(TypeError, match=f"{flag} must be True or False"):
+            ftt.attention(q, k, v, **{flag: value})
+    from torch.nn.attention.bias import causal_lower_right
+
+    # Its values live in __torch_function__, not in the storage the kernels read.
+    with pytest.raises(TypeError, match=r"CausalBias.*causal=True is causal_lower_right"):
+        ftt.attention(q, k, v, mask=causal_lower_right(5, 7))
+    bias = torch.nn.Parameter(torch.zeros(5, 7, dtype=torch.float64))  # a plain subclass
+    with torch.no_grad():
+        torch.testing.assert_close(ftt.attention(q, k, v, mask=bias), ftt.attention(q, k, v))

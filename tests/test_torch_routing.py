@@ -38,8 +38,7 @@ ROUTED = [
     (2, 4, 2, 7, 13, 8, {"is_causal": True, "enable_gqa": True, "scale": 0.3}),
     (2, 2, 2, 7, 13, 3, {"attn_mask": "bool"}),
     (1, 2, 2, 7, 13, 8, {"attn_mask": "float"}),
-    (1, 2, 2, 7, 13, 8, {"attn_mask": "bool", "is_causal": True}),  # both apply
-    (1, 2, 2, 13, 7, 8, {"attn_mask": "float", "is_causal": True}),
+    (0, 2, 2, 7, 13, 8, {"is_causal": True}),  # an empty batch
 ]
 
 
@@ -83,9 +82,11 @@ def test_unsupported_calls_pass_through_with_reasons():
     assert router.routed == 0 and router.passed == 10
     assert on_meta.device.type == "meta"
     text = " | ".join(router.reasons)
-    for part in ("dropout_p > 0", "requires grad", "rank 5", "heads 2/1/1", "meta", "float16"):
+    for part in ("dropout_p > 0", "mask requires grad", "takes (B, H, T, d)", "device meta"):
         assert part in text, (part, router.reasons)
-    for part in ("attn_mask of rank 1", "attn_mask of rank 0", "dropout_p of type Tensor"):
+    for part in ("q has 2 heads but k and v have 1", "attn_mask dtype torch.float16"):
+        assert part in text, (part, router.reasons)
+    for part in ("attn_mask of rank 1", "with is_causal=True", "dropout_p of type Tensor"):
         assert part in text, (part, router.reasons)
     torch.manual_seed(0)
     torch.testing.assert_close(dropped, SDPA(q2, k, v, dropout_p=0.5))  # same RNG draw
@@ -161,3 +162,123 @@ def test_routing_inside_torch_compile_fullgraph():
     for a, e in zip(got, expected, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
     torch._dynamo.reset()  # the graph was traced with the router installed
+
+
+def _tensors(*shapes, dtype=torch.float32, device="cpu"):
+    return tuple(torch.randn(s, dtype=dtype, device=device) for s in shapes)
+
+
+Q, KV, MASK = (1, 2, 5, 8), (1, 2, 7, 8), (5, 7)
+
+# (label, q k v, flashtile.torch.attention keywords): calls the operator refuses.
+# The router gets the same call in SDPA's words (mask -> attn_mask).
+REFUSED = [
+    ("not a tensor", (Q, KV, KV), {}, lambda q, k, v: (q.numpy(), k, v)),
+    ("on meta", (Q, KV, KV), {}, lambda q, k, v: (q.to("meta"), k.to("meta"), v.to("meta"))),
+    ("mask on meta", (Q, KV, KV), {"mask": torch.ones(MASK, device="meta")}, None),
+    ("mixed dtypes", (Q, KV, KV), {}, lambda q, k, v: (q, k.double(), v)),
+    ("integer dtype", (Q, KV, KV), {}, lambda q, k, v: (q.int(), k.int(), v.int())),
+    ("rank 5", ((1, *Q), (1, *KV), (1, *KV)), {}, None),
+    ("rank 2", (Q[2:], KV[2:], KV[2:]), {}, None),
+    ("no heads", ((1, 0, 5, 8), (1, 0, 7, 8), (1, 0, 7, 8)), {}, None),
+    ("k and v heads differ", (Q, KV, (1, 1, 7, 8)), {}, None),
+    ("GQA without enable_gqa", ((1, 4, 5, 8), KV, KV), {}, None),
+    ("one kv head without enable_gqa", (Q, (1, 1, 7, 8), (1, 1, 7, 8)), {}, None),
+    ("heads not divisible", ((1, 3, 5, 8), KV, KV), {"enable_gqa": True}, None),
+    ("enable_gqa not a bool", ((1, 4, 5, 8), KV, KV), {"enable_gqa": 1}, None),
+    ("batch dims differ", ((2, 2, 5, 8), KV, KV), {}, None),
+    ("no keys", (Q, (1, 2, 0, 8), (1, 2, 0, 8)), {}, None),
+    ("head dims differ", (Q, (1, 2, 7, 4), KV), {}, None),
+    ("value rows differ", (Q, KV, (1, 2, 6, 8)), {}, None),
+    ("non-finite scale", (Q, KV, KV), {"scale": float("inf")}, None),
+    ("scale a tensor", (Q, KV, KV), {"scale": torch.tensor(0.5)}, None),
+    ("learned bias", (Q, KV, KV), {"mask": torch.zeros(MASK, requires_grad=True)}, None),
+    ("mask does not broadcast", (Q, KV, KV), {"mask": torch.ones(3, *MASK).bool()}, None),
+    ("mask enlarges the batch", (Q, KV, KV), {"mask": torch.ones(4, 2, *MASK).bool()}, None),
+]
+
+
+def _outcome(fn, *args, **kw):
+    """``fn``'s output, or the type of what it raised."""
+    try:
+        return fn(*args, **kw)
+    except Exception as exc:
+        return type(exc)
+
+
+@pytest.mark.parametrize(("label", "shapes", "kw", "edit"), REFUSED, ids=[c[0] for c in REFUSED])
+def test_the_router_passes_what_the_operator_refuses_with_its_message(label, shapes, kw, edit):
+    q, k, v = _tensors(*shapes)
+    if edit is not None:
+        q, k, v = edit(q, k, v)
+    with pytest.raises((ValueError, TypeError)) as refused:
+        ftt.attention(q, k, v, **kw)
+    sdpa_kw = {"attn_mask" if key == "mask" else key: val for key, val in kw.items()}
+    with ftt.route_sdpa() as router:
+        got = _outcome(F.scaled_dot_product_attention, q, k, v, **sdpa_kw)
+    assert (router.routed, router.passed) == (0, 1)
+    assert router.reasons == {str(refused.value): 1}
+    expected = _outcome(SDPA, q, k, v, **sdpa_kw)  # passed untouched: SDPA's own result
+    if not isinstance(expected, torch.Tensor):
+        assert got is expected
+    elif all(t.device.type == "cpu" for t in (q, k, v, *kw.values()) if torch.is_tensor(t)):
+        torch.testing.assert_close(got, expected, equal_nan=True)
+    else:  # SDPA computes nothing comparable from meta tensors
+        assert (got.shape, got.device) == (expected.shape, expected.device)
+
+
+def test_attn_mask_with_is_causal_is_left_to_sdpa():
+    # SDPA raises on its math path (3-D inputs here) and combines the two on its
+    # CPU flash path (4-D): the router must do whichever SDPA does.
+    q, k, v = _qkv(1, 2, 2, 5, 7, 8)
+    keep = torch.rand(5, 7) > 0.3
+    with ftt.route_sdpa() as router:
+        with pytest.raises(RuntimeError, match="is_causal"):
+            F.scaled_dot_product_attention(q[0], k[0], v[0], attn_mask=keep, is_causal=True)
+        got = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=True)
+    assert (router.routed, router.passed) == (0, 2)
+    assert list(router.reasons) == [
+        "attn_mask with is_causal=True (SDPA's own handling: some of its paths raise)"
+    ]
+    torch.testing.assert_close(got, SDPA(q, k, v, attn_mask=keep, is_causal=True))
+
+
+def test_causal_bias_masks_keep_their_meaning():
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+    q, k, v = _qkv(1, 2, 2, 8, 12, 16)
+    for make in (causal_upper_left, causal_lower_right):
+        expected = _fwd_bwd(SDPA, q, k, v, attn_mask=make(8, 12))
+        with ftt.route_sdpa(strict=True) as router:
+            got = _fwd_bwd(F.scaled_dot_product_attention, q, k, v, attn_mask=make(8, 12))
+            with pytest.raises(ValueError, match="causal=True"):  # SDPA's own error
+                F.scaled_dot_product_attention(q, k, v, attn_mask=make(8, 12), is_causal=True)
+        assert router.routed == 1  # the plain call the bias makes
+        for a, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+    with pytest.raises(TypeError, match="CausalBias"):  # the operator reads mask values
+        ftt.attention(q, k, v, mask=causal_lower_right(8, 12))
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v, bias):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+    torch._dynamo.reset()
+    with torch.no_grad(), ftt.route_sdpa(strict=True) as router:
+        compiled = torch.compile(Attend(), fullgraph=True, backend="aot_eager")
+        got = compiled(q, k, v, causal_lower_right(8, 12))
+    assert router.routed == 1
+    with torch.no_grad():
+        torch.testing.assert_close(got, SDPA(q, k, v, attn_mask=causal_lower_right(8, 12)))
+    torch._dynamo.reset()
+
+
+def test_torch_jit_script_works_inside_the_router():
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(8, 2).eval()
+    x = torch.randn(5, 1, 8)
+    with ftt.route_sdpa() as router:
+        scripted = torch.jit.script(mha)  # compiles F.scaled_dot_product_attention's call
+        got = scripted(x, x, x, need_weights=False)[0]
+    assert router.routed == router.passed == 0  # scripted code calls SDPA itself
+    torch.testing.assert_close(got, mha(x, x, x, need_weights=False)[0])

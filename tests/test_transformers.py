@@ -284,6 +284,7 @@ def test_attention_sinks(name):
         "bias-only",
         "causal-tq<tk",
         "bias+causal-tq<tk",
+        "causal-tq>tk",
     ],
 )
 def test_direct_call_matches_transformers_sdpa(name, case):
@@ -298,6 +299,8 @@ def test_direct_call_matches_transformers_sdpa(name, case):
     b, hq, hkv, tq, tk, d = 2, 4, 2, 6, 6, 8
     if case.endswith("causal-tq<tk"):
         tk = 9  # keys past Tq: unfilled static-cache slots that top-left causal ignores
+    elif case == "causal-tq>tk":
+        tk = 4  # top-left: query i sees keys j <= i, so every query sees key 0
     q = torch.randn(b, hq, tq, d, generator=gen)
     k, v = (torch.randn(b, hkv, tk, d, generator=gen) for _ in range(2))
     module = torch.nn.Module()
@@ -315,6 +318,8 @@ def test_direct_call_matches_transformers_sdpa(name, case):
     elif case in ("bias+causal", "bias-only", "bias+causal-tq<tk"):
         kw["position_bias"] = bias
         kw["is_causal"] = case != "bias-only"
+    elif case == "causal-tq>tk":
+        kw["is_causal"] = True
     with torch.no_grad():
         got, _ = fn(module, q, k, v, mask, **kw)
         want, _ = sdpa_attention_forward(module, q, k, v, mask, **kw)

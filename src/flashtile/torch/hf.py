@@ -23,14 +23,26 @@ transformers is imported only inside ``register_transformers``, so importing
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+from ._attention import attention
+from .routing import top_left_causal
 
 __all__ = ["register_transformers", "tiled_attention_forward"]
 
 DEFAULT_NAME = "tiled"
+
+
+class _Visibility(NamedTuple):
+    """Which keys each query sees, as flashtile arguments (k/v possibly cropped)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    mask: torch.Tensor | None
+    causal: bool
+    window: tuple[int | None, int] | None
 
 
 def _resolve_causal(module: torch.nn.Module, is_causal: bool | None) -> bool:
@@ -40,177 +52,161 @@ def _resolve_causal(module: torch.nn.Module, is_causal: bool | None) -> bool:
     return bool(getattr(module, "is_causal", True))
 
 
-def _combine_position_bias(
-    position_bias: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    causal: bool,
-    tq: int,
-    tk: int,
+def _with_position_bias(
+    position_bias: torch.Tensor, attention_mask: torch.Tensor | None
 ) -> torch.Tensor:
     """Fold a T5-style additive ``position_bias`` and the mask into one float mask.
 
     Args:
         position_bias: float, broadcastable to ``(B, H, Tq, Tk)``, added to the scores.
         attention_mask: ``None``, bool (True = keep) or float (additive), same broadcasting.
-        causal: hide keys after the query as well (only used when ``attention_mask`` is
-            None; transformers' top-left alignment, which equals bottom-right for Tq == Tk).
 
     Returns:
         float additive mask broadcastable to ``(B, H, Tq, Tk)``; hidden entries are -inf.
     """
-    bias = position_bias
     if attention_mask is None:
-        if not causal:
-            return bias
-        keep = torch.ones(tq, tk, dtype=torch.bool, device=bias.device).tril()
-        return bias.masked_fill(~keep, float("-inf"))
+        return position_bias
     if attention_mask.dtype == torch.bool:
-        return bias.masked_fill(~attention_mask, float("-inf"))
-    return bias + attention_mask
+        return position_bias.masked_fill(~attention_mask, float("-inf"))
+    return position_bias + attention_mask
 
 
-def _make_forward(attention: Callable[..., Any]) -> Callable[..., tuple[torch.Tensor, None]]:
-    """Build the transformers-facing wrapper around flashtile's torch ``attention`` operator."""
+def _visibility(
+    module, query, key, value, attention_mask, is_causal, sliding_window, position_bias
+) -> _Visibility:
+    """The mask, causal flag and window that give transformers' visibility rule.
 
-    def tiled_attention_forward(
-        module: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        dropout: float = 0.0,
-        scaling: float | None = None,
-        is_causal: bool | None = None,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        position_bias: torch.Tensor | None = None,
-        s_aux: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
-        """Attention for one transformers layer, computed by flashtile.
+    A mask, when given, is the whole rule. transformers passes none only when
+    the pattern is plain causal (or full) with no padding; it then expects
+    SDPA's top-left ``is_causal``, and only for ``Tq > 1`` (a single decoding
+    query sees the whole cache). A prefill into an empty static cache has
+    ``Tk > Tq``: the keys past ``Tq`` are unfilled slots, which the top-left
+    crop drops.
+    """
+    causal, window = False, None
+    tq = query.shape[-2]
+    if attention_mask is None and tq > 1 and _resolve_causal(module, is_causal):
+        key, value, position_bias, causal, window = top_left_causal(tq, key, value, position_bias)
+        if causal and sliding_window is not None:
+            # Without a mask the window hides nothing (transformers builds a mask as soon
+            # as it would), but passing it is exact and lets flashtile skip tiles.
+            window = (int(sliding_window) - 1, 0)
+    mask = attention_mask
+    if position_bias is not None:
+        mask = _with_position_bias(position_bias.to(query.dtype), attention_mask)
+    return _Visibility(key, value, mask, bool(causal), window)
 
-        Args:
-            module: the calling attention module (read for ``is_causal`` only).
-            query: ``(B, Hq, Tq, d)``.
-            key, value: ``(B, Hkv, Tk, d)``; ``Hkv`` divides ``Hq`` (GQA/MQA read in place,
-                never repeated per query head).
-            attention_mask: None, or a 4-D mask broadcastable to ``(B, Hq, Tq, Tk)``: bool
-                (True = keep, what the registered ``sdpa_mask`` builds) or float (additive).
-                When given it is the whole visibility rule: causality, padding, sliding
-                window and KV-cache offsets are already in it.
-            dropout: must be 0 (flashtile has no attention dropout).
-            scaling: score scale, ``1/sqrt(d)`` if None.
-            is_causal: overrides ``module.is_causal``; used only when there is no mask.
-            sliding_window: keys ``j > p - sliding_window`` stay visible (transformers'
-                convention); only needed when there is no mask, since a mask already has it.
-            softcap: ``softcap * tanh(s / softcap)`` on the scaled scores (Gemma 2).
-            position_bias: additive float bias (T5-style), folded into a float mask. A
-                learned bias that requires grad raises ValueError (flashtile gives masks no
-                gradient), so T5-style models run here for inference (``torch.no_grad()``).
-            s_aux: per-head attention-sink logits ``(Hq,)`` (gpt-oss): an extra key with
-                that score and a zero value, applied through the log-sum-exp. Inference
-                only: flashtile's lse carries no gradient, so with gradients enabled on
-                ``query``, ``key`` or ``s_aux`` this raises ValueError.
 
-        Returns:
-            ``(out, None)`` with ``out`` of shape ``(B, Tq, Hq, d)`` contiguous, the layout
-            transformers' sdpa path returns; attention weights are never formed.
-        """
-        if dropout and dropout > 0.0:
-            raise ValueError(
-                f"flashtile attention has no dropout, but the model asked for dropout={dropout}"
-                " (a model in training mode with attention dropout > 0). Set the config's"
-                " attention dropout to 0 (e.g. attention_dropout=0.0, or attn_pdrop=0.0 for"
-                " GPT-2) or call model.eval()."
-            )
-        if kwargs.get("output_attentions", False):
-            warnings.warn(
-                "flashtile attention never forms the attention weights; output_attentions=True"
-                " returns None for them. Use attn_implementation='eager' to get them.",
-                stacklevel=2,
-            )
-
-        tq, tk = query.shape[-2], key.shape[-2]
-        causal = False
-        window = None
-        mask = attention_mask
-        if mask is None:
-            # transformers passes no mask only when the pattern is plain causal (or full)
-            # with no padding; it then expects sdpa's is_causal, i.e. causal only for Tq > 1
-            # (a single decoding query sees the whole cache).
-            causal = tq > 1 and _resolve_causal(module, is_causal)
-            if causal and tk > tq:
-                # Prefill into an empty static cache: transformers relies on sdpa's top-left
-                # causal alignment, so keys past Tq are unfilled slots. flashtile aligns
-                # bottom-right, so drop those slots; top-left on the rest is then the same.
-                key, value = key[..., :tq, :], value[..., :tq, :]
-                if position_bias is not None:
-                    position_bias = position_bias[..., :tq]
-                tk = tq
-            if causal and sliding_window is not None:
-                # Without a mask the window hides nothing (transformers builds a mask as soon
-                # as it would), but passing it is exact and lets flashtile skip tiles.
-                window = (int(sliding_window) - 1, 0)
-
-        if position_bias is not None:
-            mask = _combine_position_bias(position_bias.to(query.dtype), mask, causal, tq, tk)
-            causal, window = False, None
-
-        if (
-            s_aux is not None
-            and torch.is_grad_enabled()
-            and (query.requires_grad or key.requires_grad or s_aux.requires_grad)
-        ):
-            # The sinks are applied through lse, and flashtile's lse carries no gradient:
-            # q and k would silently get wrong gradients, so refuse rather than train wrong.
-            raise ValueError(
-                "flashtile attention supports attention sinks (s_aux) for inference only"
-                " (under torch.no_grad(), as generate() runs); its lse has no gradient."
-            )
-        enable_gqa = key.shape[-3] != query.shape[-3]
-        result = attention(
-            query,
-            key,
-            value,
-            causal=causal,
-            scale=scaling,
-            window=window,
-            softcap=softcap,
-            mask=mask,
-            enable_gqa=enable_gqa,
-            return_lse=s_aux is not None,
+def _check_options(dropout: float, output_attentions: bool) -> None:
+    """Refuse attention dropout; warn that attention weights are never formed."""
+    if dropout and dropout > 0.0:
+        raise ValueError(
+            f"flashtile attention has no dropout, but the model asked for dropout={dropout}"
+            " (a model in training mode with attention dropout > 0). Set the config's"
+            " attention dropout to 0 (e.g. attention_dropout=0.0, or attn_pdrop=0.0 for"
+            " GPT-2) or call model.eval()."
         )
-        if s_aux is not None:
-            out, lse = result
-            # A sink adds exp(s_aux[h]) to each row's softmax denominator with a zero value,
-            # so the output shrinks by exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink).
-            # A row that sees no key has lse = -inf and stays zero.
-            sink = s_aux.to(lse.dtype).reshape(1, -1, 1)
-            out = out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)
-        else:
-            out = result
-        return out.transpose(1, 2).contiguous(), None
-
-    return tiled_attention_forward
+    if output_attentions:
+        warnings.warn(
+            "flashtile attention never forms the attention weights; output_attentions=True"
+            " returns None for them. Use attn_implementation='eager' to get them.",
+            stacklevel=3,
+        )
 
 
-def _default_forward() -> Callable[..., tuple[torch.Tensor, None]]:
-    """The wrapper around ``flashtile.torch.attention``, imported at call time.
+def _check_sinks(s_aux, query, key) -> None:
+    """Sinks act through lse, which carries no gradient: refuse when one is wanted."""
+    if (
+        s_aux is not None
+        and torch.is_grad_enabled()
+        and (query.requires_grad or key.requires_grad or s_aux.requires_grad)
+    ):
+        # q and k would silently get wrong gradients, so refuse rather than train wrong.
+        raise ValueError(
+            "flashtile attention supports attention sinks (s_aux) for inference only"
+            " (under torch.no_grad(), as generate() runs); its lse has no gradient."
+        )
 
-    Imported late because ``flashtile.torch`` itself imports this module.
+
+def _apply_sinks(out: torch.Tensor, lse: torch.Tensor, s_aux: torch.Tensor) -> torch.Tensor:
+    """``out (B, Hq, Tq, d)`` renormalised for one extra key per head with score ``s_aux[h]``.
+
+    A sink adds ``exp(s_aux[h])`` to each row's softmax denominator with a zero
+    value, so the output shrinks by ``exp(lse) / (exp(lse) + exp(sink))``, i.e.
+    ``sigmoid(lse - sink)``. A row that sees no key has ``lse = -inf`` and stays zero.
     """
-    from flashtile.torch import attention
+    sink = s_aux.to(lse.dtype).reshape(1, -1, 1)
+    return out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)
 
-    return _make_forward(attention)
 
+def tiled_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    position_bias: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention for one transformers layer, computed by flashtile.
 
-def tiled_attention_forward(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """The function ``register_transformers`` registers (see ``_make_forward`` for arguments).
+    The function ``register_transformers`` registers; callable directly, e.g. from a
+    custom attention module that follows transformers' ``(module, query, key, value,
+    attention_mask, **kwargs)`` convention.
 
-    Exposed for calling it directly, e.g. from a custom attention module that follows
-    transformers' ``(module, query, key, value, attention_mask, **kwargs)`` convention.
+    Args:
+        module: the calling attention module (read for ``is_causal`` only).
+        query: ``(B, Hq, Tq, d)``.
+        key, value: ``(B, Hkv, Tk, d)``; ``Hkv`` divides ``Hq`` (GQA/MQA read in place,
+            never repeated per query head).
+        attention_mask: None, or a 4-D mask broadcastable to ``(B, Hq, Tq, Tk)``: bool
+            (True = keep, what the registered ``sdpa_mask`` builds) or float (additive).
+            When given it is the whole visibility rule: causality, padding, sliding
+            window and KV-cache offsets are already in it.
+        dropout: must be 0 (flashtile has no attention dropout).
+        scaling: score scale, ``1/sqrt(d)`` if None.
+        is_causal: overrides ``module.is_causal``; used only when there is no mask, then
+            top-left aligned as in SDPA.
+        sliding_window: keys ``j > p - sliding_window`` stay visible (transformers'
+            convention); only needed when there is no mask, since a mask already has it.
+        softcap: ``softcap * tanh(s / softcap)`` on the scaled scores (Gemma 2).
+        position_bias: additive float bias (T5-style), folded into a float mask. A
+            learned bias that requires grad raises ValueError (flashtile gives masks no
+            gradient), so T5-style models run here for inference (``torch.no_grad()``).
+        s_aux: per-head attention-sink logits ``(Hq,)`` (gpt-oss): an extra key with
+            that score and a zero value, applied through the log-sum-exp. Inference
+            only: flashtile's lse carries no gradient, so with gradients enabled on
+            ``query``, ``key`` or ``s_aux`` this raises ValueError.
+
+    Returns:
+        ``(out, None)`` with ``out`` of shape ``(B, Tq, Hq, d)`` contiguous, the layout
+        transformers' sdpa path returns; attention weights are never formed.
     """
-    return _default_forward()(*args, **kwargs)
+    _check_options(dropout, kwargs.get("output_attentions", False))
+    seen = _visibility(
+        module, query, key, value, attention_mask, is_causal, sliding_window, position_bias
+    )
+    _check_sinks(s_aux, query, key)
+    result = attention(
+        query,
+        seen.key,
+        seen.value,
+        causal=seen.causal,
+        scale=scaling,
+        window=seen.window,
+        softcap=softcap,
+        mask=seen.mask,
+        enable_gqa=bool(key.shape[-3] != query.shape[-3]),
+        return_lse=s_aux is not None,
+    )
+    out = result if s_aux is None else _apply_sinks(*result, s_aux)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def register_transformers(name: str = DEFAULT_NAME) -> str:
@@ -260,6 +256,6 @@ def register_transformers(name: str = DEFAULT_NAME) -> str:
             "register_transformers needs the transformers package: pip install transformers"
         ) from exc
 
-    AttentionInterface.register(name, _default_forward())
+    AttentionInterface.register(name, tiled_attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
     return name

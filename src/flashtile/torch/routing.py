@@ -11,23 +11,30 @@ restored on exit, also when the block raises. Code that bound the function
 earlier (``from torch.nn.functional import scaled_dot_product_attention``) is
 not affected.
 
-A call is routed when flashtile computes exactly what SDPA would: CPU
-tensors of one float dtype, 3-D or 4-D, ``dropout_p == 0``, matching batch
-and head dims (``Hkv != Hq`` only with ``enable_gqa``), and an ``attn_mask``
-that is None, bool, float32 or of the query's dtype, broadcastable to
-``(..., Hq, Tq, Tk)`` and not requiring grad. Everything else passes through,
-including calls SDPA itself rejects, so SDPA raises its own error.
+A call is routed when :func:`flashtile.torch.attention` accepts it and SDPA
+means by it what flashtile computes. The first part is the operator's own
+rule (:func:`flashtile.torch._support.refusal`): a call the operator would
+refuse passes through with the operator's error message as its reason, so
+the router and the operator cannot disagree. The second part is SDPA's:
+``dropout_p == 0``, ``is_causal`` a bool and not combined with an
+``attn_mask``, an ``attn_mask`` that is a tensor of rank >= 2 and dtype bool,
+float32 or the query's, and no unknown keyword. Everything else passes
+through, including calls SDPA itself rejects, so SDPA raises its own error.
+
+Tensors whose class defines ``__torch_function__`` (such as the masks of
+``torch.nn.attention.bias.causal_upper_left`` / ``causal_lower_right``) are
+handed to it first, with the function now in ``torch.nn.functional`` as
+SDPA would: a ``CausalBias`` then calls SDPA again with ``is_causal`` or a
+plain mask, and that call is routed.
 
 Semantics of routed calls:
 
 * ``is_causal=True`` is SDPA's **top-left** mask (query ``i`` sees keys
   ``j <= i``); flashtile's ``causal`` is bottom-right. They agree for
-  ``Tq == Tk``. For ``Tq != Tk`` the router translates exactly: with
-  ``Tq < Tk`` no query sees a key at or past ``Tq``, so it runs flashtile's
-  causal attention on ``k[..., :Tq, :]`` (the dropped keys get zero gradient);
-  with ``Tq > Tk`` it uses ``window=(None, Tq - Tk)`` without ``causal``,
-  which gives exactly ``j <= i``. An ``attn_mask`` given with ``is_causal``
-  applies as well (SDPA in torch 2.13 combines the two; it does not raise).
+  ``Tq == Tk``; for ``Tq != Tk`` :func:`top_left_causal` translates exactly.
+  An ``attn_mask`` together with ``is_causal=True`` always passes to SDPA: in
+  torch 2.13 its math path raises there (3-D inputs, the MATH backend) and
+  its CPU flash path applies both, so only SDPA knows which it does.
 * A query row that sees no key gives zeros and zero gradients. SDPA in
   torch 2.13 does the same on CPU for bool masks and ``-inf``; older versions
   returned NaN there. A float mask that hides with a large finite value
@@ -40,7 +47,9 @@ Semantics of routed calls:
   would cost a pass over the mask).
 
 Under ``torch.compile`` the router is traced like any Python function: the
-counters then record the calls made while tracing, not every run.
+counters then record the calls made while tracing, not every run. Code that
+``torch.jit.script`` compiles while the router is active calls SDPA itself
+(TorchScript cannot call back into Python).
 Replacing a module attribute is process-wide, so do not route from several
 threads at once.
 """
@@ -48,85 +57,109 @@ threads at once.
 from __future__ import annotations
 
 import contextlib
-import math
+from typing import NamedTuple
 
 import torch
 
-from ._attention import ACCEPTED_DTYPES, attention
+from ._attention import attention
+from ._support import refusal
 
 
-def _broadcasts(shape, target) -> bool:
-    """Whether ``shape`` broadcasts to exactly ``target`` (trailing alignment)."""
-    if len(shape) > len(target):
-        return False
-    return all(m in (1, t) for m, t in zip(reversed(shape), reversed(target), strict=False))
+class TopLeftCausal(NamedTuple):
+    """SDPA's ``is_causal`` as flashtile arguments (see :func:`top_left_causal`)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    bias: torch.Tensor | None  # a mask or bias over the keys (last axis), cropped alike
+    causal: bool
+    window: tuple[None, int] | None
 
 
-def pass_reason(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, extra) -> str | None:
-    """Why this SDPA call cannot be routed to flashtile, or None when it can."""
+def top_left_causal(tq: int, key, value, bias=None) -> TopLeftCausal:
+    """SDPA's top-left ``is_causal`` (query ``i`` sees key ``j`` iff ``j <= i``) for flashtile.
+
+    flashtile's ``causal`` is bottom-right (``j <= i + Tk - Tq``). With
+    ``Tq < Tk`` no query sees a key at or past ``Tq``, so ``key``, ``value``
+    and ``bias`` are cropped to ``Tq`` keys, where the two alignments agree
+    (the dropped keys get zero gradient). With ``Tq > Tk`` nothing is cropped
+    and ``window=(None, Tq - Tk)`` without ``causal`` gives exactly ``j <= i``.
+    """
+    tk = key.shape[-2]
+    if tq > tk:  # j <= i is "at most Tq - Tk after the bottom-right position"
+        return TopLeftCausal(key, value, bias, False, (None, tq - tk))
+    if tq < tk:  # keys >= Tq are hidden from every query
+        key, value = key[..., :tq, :], value[..., :tq, :]
+        bias = None if bias is None else bias[..., :tq]
+    return TopLeftCausal(key, value, bias, True, None)
+
+
+def _sdpa_only_reason(query, attn_mask, dropout_p, is_causal, extra) -> str | None:
+    """Why SDPA would not compute what flashtile does (or would raise), or None."""
     if extra:
         return f"unknown SDPA arguments {sorted(extra)}"
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        return "q, k, v are not all tensors"
-    for t in (q, k, v, attn_mask):
-        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
-            return f"device {t.device.type} (flashtile runs on CPU)"
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in ACCEPTED_DTYPES:
-        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (need one float dtype)"
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         return f"dropout_p of type {type(dropout_p).__name__} (SDPA's own handling)"
     if dropout_p != 0:
         return "dropout_p > 0 (flashtile has no dropout)"
     if not isinstance(is_causal, bool):
         return f"is_causal of type {type(is_causal).__name__} (SDPA's own handling)"
-    if not (q.ndim == k.ndim == v.ndim and q.ndim in (3, 4)):
-        return f"rank {q.ndim}/{k.ndim}/{v.ndim} (flashtile takes 3-D or 4-D)"
-    if q.shape[:-3] != k.shape[:-3] or k.shape[:-3] != v.shape[:-3]:
-        return "batch dims differ (SDPA broadcasts them; flashtile does not)"
-    if 0 in q.shape or 0 in k.shape or 0 in v.shape:
-        return "empty tensor"
-    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
-    if hk != hv or (hq != hk and not (enable_gqa and hq % hk == 0)):
-        return f"heads {hq}/{hk}/{hv} without a valid enable_gqa (SDPA broadcasts or raises)"
-    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
-        return "head dims or key/value lengths differ (SDPA raises)"
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        return f"scale of type {type(scale).__name__}"
-    if scale is not None and not math.isfinite(scale):
-        return f"non-finite scale {scale}"
     if attn_mask is None:
         return None
     if not isinstance(attn_mask, torch.Tensor):
-        return "attn_mask is not a tensor"
+        return "attn_mask is not a tensor (SDPA's own handling)"
+    if is_causal:
+        return "attn_mask with is_causal=True (SDPA's own handling: some of its paths raise)"
     if attn_mask.ndim < 2:
         return f"attn_mask of rank {attn_mask.ndim} (SDPA takes (..., Tq, Tk))"
-    if attn_mask.dtype not in (torch.bool, torch.float32, q.dtype):
-        return f"attn_mask dtype {attn_mask.dtype} (SDPA takes bool, float32 or {q.dtype})"
-    if attn_mask.requires_grad and torch.is_grad_enabled():
-        return "attn_mask requires grad (a learned bias; flashtile gives masks no gradient)"
-    if not _broadcasts(attn_mask.shape, (*q.shape[:-1], k.shape[-2])):
-        return f"attn_mask shape {tuple(attn_mask.shape)} does not broadcast to the scores"
+    allowed = (torch.bool, torch.float32, getattr(query, "dtype", torch.float32))
+    if attn_mask.dtype not in allowed:
+        return f"attn_mask dtype {attn_mask.dtype} (SDPA takes bool, float32 or the query's)"
     return None
 
 
-def routed_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
-    """What SDPA computes, through :func:`flashtile.torch.attention` (call must be routable).
+def pass_reason(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, extra) -> str | None:
+    """Why this SDPA call is passed to SDPA rather than routed to flashtile, or None.
 
-    Translates SDPA's top-left ``is_causal`` exactly (see the module docstring);
-    with an ``attn_mask`` as well, both apply, as in SDPA.
+    SDPA's own rules first, then flashtile's: a call
+    :func:`flashtile.torch.attention` refuses gets the operator's message.
     """
-    tq, tk = q.shape[-2], k.shape[-2]
-    window = None
-    causal = bool(is_causal)
-    if causal and tq < tk:  # keys >= Tq are hidden from every query
-        k, v = k[..., :tq, :], v[..., :tq, :]
-        if attn_mask is not None and attn_mask.shape[-1] != 1:
-            attn_mask = attn_mask[..., :tq]
-    elif causal and tq > tk:  # j <= i is "at most Tq - Tk after the aligned position"
-        causal, window = False, (None, tq - tk)
+    reason = _sdpa_only_reason(q, attn_mask, dropout_p, is_causal, extra)
+    if reason is not None:
+        return reason
+    # The crop of a top-left is_causal changes no verdict, and checking the
+    # call as given keeps the caller's shapes in the message.
+    refused = refusal(q, k, v, causal=is_causal, scale=scale, mask=attn_mask, enable_gqa=enable_gqa)
+    return None if refused is None else refused.message
+
+
+def routed_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    """What SDPA computes, through :func:`flashtile.torch.attention` (call must be routable)."""
+    causal, window = False, None
+    if is_causal:
+        if attn_mask is not None:
+            raise ValueError("routed_attention: attn_mask with is_causal=True is SDPA's to handle")
+        k, v, _, causal, window = top_left_causal(q.shape[-2], k, v)
     return attention(
         q, k, v, causal=causal, scale=scale, window=window, mask=attn_mask, enable_gqa=enable_gqa
     )
+
+
+def _script_as_sdpa(standin, active: bool) -> None:
+    """Let ``torch.jit.script`` compile a call to the stand-in as SDPA's own ATen op.
+
+    TorchScript cannot compile the router (a Python method taking any
+    arguments); it looks functions up by ``id`` in its builtin table, so the
+    installed stand-in is listed there while it is active. Scripted code thus
+    calls SDPA itself, as it would outside the router.
+    """
+    builtins = getattr(torch.jit, "_builtins", None)  # private; absent in a torch without it
+    if builtins is None:
+        return
+    table = builtins._get_builtin_table()
+    if active:
+        table[id(standin)] = "aten::scaled_dot_product_attention"
+    else:
+        table.pop(id(standin), None)
 
 
 class SDPARouter(contextlib.ContextDecorator):
@@ -146,22 +179,26 @@ class SDPARouter(contextlib.ContextDecorator):
         self.passed = 0
         self.reasons: dict[str, int] = {}
         self._original = None
+        self._standin = None
 
     def __enter__(self) -> SDPARouter:
         if self._original is not None:
             raise RuntimeError("this SDPARouter is already active; create a new one to nest")
         self._original = torch.nn.functional.scaled_dot_product_attention
-        torch.nn.functional.scaled_dot_product_attention = self.sdpa
+        self._standin = self.sdpa  # one bound method, so that its id names it while active
+        torch.nn.functional.scaled_dot_product_attention = self._standin
+        _script_as_sdpa(self._standin, True)
         return self
 
     def __exit__(self, *exc_info) -> bool:
-        if torch.nn.functional.scaled_dot_product_attention != self.sdpa:
+        if torch.nn.functional.scaled_dot_product_attention is not self._standin:
             raise RuntimeError(
                 "SDPARouter exited while another router it enclosed is still active: "
                 "exit nested routers in reverse order (use them as `with` blocks)"
             )
         torch.nn.functional.scaled_dot_product_attention = self._original
-        self._original = None
+        _script_as_sdpa(self._standin, False)
+        self._original = self._standin = None
         return False  # exceptions propagate
 
     def sdpa(
@@ -177,6 +214,23 @@ class SDPARouter(contextlib.ContextDecorator):
         **extra,
     ):
         """The stand-in for SDPA: same signature, routed or passed through."""
+        tensors = (query, key, value, attn_mask)
+        if torch.overrides.has_torch_function(tensors):
+            # What SDPA does for such tensors, with the function a subclass
+            # compares against (CausalBias) being this stand-in while it is installed.
+            return torch.overrides.handle_torch_function(
+                torch.nn.functional.scaled_dot_product_attention,
+                tensors,
+                query,
+                key,
+                value,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+                **extra,
+            )
         reason = pass_reason(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, extra
         )

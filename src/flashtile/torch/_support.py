@@ -1,0 +1,261 @@
+"""Which calls :func:`flashtile.torch.attention` runs, and why not: the one rule.
+
+:func:`refusal` returns None for a call the operator computes, or a
+:class:`Refusal`: the exception type and message the operator raises for it.
+The operator raises exactly that; the SDPA router (:mod:`.routing`) passes a
+call it would route on to SDPA with that message as its reason. Both read
+this one function, so they cannot disagree about what flashtile supports.
+
+The rule covers what the torch layer decides: types, devices, dtypes, ranks,
+heads, sizes, flags, ``scale``, ``window``, the kind of the mask and slopes
+(plain CPU tensors, no gradient wanted) and the mask's broadcasting. The
+kernels' own validation still refuses bad values inside an accepted argument
+(NaN in a float mask, slopes of the wrong length, a negative ``softcap``) with
+a ValueError; the router never passes slopes or softcap, and reading a mask's
+values here would cost a pass over it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ..masks import normalize_window
+
+#: Input dtypes accepted; 16-bit floats are computed in float32.
+ACCEPTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class Refusal(NamedTuple):
+    """Why flashtile cannot run a call: what the operator raises."""
+
+    error: type[Exception]  # ValueError or TypeError
+    message: str
+
+    def exception(self) -> Exception:
+        return self.error(self.message)
+
+
+def as_constant(t) -> torch.Tensor | None:
+    """A mask or slopes argument as a tensor (NumPy arrays and lists are a convenience).
+
+    A list of Python floats becomes float64, not torch's default float32, so
+    it is not rounded before the kernel sees it; bools and ints keep their kind.
+    """
+    if t is None or isinstance(t, torch.Tensor):
+        return t
+    converted = torch.as_tensor(t)
+    if isinstance(t, (list, tuple)) and converted.dtype.is_floating_point:
+        converted = torch.as_tensor(t, dtype=torch.float64)
+    return converted
+
+
+def _device(t: torch.Tensor, name: str) -> Refusal | None:
+    if t.device.type == "cpu":
+        return None
+    return Refusal(
+        ValueError,
+        f"{name} is on device {t.device}, but flashtile.torch.attention runs on CPU "
+        f"tensors only (its kernels are NumPy/Numba); on GPU use "
+        f"torch.nn.functional.scaled_dot_product_attention, or move the tensors with .cpu()",
+    )
+
+
+def _tensors(q, k, v) -> Refusal | None:
+    """q, k, v: CPU tensors of one accepted dtype and one rank, 3 or 4."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            return Refusal(
+                TypeError,
+                f"{name} is a {type(t).__name__}, not a torch.Tensor: flashtile.torch.attention "
+                f"takes tensors (use flashtile.attention for NumPy arrays)",
+            )
+        if refused := _device(t, name):
+            return refused
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in ACCEPTED_DTYPES:
+        return Refusal(
+            TypeError,
+            f"q, k, v must share one floating dtype (float16, bfloat16, float32 or float64), "
+            f"got {q.dtype}, {k.dtype}, {v.dtype}",
+        )
+    if not (q.ndim == k.ndim == v.ndim and q.ndim in (3, 4)):
+        return Refusal(
+            ValueError,
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
+            f"flashtile.torch.attention takes (B, H, T, d) tensors as SDPA does (or (H, T, d)), "
+            f"all with the same rank",
+        )
+    return None
+
+
+def _heads(q, k, v, enable_gqa: bool) -> Refusal | None:
+    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    if hk == 0 or hq == 0:
+        return Refusal(
+            ValueError, f"q has {hq} heads and k {hk}: attention needs at least one head each"
+        )
+    if hk != hv:
+        return Refusal(ValueError, f"k has {hk} heads but v has {hv}: they must have the same")
+    if hq != hk and not enable_gqa:
+        return Refusal(
+            ValueError,
+            f"q has {hq} heads but k and v have {hk}: pass enable_gqa=True for grouped-query "
+            f"attention (as torch SDPA requires), or repeat k and v to {hq} heads",
+        )
+    if hq % hk:
+        return Refusal(
+            ValueError, f"enable_gqa needs Hq divisible by Hkv, got Hq={hq} and Hkv={hk}"
+        )
+    return None
+
+
+def _sizes(q, k, v) -> Refusal | None:
+    """One batch for all three, matching head dims and key/value lengths, nothing empty but B."""
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
+        return Refusal(
+            ValueError,
+            f"batch dims differ ({shapes}): flashtile.torch.attention does not broadcast them "
+            f"(SDPA does); expand the smaller ones, e.g. k.expand(B, -1, -1, -1)",
+        )
+    if q.shape[-1] != k.shape[-1]:
+        return Refusal(
+            ValueError,
+            f"q and k have head dims {q.shape[-1]} and {k.shape[-1]} ({shapes}): "
+            f"queries and keys must have the same last dimension",
+        )
+    if k.shape[-2] != v.shape[-2]:
+        return Refusal(
+            ValueError,
+            f"k has {k.shape[-2]} keys but v has {v.shape[-2]} values ({shapes}): "
+            f"every key needs exactly one value row",
+        )
+    sizes = (("Tq", q.shape[-2]), ("Tk", k.shape[-2]), ("d", q.shape[-1]), ("dv", v.shape[-1]))
+    for label, size in sizes:
+        if size == 0:
+            return Refusal(
+                ValueError,
+                f"{label} is 0 ({shapes}): empty sequences and zero-width heads are not "
+                f"supported (an empty batch is)",
+            )
+    return None
+
+
+def _flag(value, name: str) -> Refusal | None:
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    return Refusal(TypeError, f"{name} must be True or False, got {value!r}")
+
+
+def _number(value, name: str) -> Refusal | None:
+    """None or a real number (``bool`` is refused); ``scale`` must also be finite."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return Refusal(TypeError, f"{name} must be a real number or None, got {value!r}")
+    if name == "scale" and not math.isfinite(value):
+        return Refusal(ValueError, f"scale must be finite, got {value}")
+    return None
+
+
+def _window(window) -> Refusal | None:
+    try:
+        normalize_window(window, False)  # the library's own rule for windows
+    except (TypeError, ValueError) as exc:
+        return Refusal(type(exc), str(exc))
+    return None
+
+
+def _constant(t, name: str, floating_only: bool) -> Refusal | None:
+    """A mask or slopes argument: convertible, CPU, bool or floating, no gradient wanted."""
+    if t is None:
+        return None
+    try:
+        t = as_constant(t)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        return Refusal(TypeError, f"{name} cannot be made a tensor: {exc}")
+    if torch.overrides.has_torch_function((t,)):
+        # e.g. torch.nn.attention.bias.CausalBias: its values live in
+        # __torch_function__, not in its storage, which the kernels would read.
+        return Refusal(
+            TypeError,
+            f"{name} is a {type(t).__name__}, a tensor subclass with its own "
+            f"__torch_function__: pass a plain tensor (for a causal bias, causal=True is "
+            f"causal_lower_right; causal_upper_left is SDPA's is_causal)",
+        )
+    if refused := _device(t, name):
+        return refused
+    if t.requires_grad and torch.is_grad_enabled():
+        return Refusal(
+            ValueError,
+            f"{name} requires grad, but flashtile computes no gradient for it (it is a constant "
+            f"to the kernels): pass {name}.detach() if it is fixed; for a learned bias use "
+            f"torch.nn.functional.scaled_dot_product_attention",
+        )
+    if t.dtype == torch.bool or t.dtype.is_floating_point:
+        return None
+    return Refusal(
+        TypeError, f"{name} must be {'' if floating_only else 'bool or '}floating, got {t.dtype}"
+    )
+
+
+def _mask_shape(mask, q, k) -> Refusal | None:
+    """A mask broadcasts to exactly the scores ``(..., Hq, Tq, Tk)`` (it may not enlarge them)."""
+    mask = as_constant(mask)
+    target = (*q.shape[:-1], k.shape[-2])
+    if mask.ndim == 0:
+        return Refusal(
+            ValueError,
+            "mask is a scalar: pass a tensor that broadcasts to (..., Tq, Tk), or "
+            "mask=None to keep every key",
+        )
+    fits = mask.ndim <= len(target) and all(
+        m in (1, t) for m, t in zip(reversed(mask.shape), reversed(target), strict=False)
+    )
+    if fits:
+        return None
+    return Refusal(
+        ValueError,
+        f"mask has shape {tuple(mask.shape)}, which does not broadcast to (..., Tq, Tk) = {target}",
+    )
+
+
+def refusal(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    scale=None,
+    window=None,
+    alibi_slopes=None,
+    softcap=None,
+    mask=None,
+    enable_gqa=False,
+    return_lse=False,
+) -> Refusal | None:
+    """Why :func:`flashtile.torch.attention` refuses this call, or None when it runs it.
+
+    Takes the operator's arguments (see there). The first problem found is
+    returned, in the order the arguments are read: q/k/v, flags, heads and
+    sizes, then the constants (mask, slopes), then the numbers and the window.
+    """
+    return (
+        _tensors(q, k, v)
+        or _flag(causal, "causal")
+        or _flag(enable_gqa, "enable_gqa")
+        or _flag(return_lse, "return_lse")
+        or _heads(q, k, v, enable_gqa)
+        or _sizes(q, k, v)
+        or _constant(mask, "mask", floating_only=False)
+        or (mask is not None and _mask_shape(mask, q, k))
+        or _constant(alibi_slopes, "alibi_slopes", floating_only=True)
+        or _number(scale, "scale")
+        or _number(softcap, "softcap")
+        or _window(window)
+        or None
+    )
