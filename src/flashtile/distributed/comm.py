@@ -76,6 +76,7 @@ def wait(works) -> None:
 
 def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """``x (P, ...)``: slot ``p`` goes to rank ``p``; the result has rank ``p``'s in slot ``p``."""
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x.contiguous(), group=group)
+    x = x.contiguous()
+    out = torch.empty_like(x)  # contiguous too (empty_like keeps x's strides)
+    dist.all_to_all_single(out, x, group=group)
     return out
