@@ -24,10 +24,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="flashtile.distributed runs on torch.distributed")
 
 import torch.distributed as dist  # noqa: E402
-from dense import rel_err  # noqa: E402
 
 import flashtile  # noqa: E402
 import flashtile.distributed as fd  # noqa: E402
+from dense import rel_err  # noqa: E402
 
 WORLD_SIZES = (2, 3, 4)
 #: Seconds a whole world may take (spawn, imports, every case) before it counts as hung.
@@ -60,6 +60,7 @@ def _problem(seed, world, *, b=2, hq=2, hkv=2, chunk=3, d=5, dv=None, layout="zi
 def _run_and_check(fn, whole, rank, world, *, layout, dtype, keywords, tol=None):
     """Run ``fn`` on this rank's shard (forward + backward); compare with one process."""
     q, k, v, dout = whole
+
     def shard(x):  # lse is (B, H, T): its sequence axis is the last
         return fd.shard_sequence(x, rank, world, layout=layout, dim=-1 if x.ndim == 3 else -2)
 
@@ -72,11 +73,9 @@ def _run_and_check(fn, whole, rank, world, *, layout, dtype, keywords, tol=None)
     work = np.float64 if dtype == torch.float64 else np.float32
 
     def one_process(a):
-        o, l = flashtile.attention(*(x.astype(a) for x in (q, k, v)), return_lse=True, **plain)
-        grads = flashtile.attention_backward(
-            *(x.astype(a) for x in (q, k, v)), o, l, dout.astype(a), **plain
-        )
-        return [o, l, *grads]
+        args = [x.astype(a) for x in (q, k, v)]
+        o, o_lse = flashtile.attention(*args, return_lse=True, **plain)
+        return [o, o_lse, *flashtile.attention_backward(*args, o, o_lse, dout.astype(a), **plain)]
 
     exact, same_dtype = one_process(np.float64), one_process(work)
     names = ["out", "lse", "dq", "dk", "dv"]
@@ -94,24 +93,47 @@ def _run_and_check(fn, whole, rank, world, *, layout, dtype, keywords, tol=None)
 def ring_zigzag_causal_float64(rank, world):
     whole = _problem(1, world, dtype=np.float64)
     kw = {"causal": True}
-    _run_and_check(fd.ring_attention, whole, rank, world, layout="zigzag", dtype=torch.float64,
-                   keywords=kw, tol=1e-10)
+    _run_and_check(
+        fd.ring_attention,
+        whole,
+        rank,
+        world,
+        layout="zigzag",
+        dtype=torch.float64,
+        keywords=kw,
+        tol=1e-10,
+    )
 
 
 @case()
 def ring_contiguous_causal_gqa_float64(rank, world):
     whole = _problem(2, world, hq=4, hkv=2, dv=3, layout="contiguous", dtype=np.float64)
     kw = {"causal": True, "enable_gqa": True, "scale": 0.7}
-    _run_and_check(fd.ring_attention, whole, rank, world, layout="contiguous",
-                   dtype=torch.float64, keywords=kw, tol=1e-10)
+    _run_and_check(
+        fd.ring_attention,
+        whole,
+        rank,
+        world,
+        layout="contiguous",
+        dtype=torch.float64,
+        keywords=kw,
+        tol=1e-10,
+    )
 
 
 @case()
 def ring_noncausal_float32(rank, world):
     for layout in ("zigzag", "contiguous"):
         whole = _problem(3, world, chunk=4, d=8, layout=layout, dtype=np.float32)
-        _run_and_check(fd.ring_attention, whole, rank, world, layout=layout, dtype=torch.float32,
-                       keywords={"causal": False})
+        _run_and_check(
+            fd.ring_attention,
+            whole,
+            rank,
+            world,
+            layout=layout,
+            dtype=torch.float32,
+            keywords={"causal": False},
+        )
 
 
 @case()
@@ -122,8 +144,16 @@ def ring_windows_float64(rank, world):
         for causal, window in windows:
             whole = _problem(4, world, chunk=3, layout=layout, dtype=np.float64)
             kw = {"causal": causal, "window": window, "softcap": 2.0}
-            _run_and_check(fd.ring_attention, whole, rank, world, layout=layout,
-                           dtype=torch.float64, keywords=kw, tol=1e-10)
+            _run_and_check(
+                fd.ring_attention,
+                whole,
+                rank,
+                world,
+                layout=layout,
+                dtype=torch.float64,
+                keywords=kw,
+                tol=1e-10,
+            )
 
 
 @case(2, 4)
@@ -135,8 +165,9 @@ def ring_bfloat16_within_one_process_error(rank, world):
     whole16 = [bf(x).double().numpy() for x in (q, k, v)]  # what bf16 inputs hold
     ref = flashtile.attention(*whole16, causal=True)
     # One process on bf16 inputs: computed in float32, the output rounded to bf16.
-    one = torch.from_numpy(flashtile.attention(*(x.astype(np.float32) for x in whole16),
-                                               causal=True)).to(torch.bfloat16)
+    one = torch.from_numpy(
+        flashtile.attention(*(x.astype(np.float32) for x in whole16), causal=True)
+    ).to(torch.bfloat16)
     ours = fd.ring_attention(*(bf(shard(x)) for x in (q, k, v)), causal=True)
     assert ours.dtype == torch.bfloat16
     err, err_one = rel_err(ours.double().numpy(), shard(ref)), rel_err(one.double().numpy(), ref)
@@ -149,11 +180,26 @@ def ulysses_matches_one_process(rank, world):
         whole = _problem(6, world, hq=2 * world, hkv=world, layout=layout, dtype=np.float64)
         slopes = np.linspace(0.1, 0.8, 2 * world)
         kw = {"causal": True, "enable_gqa": True, "alibi_slopes": slopes, "window": (4, 0)}
-        _run_and_check(fd.ulysses_attention, whole, rank, world, layout=layout,
-                       dtype=torch.float64, keywords=kw, tol=1e-10)
+        _run_and_check(
+            fd.ulysses_attention,
+            whole,
+            rank,
+            world,
+            layout=layout,
+            dtype=torch.float64,
+            keywords=kw,
+            tol=1e-10,
+        )
     whole = _problem(7, world, hq=world, hkv=world, chunk=4, d=8, dtype=np.float32)
-    _run_and_check(fd.ulysses_attention, whole, rank, world, layout="zigzag",
-                   dtype=torch.float32, keywords={"causal": False, "softcap": 3.0})
+    _run_and_check(
+        fd.ulysses_attention,
+        whole,
+        rank,
+        world,
+        layout="zigzag",
+        dtype=torch.float32,
+        keywords={"causal": False, "softcap": 3.0},
+    )
 
 
 @case()
@@ -204,8 +250,11 @@ def context_parallel_decode_matches_one_process(rank, world):
         local = [np.zeros((b, hkv, 8 + hi - lo, d), dtype) for _ in range(2)]  # spare room
         local[0][:, :, : hi - lo], local[1][:, :, : hi - lo] = kc[:, :, lo:hi], vc[:, :, lo:hi]
         out = fd.context_parallel_decode(
-            torch.from_numpy(q), *map(torch.from_numpy, local), tail_rank=tail,
-            cache_seqlens=torch.full((b,), hi - lo), num_splits=2,
+            torch.from_numpy(q),
+            *map(torch.from_numpy, local),
+            tail_rank=tail,
+            cache_seqlens=torch.full((b,), hi - lo),
+            num_splits=2,
         )
         tol = 1e-12 if dtype == np.float64 else 1e-6
         assert rel_err(out.numpy(), ref) <= tol, (dtype, tq, tail, rel_err(out.numpy(), ref))
@@ -219,8 +268,16 @@ def ring_on_a_subgroup(rank, world):
         return
     whole = _problem(10, 2, dtype=np.float64)
     kw = {"causal": True, "group": sub}
-    _run_and_check(fd.ring_attention, whole, [1, 3].index(rank), 2, layout="zigzag",
-                   dtype=torch.float64, keywords=kw, tol=1e-10)
+    _run_and_check(
+        fd.ring_attention,
+        whole,
+        [1, 3].index(rank),
+        2,
+        layout="zigzag",
+        dtype=torch.float64,
+        keywords=kw,
+        tol=1e-10,
+    )
 
 
 @case(3)
@@ -248,6 +305,7 @@ def clear_errors_before_any_message(rank, world):
 def _worker(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=90))
+    torch.set_num_threads(1)  # as torchrun does: ranks share the cores
     results, seconds = {}, {}
     for name, (fn, worlds) in CASES.items():
         if world in worlds:
@@ -281,7 +339,10 @@ def world_results(request, tmp_path_factory):
     # so no thread pool exists yet when it forks.
     multiprocessing.set_forkserver_preload(["torch.distributed", "flashtile.distributed", __name__])
     ctx = torch.multiprocessing.start_processes(
-        _worker, args=(world, _free_port(), out_dir), nprocs=world, join=False,
+        _worker,
+        args=(world, _free_port(), out_dir),
+        nprocs=world,
+        join=False,
         start_method="forkserver",
     )
     deadline = time.monotonic() + WORLD_TIMEOUT
