@@ -143,12 +143,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(worker, world, *extra) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "result.json")
-        torch.multiprocessing.spawn(worker, args=(world, _free_port(), *extra, path), nprocs=world)
-        with open(path) as fh:
-            return json.load(fh)
+def _launch(worker, world, threads, *extra) -> dict:
+    """Run ``worker`` in ``world`` fresh processes whose Numba pools have ``threads`` threads
+    (a larger pool's idle OpenMP threads would spin on the other ranks' cores)."""
+    os.environ["NUMBA_NUM_THREADS"] = str(threads)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "result.json")
+            args = (world, _free_port(), *extra, path)
+            torch.multiprocessing.spawn(worker, args=args, nprocs=world)
+            with open(path) as fh:
+                return json.load(fh)
+    finally:
+        del os.environ["NUMBA_NUM_THREADS"]
 
 
 def scaling(args) -> None:
@@ -164,7 +171,7 @@ def scaling(args) -> None:
     results = {name: [] for name in configs}
     for _ in range(args.rounds):  # rounds interleave the configurations against drift
         for name, (kind, layout, threads, world) in configs.items():
-            res = _launch(_scaling_worker, world, args, (kind, layout, threads))
+            res = _launch(_scaling_worker, world, threads, args, (kind, layout, threads))
             results[name].append(res)
     print(
         f"\ncausal attention forward + backward, float32, B=1, H={args.heads}, "
@@ -222,7 +229,8 @@ def _errors_worker(rank, world, port, args, out_path):
             ("out", "dq", "dk", "dv"), [got] + [x.grad for x in xs], refs, strict=True
         ):
             ref = shard(torch.from_numpy(ref))
-            sums = torch.tensor([((g.double() - ref) ** 2).sum(), (ref**2).sum()])
+            g = g.detach().double()
+            sums = torch.stack([((g - ref) ** 2).sum(), (ref**2).sum()])
             dist.all_reduce(sums)  # the error of the whole sequence
             errors[f"{name} {label}"] = float((sums[0] / sums[1]).sqrt())
     if rank == 0:
@@ -247,7 +255,8 @@ def _merged_in(parts: int, whole, dtype) -> float:
 
 
 def errors(args) -> None:
-    rows = {world: _launch(_errors_worker, world, args) for world in args.worlds}
+    cores = len(os.sched_getaffinity(0))
+    rows = {w: _launch(_errors_worker, w, max(1, cores // w), args) for w in args.worlds}
     whole = _problem(args, args.error_seq, seed=2)
     print(
         f"\nrelative error against float64 of ring_attention (zigzag, causal), B=1, "

@@ -31,13 +31,18 @@ import os
 import sys
 import time
 
-import torch
-import torch.distributed as dist
+# Each process's Numba pool gets its share of the cores, before Numba starts: a pool of
+# every core would leave idle OpenMP threads spinning where the other ranks compute.
+_share = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+os.environ.setdefault("NUMBA_NUM_THREADS", str(max(1, _share)))
 
-import flashtile.distributed as fd
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import flashtile.distributed as fd  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train_tiny_gpt as tg
+import train_tiny_gpt as tg  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import socket
 import time
@@ -336,8 +337,17 @@ def world_results(request, tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp(f"world{world}"))
     # A fork server imports torch and flashtile once for every rank of every world
     # (a fresh interpreter per rank spends seconds on imports); it runs no kernel,
-    # so no thread pool exists yet when it forks.
+    # so no thread pool exists yet when it forks. Its ranks get one-thread Numba
+    # pools, as a launch for this machine would give them (see threads.py).
     multiprocessing.set_forkserver_preload(["torch.distributed", "flashtile.distributed", __name__])
+    saved = os.environ.get("NUMBA_NUM_THREADS")
+    os.environ["NUMBA_NUM_THREADS"] = "1"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.pop("NUMBA_NUM_THREADS")
+        if saved is not None:
+            os.environ["NUMBA_NUM_THREADS"] = saved
     ctx = torch.multiprocessing.start_processes(
         _worker,
         args=(world, _free_port(), out_dir),

@@ -9,18 +9,18 @@ import pytest
 
 pytest.importorskip("torch", reason="flashtile.distributed runs on torch.distributed")
 
-import torch  # noqa: E402
-from dense import variant_visibility  # noqa: E402
+import torch
 
-from flashtile.distributed import (  # noqa: E402
+from dense import variant_visibility
+from flashtile.distributed import (
     ring_attention,
     sequence_positions,
     set_num_threads,
     shard_sequence,
 )
-from flashtile.distributed.blocks import band, plan_blocks  # noqa: E402
-from flashtile.distributed.layout import segments, to_layout_order, to_sequence_order  # noqa: E402
-from flashtile.distributed.threads import ENV_VAR, threads_per_process  # noqa: E402
+from flashtile.distributed.blocks import band, plan_blocks
+from flashtile.distributed.layout import segments, to_layout_order, to_sequence_order
+from flashtile.distributed.threads import ENV_VAR, threads_per_process
 
 BANDS = [
     (False, None),
@@ -76,9 +76,11 @@ def test_zigzag_causal_steps_do_equal_work():
     lo, hi = band(True, None)
     for rank in range(world):
         for src in set(range(world)) - {rank}:
-            blocks = plan_blocks(
-                segments(total, rank, world, "zigzag"), segments(total, src, world, "zigzag"), lo, hi
+            mine, theirs = (
+                segments(total, rank, world, "zigzag"),
+                segments(total, src, world, "zigzag"),
             )
+            blocks = plan_blocks(mine, theirs, lo, hi)
             # One full call per remote step, of 2 C^2 pairs (C = 8 tokens per chunk).
             assert len(blocks) == 1 and blocks[0].full
             assert (blocks[0].q1 - blocks[0].q0) * (blocks[0].k1 - blocks[0].k0) == 2 * 8 * 8
@@ -87,9 +89,8 @@ def test_zigzag_causal_steps_do_equal_work():
 def test_own_shard_under_causal_is_one_call():
     for layout in ("zigzag", "contiguous"):
         mine = segments(24, 1, 3, layout)
-        assert [(b.q0, b.q1, b.k0, b.k1, b.causal) for b in plan_blocks(mine, mine, *band(True, None))] == [
-            (0, 8, 0, 8, True)
-        ]
+        blocks = plan_blocks(mine, mine, *band(True, None))
+        assert [(b.q0, b.q1, b.k0, b.k1, b.causal) for b in blocks] == [(0, 8, 0, 8, True)]
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
@@ -169,3 +170,26 @@ def test_needs_an_initialised_group():
     x = torch.zeros(1, 1, 4, 2)
     with pytest.raises(RuntimeError, match="init_process_group"):
         ring_attention(x, x, x)
+
+
+def test_warns_once_when_idle_pool_threads_would_spin(monkeypatch):
+    import warnings
+
+    import numba
+
+    from flashtile.distributed import threads
+
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 4)
+    monkeypatch.setattr(threads, "_spinning_layer", lambda: True)
+    monkeypatch.setattr(threads, "_warned", False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        threads._warn_if_pool_spins(1)  # passive threads sleep: nothing to say
+        monkeypatch.delenv("OMP_WAIT_POLICY")
+        threads._warn_if_pool_spins(4)  # the pool is this process's share
+    with pytest.warns(RuntimeWarning, match="NUMBA_NUM_THREADS=1 "):
+        threads._warn_if_pool_spins(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        threads._warn_if_pool_spins(1)  # once per process

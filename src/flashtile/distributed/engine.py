@@ -75,6 +75,7 @@ def ring_forward(setup: Setup, q, k, v) -> tuple[np.ndarray, np.ndarray]:
     qn = as_work(q, work)
     out = np.zeros(q.shape[:-1] + v.shape[-1:], dtype=qn.dtype)
     lse = np.full(q.shape[:-1], -np.inf, dtype=qn.dtype)
+    seen = np.zeros(q.shape[2], dtype=bool)  # rows that hold a partial result already
     kv = _pack(k, v)
     spare = torch.empty_like(kv)
     for step, blocks in enumerate(setup.steps):
@@ -90,9 +91,11 @@ def ring_forward(setup: Setup, q, k, v) -> tuple[np.ndarray, np.ndarray]:
                 **blk.kwargs(),
                 **setup.keywords,
             )
-            out[:, :, blk.q0 : blk.q1], lse[:, :, blk.q0 : blk.q1] = flashtile.merge_states(
-                _rows(out, blk), _rows(lse, blk), o, o_lse
-            )
+            if seen[blk.q0 : blk.q1].any():
+                o, o_lse = flashtile.merge_states(_rows(out, blk), _rows(lse, blk), o, o_lse)
+            # else: merging into the empty state would give (o, o_lse) bit for bit
+            out[:, :, blk.q0 : blk.q1], lse[:, :, blk.q0 : blk.q1] = o, o_lse
+            seen[blk.q0 : blk.q1] = True
         wait(works)
         kv, spare = spare, kv
     return out, lse

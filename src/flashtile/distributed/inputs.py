@@ -7,6 +7,8 @@ import torch
 
 import flashtile
 
+from .threads import kernel_threads
+
 #: Input dtypes accepted; 16-bit floats travel as they are and compute in float32.
 ACCEPTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -63,11 +65,14 @@ def slopes_array(alibi_slopes):
     return alibi_slopes
 
 
-def check_variants(q: torch.Tensor, scale, softcap, alibi_slopes) -> None:
+def check_variants(q: torch.Tensor, scale, softcap, alibi_slopes, procs: int) -> None:
     """Let flashtile itself validate ``scale``/``softcap``/``alibi_slopes``, before
     any message is posted: a tiny call with the same keywords (a rank that
-    raised after posting would leave its peers waiting)."""
+    raised after posting would leave its peers waiting). It runs with this
+    process's share of threads like every other kernel call here: a larger team
+    would keep spinning on cores that other ranks are computing on."""
     b, h, _, d = q.shape
     probe = np.zeros((b, h, 1, d), dtype=np.float32)
     keywords = {"scale": scale, "softcap": softcap, "alibi_slopes": alibi_slopes}
-    flashtile.attention(probe, probe, probe, **keywords)
+    with kernel_threads(procs):
+        flashtile.attention(probe, probe, probe, **keywords)

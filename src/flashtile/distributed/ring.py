@@ -85,7 +85,7 @@ def ring_attention(
         )
     steps = plan_ring(ring, q.shape[2], layout, causal, window)
     alibi_slopes = slopes_array(alibi_slopes)
-    check_variants(q, scale, softcap, alibi_slopes)
+    check_variants(q, scale, softcap, alibi_slopes, ring.size)
     keywords = {"scale": scale, "softcap": softcap, "alibi_slopes": alibi_slopes}
     out, lse = RingAttention.apply(q, k, v, Setup(ring, steps, keywords, procs=ring.size))
     return (out, lse) if return_lse else out

@@ -12,15 +12,27 @@ of :mod:`flashtile.distributed` therefore runs its kernels with
 
 at least 1 and at most Numba's ``NUMBA_NUM_THREADS``. The count applies
 inside the call only; the caller's own setting is restored afterwards.
+
+Numba's pool keeps the ``NUMBA_NUM_THREADS`` threads it started with, and
+with the OpenMP layer the idle ones spin after each parallel region, on cores
+that the other ranks are computing on (measured with two ranks on two cores:
+a 1 ms ``torch.cat`` on the other rank took 100-180 ms). The OpenMP runtime
+and Numba read their settings when they start, so the fix belongs in the
+launch environment: ``NUMBA_NUM_THREADS=<threads per process>`` (or
+``OMP_WAIT_POLICY=PASSIVE``). The first call warns once when neither is set
+and the pool is larger than this process's share.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 
 ENV_VAR = "FLASHTILE_NUM_THREADS"
 _chosen: int | None = None
+
+_warned = False
 
 
 def _positive(value, what: str) -> int:
@@ -61,13 +73,43 @@ def threads_per_process(group_size: int) -> int:
     return max(1, min(n, numba.config.NUMBA_NUM_THREADS))
 
 
+def _spinning_layer() -> bool:
+    """Whether Numba's threading layer is (or by default will be) OpenMP."""
+    import numba
+
+    try:
+        return numba.threading_layer() == "omp"
+    except ValueError:  # not started yet: only an explicit choice rules OpenMP out
+        return numba.config.THREADING_LAYER not in ("workqueue", "tbb")
+
+
+def _warn_if_pool_spins(share: int) -> None:
+    global _warned
+    import numba
+
+    pool = numba.config.NUMBA_NUM_THREADS
+    if _warned or pool <= share or os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
+        return
+    _warned = True
+    if _spinning_layer():
+        warnings.warn(
+            f"Numba's thread pool has {pool} threads but this process uses {share}: the idle "
+            f"OpenMP threads spin on cores other processes compute on. Launch with "
+            f"NUMBA_NUM_THREADS={share} (or OMP_WAIT_POLICY=PASSIVE) in the environment",
+            RuntimeWarning,
+            stacklevel=5,  # the distributed call (kernel_threads is entered one level down)
+        )
+
+
 @contextlib.contextmanager
 def kernel_threads(group_size: int):
     """Run the body with :func:`threads_per_process` Numba threads, then restore."""
     import numba
 
+    share = threads_per_process(group_size)
+    _warn_if_pool_spins(share)
     before = numba.get_num_threads()
-    numba.set_num_threads(threads_per_process(group_size))
+    numba.set_num_threads(share)
     try:
         yield
     finally:
