@@ -300,6 +300,19 @@ def clear_errors_before_any_message(rank, world):
     fd.ring_attention(y, y, y)  # the group still works after the refusals
 
 
+@case(2)
+def example_trains_like_one_process(rank, world):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "context_parallel.py"
+    spec = importlib.util.spec_from_file_location("context_parallel", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = example.parse_args(["--steps", "3", "--context", "32", "--dtype", "float64"])
+    assert example.train(args, rank, world)  # rank 0 compares with its one-process twin
+
+
 # ------------------------------------------------------------------ process plumbing
 
 
@@ -331,10 +344,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
-def world_results(request, tmp_path_factory):
-    world = request.param
-    out_dir = str(tmp_path_factory.mktemp(f"world{world}"))
+def _run_world(world: int, out_dir: str) -> list[dict]:
+    """Every case in one group of ``world`` ranks; each rank's ``{case: traceback or None}``."""
     # A fork server imports torch and flashtile once for every rank of every world
     # (a fresh interpreter per rank spends seconds on imports); it runs no kernel,
     # so no thread pool exists yet when it forks. Its ranks get one-thread Numba
@@ -364,13 +375,25 @@ def world_results(request, tmp_path_factory):
         for proc in ctx.processes:
             if proc.is_alive():
                 proc.kill()
-    return world, [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]
+    return [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_case(world_results, name):
-    world, results = world_results
-    if world not in CASES[name][1]:
-        pytest.skip(f"{name} runs with {CASES[name][1]} ranks")
-    failures = [f"rank {r}:\n{res[name]}" for r, res in enumerate(results) if res[name]]
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    """``worlds(P)``: the ranks' results of a group of ``P``, run on first use only."""
+    cache = {}
+
+    def results(world: int) -> list[dict]:
+        if world not in cache:
+            cache[world] = _run_world(world, str(tmp_path_factory.mktemp(f"world{world}")))
+        return cache[world]
+
+    return results
+
+
+@pytest.mark.parametrize(
+    "world, name", [(w, n) for w in WORLD_SIZES for n in CASES if w in CASES[n][1]]
+)
+def test_case(worlds, world, name):
+    failures = [f"rank {r}:\n{res[name]}" for r, res in enumerate(worlds(world)) if res[name]]
     assert not failures, "\n".join(failures)
