@@ -121,12 +121,16 @@ class GPTConfig:
     n_head: int = 4
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention whose core is flashtile or torch SDPA.
+#: Causal attention cores by kind: each takes ``q, k, v`` of shape ``(B, H, T, head_dim)``
+#: (SDPA layout) and returns the same shape. examples/context_parallel.py adds its own.
+ATTENTION = {
+    "flashtile": lambda q, k, v: ftt.attention(q, k, v, causal=True),
+    "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+}
 
-    ``kind`` is ``"flashtile"`` or ``"sdpa"``; both receive ``q, k, v`` of shape
-    ``(B, H, T, head_dim)`` (SDPA layout) and return the same shape.
-    """
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention whose core is ``ATTENTION[kind]`` (flashtile or SDPA)."""
 
     def __init__(self, cfg: GPTConfig, kind: str) -> None:
         super().__init__()
@@ -141,10 +145,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(c, dim=2)
         # (B, T, C) -> (B, H, T, head_dim)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        if self.kind == "flashtile":
-            y = ftt.attention(q, k, v, causal=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = ATTENTION[self.kind](q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -188,14 +189,19 @@ class TinyGPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def set_kind(self, kind: str) -> None:
-        """Switch every attention layer to ``"flashtile"`` or ``"sdpa"``."""
+        """Switch every attention layer to an ``ATTENTION`` kind (``"flashtile"``, ``"sdpa"``)."""
         for blk in self.blocks:
             blk.attn.kind = kind
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """``idx``, ``targets``: ``(B, T)`` token ids -> mean next-token cross-entropy."""
-        t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor, positions=None) -> torch.Tensor:
+        """``idx``, ``targets``: ``(B, T)`` token ids -> mean next-token cross-entropy.
+
+        ``positions``: ``(T,)`` each token's position (default ``0 .. T-1``; a shard of a
+        longer sequence passes its own).
+        """
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(positions)
         for blk in self.blocks:
             x = blk(x)
         logits = self.ln_f(x) @ self.tok.weight.T  # tied head: (B, T, vocab)

@@ -1,0 +1,91 @@
+"""``ring_attention``: exact attention over a sequence sharded across the ranks of a group."""
+
+from __future__ import annotations
+
+from .blocks import band, plan_blocks
+from .comm import ring_of
+from .engine import RingAttention, Setup
+from .inputs import check_qkv, check_variants, slopes_array
+from .layout import check_layout, chunk_size, segments
+
+
+def plan_ring(ring, t_local: int, layout: str, causal: bool, window) -> tuple:
+    """The blocks of every step for this rank: ``steps[s]`` meets rank ``rank - s``'s keys."""
+    p = ring.size
+    total = t_local * p
+    chunk_size(total, p, layout, detail=f" ({t_local} tokens per rank x {p} ranks)")
+    lo, hi = band(causal, window)
+    mine = segments(total, ring.rank, p, layout)
+    return tuple(
+        tuple(plan_blocks(mine, segments(total, (ring.rank - s) % p, p, layout), lo, hi))
+        for s in range(p)
+    )
+
+
+def ring_attention(
+    q,
+    k,
+    v,
+    *,
+    group=None,
+    causal=False,
+    layout="zigzag",
+    scale=None,
+    window=None,
+    softcap=None,
+    alibi_slopes=None,
+    enable_gqa=False,
+    return_lse=False,
+):
+    """Attention over a sequence split across the ranks of ``group``, by passing K/V round a ring.
+
+    Every rank calls it with its shard (:func:`~flashtile.distributed.shard_sequence`)
+    and gets its shard of the result: exactly what one process would compute on
+    the whole sequence with :func:`flashtile.attention`, up to rounding.
+
+    Args:
+        q: ``(B, Hq, T_local, d)`` CPU tensor, this rank's queries.
+        k, v: ``(B, Hkv, T_local, d)`` and ``(B, Hkv, T_local, dv)``, this
+            rank's keys and values. Every rank passes the same shapes.
+        group: a ``torch.distributed`` process group (default: the world);
+            gloo, CPU tensors.
+        causal: each query sees the keys at or before its *global* position.
+        layout: ``"zigzag"`` (default; the sequence length ``T = P * T_local``
+            must be a multiple of ``2P``) or ``"contiguous"`` (a multiple of ``P``);
+            see :mod:`flashtile.distributed.layout`.
+        scale, softcap: as in :func:`flashtile.attention`.
+        window: ``(left, right)`` by global positions: query ``p`` sees keys
+            ``p - left .. p + right`` (None / -1: unbounded).
+        alibi_slopes: not supported over more than one rank (its bias needs
+            each pair's true distance); use :func:`ulysses_attention`.
+        enable_gqa: allow ``Hkv != Hq`` (``Hq % Hkv == 0``); K/V travel with
+            ``Hkv`` heads.
+        return_lse: also return ``lse (B, Hq, T_local)`` (natural log,
+            float32, or float64 for float64 inputs; no gradient).
+
+    Returns:
+        ``out (B, Hq, T_local, dv)`` in the input dtype, and ``lse`` if asked.
+        Differentiable w.r.t. ``q``, ``k``, ``v``; the backward communicates
+        too, so every rank must run it.
+
+    Each of the ``P`` steps posts the next K/V exchange before computing
+    (communication overlaps compute) and skips key blocks wholly outside a
+    query block's causal range or window. Partial results merge in float32
+    (float64 for float64 inputs) whatever the input dtype. Kernel threads:
+    :mod:`flashtile.distributed.threads`.
+    """
+    check_layout(layout)
+    check_qkv(q, k, v, enable_gqa, "ring_attention")
+    ring = ring_of(group, q, k, v)
+    if alibi_slopes is not None and ring.size > 1:
+        raise ValueError(
+            "ring_attention does not support alibi_slopes over more than one rank: the ALiBi "
+            "bias depends on each query-key distance across shards; use "
+            "flashtile.distributed.ulysses_attention, which attends the whole sequence per head"
+        )
+    steps = plan_ring(ring, q.shape[2], layout, causal, window)
+    alibi_slopes = slopes_array(alibi_slopes)
+    check_variants(q, scale, softcap, alibi_slopes, ring.size)
+    keywords = {"scale": scale, "softcap": softcap, "alibi_slopes": alibi_slopes}
+    out, lse = RingAttention.apply(q, k, v, Setup(ring, steps, keywords, procs=ring.size))
+    return (out, lse) if return_lse else out
