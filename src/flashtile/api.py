@@ -35,9 +35,15 @@ from .planning import Call, plan_backward, plan_forward
 from .variants import resolve_variants
 
 
-def _checked(q, k, v, causal, scale, variants, cu_seqlens=None) -> Call:
-    """Validate one call: the arrays and their layout, the scale, the variants,
-    and for a packed batch its offsets ``cu_seqlens = (cu_q, cu_k)``."""
+def check_call(q, k, v, causal, scale, variants: dict, cu_seqlens=None) -> Call:
+    """Validate one call for the planner (the first step of every entry point).
+
+    Checks the arrays and their layout, the scale, the variant keywords
+    (``variants``, as passed to :func:`attention`) and, for a packed batch,
+    its offsets ``cu_seqlens = (cu_q, cu_k)``; raises
+    ValueError/TypeError naming the values. Also how tests build a
+    :class:`~flashtile.planning.Call` to inspect a plan.
+    """
     if cu_seqlens is not None:
         check_packed(q, k, v, variants)
     q, k, v, shapes = check_qkv(q, k, v)
@@ -49,22 +55,23 @@ def _checked(q, k, v, causal, scale, variants, cu_seqlens=None) -> Call:
     return Call(q, k, v, shapes, va, scale, cu_seqlens)
 
 
-def _forward(call, block_q, block_k, return_lse):
-    """Plan, run and shape one forward: ``out`` (and ``lse``) in the caller's layout."""
-    plan = plan_forward(call, block_q, block_k)
-    out, lse, _ = run_forward(plan)
+def _check_gradient_inputs(call, out, lse, dout):
+    """The backward's ``out``, ``lse`` and ``dout``, checked against the call's shapes."""
+    o_shape = call.shapes.batch + (call.shapes.tq, call.shapes.dv)
+    out = check_same_shape(out, "out", o_shape, "the forward output")
+    lse = check_same_shape(lse, "lse", o_shape[:-1], "from return_lse=True")
+    dout = check_same_shape(dout, "dout", o_shape, "the gradient of out")
+    return out, lse, dout
+
+
+def _forward_results(plan, out, lse, return_lse):
+    """The kernel's ``out``/``lse`` in the caller's layout and dtype."""
     out = out.reshape(plan.out_shape + out.shape[-1:]).astype(plan.dtype, copy=False)
     return (out, lse.reshape(plan.out_shape)) if return_lse else out
 
 
-def _backward(call, out, lse, dout, block_q, block_k):
-    """Check ``out``/``lse``/``dout``, plan, run and shape one backward."""
-    o_shape = call.shapes.batch + (call.shapes.tq, call.shapes.dv)
-    out = check_same_shape(out, "out", o_shape, "the forward output")
-    dout = check_same_shape(dout, "dout", o_shape, "the gradient of out")
-    lse = check_same_shape(lse, "lse", o_shape[:-1], "from return_lse=True")
-    plan = plan_backward(call, block_q, block_k)
-    grads = run_backward(plan, out, lse, dout)
+def _gradient_results(plan, call, grads):
+    """``(dq, dk, dv)`` in the shapes of the caller's ``q``, ``k``, ``v`` and its dtype."""
     return tuple(
         g.reshape(a.shape).astype(plan.dtype, copy=False)
         for g, a in zip(grads, (call.q, call.k, call.v), strict=True)
@@ -91,8 +98,10 @@ def attention(
         ``out (..., Tq, dv)`` in the input dtype, and ``lse`` if asked. A query
         that sees no key gets a zero row and ``lse = -inf``.
     """
-    call = _checked(q, k, v, causal, scale, variants)
-    return _forward(call, block_q, block_k, return_lse)
+    call = check_call(q, k, v, causal, scale, variants)
+    plan = plan_forward(call, block_q, block_k)
+    out, lse, _ = run_forward(plan)
+    return _forward_results(plan, out, lse, return_lse)
 
 
 def visited_tiles(q, k, v, *, causal=False, block_q, block_k, **variants) -> int:
@@ -101,7 +110,7 @@ def visited_tiles(q, k, v, *, causal=False, block_q, block_k, **variants) -> int
     For tests and curious users: shows the causal/window band and a block
     mask's empty tiles being skipped. Runs the forward once.
     """
-    plan = plan_forward(_checked(q, k, v, causal, None, variants), block_q, block_k)
+    plan = plan_forward(check_call(q, k, v, causal, None, variants), block_q, block_k)
     return run_forward(plan)[2]
 
 
@@ -122,8 +131,11 @@ def attention_backward(
         deterministic (bit-identical from run to run). Not differentiated:
         masks and ALiBi slopes (constants).
     """
-    call = _checked(q, k, v, causal, scale, variants)
-    return _backward(call, out, lse, dout, block_q, block_k)
+    call = check_call(q, k, v, causal, scale, variants)
+    out, lse, dout = _check_gradient_inputs(call, out, lse, dout)
+    plan = plan_backward(call, block_q, block_k)
+    grads = run_backward(plan, out, lse, dout)
+    return _gradient_results(plan, call, grads)
 
 
 def varlen_attention(
@@ -154,8 +166,10 @@ def varlen_attention(
     Returns:
         ``out (Hq, total_q, dv)`` and, if asked, ``lse (Hq, total_q)``.
     """
-    call = _checked(q, k, v, causal, scale, variants, (cu_seqlens_q, cu_seqlens_k))
-    return _forward(call, block_q, block_k, return_lse)
+    call = check_call(q, k, v, causal, scale, variants, (cu_seqlens_q, cu_seqlens_k))
+    plan = plan_forward(call, block_q, block_k)
+    out, lse, _ = run_forward(plan)
+    return _forward_results(plan, out, lse, return_lse)
 
 
 def varlen_attention_backward(
@@ -175,8 +189,11 @@ def varlen_attention_backward(
     **variants,
 ):
     """Gradients ``(dq, dk, dv)`` of :func:`varlen_attention` (packed layout)."""
-    call = _checked(q, k, v, causal, scale, variants, (cu_seqlens_q, cu_seqlens_k))
-    return _backward(call, out, lse, dout, block_q, block_k)
+    call = check_call(q, k, v, causal, scale, variants, (cu_seqlens_q, cu_seqlens_k))
+    out, lse, dout = _check_gradient_inputs(call, out, lse, dout)
+    plan = plan_backward(call, block_q, block_k)
+    grads = run_backward(plan, out, lse, dout)
+    return _gradient_results(plan, call, grads)
 
 
 __all__ = [
