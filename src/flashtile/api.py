@@ -59,8 +59,8 @@ def _check_gradient_inputs(call, out, lse, dout):
     """The backward's ``out``, ``lse`` and ``dout``, checked against the call's shapes."""
     o_shape = call.shapes.batch + (call.shapes.tq, call.shapes.dv)
     out = check_same_shape(out, "out", o_shape, "the forward output")
-    lse = check_same_shape(lse, "lse", o_shape[:-1], "from return_lse=True")
     dout = check_same_shape(dout, "dout", o_shape, "the gradient of out")
+    lse = check_same_shape(lse, "lse", o_shape[:-1], "from return_lse=True")
     return out, lse, dout
 
 
