@@ -13,7 +13,7 @@ import pytest
 import flashtile
 from dense import dense_attention, dense_variant_attention
 from flashtile.cpu.memory import half_row_to_float
-from flashtile.decode import plan_splits
+from flashtile.planning import plan_splits
 from flashtile.reference import decode_attention as reference_decode
 
 TOL32 = dict(rtol=2e-5, atol=2e-5)

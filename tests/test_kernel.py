@@ -422,8 +422,8 @@ def test_backward_splits_a_lone_head_over_threads_deterministically(rng, dtype):
     for got, repeat, expected in zip(first, again, want, strict=True):
         np.testing.assert_array_equal(got, repeat)
         assert rel_err(got, expected) < tol
-    from flashtile.planning import BWD_BLOCKS, backward_items, plan_call
+    from flashtile.api import check_call
+    from flashtile.planning import plan_backward
 
-    plan, block_q, _ = plan_call(q, k, v, True, None, {}, 32, 48, BWD_BLOCKS)
-    parts = backward_items(plan, block_q)[1]
-    assert parts == min(numba.get_num_threads(), 7)  # 7 query blocks of 32 rows
+    plan = plan_backward(check_call(q, k, v, True, None, {}), **tiles)
+    assert plan.parts == min(numba.get_num_threads(), 7)  # 7 query blocks of 32 rows

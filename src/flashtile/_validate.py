@@ -145,3 +145,77 @@ def check_same_shape(arr, name: str, expected: tuple[int, ...], hint: str) -> np
     if arr.shape != tuple(expected):
         raise ValueError(f"{name} has shape {arr.shape}, expected {tuple(expected)} ({hint})")
     return arr
+
+
+def check_kernel_layout(q, k, v) -> None:
+    """The compiled kernels' layout: at most 4 dims, the same leading dims for
+    ``q``, ``k`` and ``v`` (no broadcasting), and ``Hkv`` dividing ``Hq``."""
+    if q.ndim > 4:
+        raise ValueError(
+            f"q has {q.ndim} dims {q.shape}; flashtile.attention takes (B, H, T, d), "
+            f"(H, T, d) or (T, d): merge extra leading dims into B"
+        )
+    if not (q.ndim == k.ndim == v.ndim and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
+        raise ValueError(
+            f"leading dims differ: q {q.shape}, k {k.shape}, v {v.shape}; "
+            f"flashtile.attention needs the same batch for q, k and v, and k, v with "
+            f"Hq or a divisor of Hq heads (use np.broadcast_to(...).copy() for copies)"
+        )
+    if q.ndim >= 3 and not (k.shape[-3] == v.shape[-3] and q.shape[-3] % k.shape[-3] == 0):
+        raise ValueError(
+            f"Hq={q.shape[-3]}, k has {k.shape[-3]} heads and v {v.shape[-3]}: k and v need "
+            f"the same number of heads Hkv, and Hq must be a multiple of Hkv"
+        )
+
+
+def check_packed(q, k, v, variants: dict) -> None:
+    """A packed varlen call: ``(H, total, d)`` arrays and no mask keywords."""
+    for name, arr in (("q", q), ("k", k), ("v", v)):
+        if np.ndim(arr) != 3:
+            raise ValueError(
+                f"{name} has shape {np.shape(arr)}; varlen_attention takes packed "
+                f"(H, total, d) arrays"
+            )
+    for key in ("mask", "key_padding_mask", "kv_lengths"):
+        if variants.get(key) is not None:
+            raise ValueError(
+                f"{key} is not supported by varlen_attention: sequence boundaries already "
+                f"come from cu_seqlens; use flashtile.attention on a padded batch for masks"
+            )
+
+
+def check_cu_seqlens(cu, name: str, total: int) -> np.ndarray:
+    """``(S + 1,)`` offsets from 0 to ``total``, never decreasing, as int64."""
+    cu = np.asarray(cu)
+    if cu.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be int32 or int64 offsets, got dtype {cu.dtype}")
+    if cu.ndim != 1 or cu.size < 2:
+        raise ValueError(f"{name} has shape {cu.shape}; expected (S + 1,) offsets, S >= 1")
+    if cu[0] != 0 or cu[-1] != total or np.any(np.diff(cu) < 0):
+        raise ValueError(
+            f"{name} = {cu.tolist()[:8]}{'...' if cu.size > 8 else ''} must start at 0, never "
+            f"decrease, and end at the packed length {total}"
+        )
+    return cu.astype(np.int64)
+
+
+def check_cu_seqlens_pair(cu_q, cu_k, shapes: AttentionShapes) -> tuple[np.ndarray, np.ndarray]:
+    """Both varlen offset arrays (:func:`check_cu_seqlens`), with as many sequences."""
+    cq = check_cu_seqlens(cu_q, "cu_seqlens_q", shapes.tq)
+    ck = check_cu_seqlens(cu_k, "cu_seqlens_k", shapes.tk)
+    if cq.size != ck.size:
+        raise ValueError(
+            f"cu_seqlens_q has {cq.size - 1} sequences but cu_seqlens_k has {ck.size - 1}"
+        )
+    return cq, ck
+
+
+def check_num_splits(num_splits) -> int | None:
+    """Decoding's key chunks per sequence: a positive integer, or None to choose."""
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits must be a positive integer or None, got {num_splits!r}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1 (or None to choose), got {num_splits}")
+    return int(num_splits)

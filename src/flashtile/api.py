@@ -1,5 +1,7 @@
-"""The fast public API: validate, plan the work (:mod:`flashtile.planning`), call
-the compiled CPU kernel.
+"""The fast public API. Every entry point reads: validate the call, plan it
+(:mod:`flashtile.planning`: one plan holds everything the kernel reads), run
+the plan (:mod:`flashtile.cpu.launch`), shape the results back to the
+caller's layout.
 
 Arrays are ``(B, H, T, d)`` (also ``(H, T, d)`` and ``(T, d)``). ``q`` and
 ``k``/``v`` share the batch dim; ``k``/``v`` may have fewer heads than ``q``
@@ -20,46 +22,60 @@ dtype: convert it to float32 first.
 
 from __future__ import annotations
 
-import numpy as np
-
-from ._validate import check_same_shape
-from .planning import (
-    BWD_BLOCKS,
-    FWD_BLOCKS,
-    backward_items,
-    forward_items,
-    plan_call,
-    plan_varlen,
-    with_states,
+from ._validate import (
+    check_cu_seqlens_pair,
+    check_kernel_layout,
+    check_packed,
+    check_qkv,
+    check_same_shape,
+    resolve_scale,
 )
+from .cpu.launch import run_backward, run_forward
+from .planning import Call, plan_backward, plan_forward
+from .variants import resolve_variants
 
 
-def _run_forward(plan, block_q, block_k, auto_q):
-    from .cpu.blas import gemm_for, single_threaded_blas
-    from .cpu.forward import forward_kernel
+def check_call(q, k, v, causal, scale, variants: dict, cu_seqlens=None) -> Call:
+    """Validate one call for the planner (the first step of every entry point).
 
-    items, block_q, kv = forward_items(plan, block_q, block_k, auto_q)
-    out = np.empty(plan.q4.shape[:-1] + (plan.v4.shape[-1],), dtype=plan.q4.dtype)
-    lse = np.empty(plan.q4.shape[:-1], dtype=plan.q4.dtype)
-    visited = np.empty(len(items), dtype=np.int64)
-    gemm_fn = gemm_for(plan.q4.dtype)
-    with single_threaded_blas(gemm_fn):
-        forward_kernel(
-            plan.q4,
-            plan.k4,
-            plan.v4,
-            out,
-            lse,
-            visited,
-            plan.seqs,
-            items,
-            plan.scale,
-            kv,
-            block_q,
-            block_k,
-            gemm_fn,
-        )
-    return out, lse, int(visited.sum())
+    Checks the arrays and their layout, the scale, the variant keywords
+    (``variants``, as passed to :func:`attention`) and, for a packed batch,
+    its offsets ``cu_seqlens = (cu_q, cu_k)``; raises
+    ValueError/TypeError naming the values. Also how tests build a
+    :class:`~flashtile.planning.Call` to inspect a plan.
+    """
+    if cu_seqlens is not None:
+        check_packed(q, k, v, variants)
+    q, k, v, shapes = check_qkv(q, k, v)
+    check_kernel_layout(q, k, v)
+    if cu_seqlens is not None:
+        cu_seqlens = check_cu_seqlens_pair(*cu_seqlens, shapes)
+    scale = resolve_scale(scale, shapes.d)
+    va = resolve_variants(shapes, causal=causal, **variants)
+    return Call(q, k, v, shapes, va, scale, cu_seqlens)
+
+
+def _check_gradient_inputs(call, out, lse, dout):
+    """The backward's ``out``, ``lse`` and ``dout``, checked against the call's shapes."""
+    o_shape = call.shapes.batch + (call.shapes.tq, call.shapes.dv)
+    out = check_same_shape(out, "out", o_shape, "the forward output")
+    dout = check_same_shape(dout, "dout", o_shape, "the gradient of out")
+    lse = check_same_shape(lse, "lse", o_shape[:-1], "from return_lse=True")
+    return out, lse, dout
+
+
+def _forward_results(plan, out, lse, return_lse):
+    """The kernel's ``out``/``lse`` in the caller's layout and dtype."""
+    out = out.reshape(plan.out_shape + out.shape[-1:]).astype(plan.dtype, copy=False)
+    return (out, lse.reshape(plan.out_shape)) if return_lse else out
+
+
+def _gradient_results(plan, call, grads):
+    """``(dq, dk, dv)`` in the shapes of the caller's ``q``, ``k``, ``v`` and its dtype."""
+    return tuple(
+        g.reshape(a.shape).astype(plan.dtype, copy=False)
+        for g, a in zip(grads, (call.q, call.k, call.v), strict=True)
+    )
 
 
 def attention(
@@ -82,16 +98,10 @@ def attention(
         ``out (..., Tq, dv)`` in the input dtype, and ``lse`` if asked. A query
         that sees no key gets a zero row and ``lse = -inf``.
     """
-    plan, block_q_, block_k_ = plan_call(
-        q, k, v, causal, scale, variants, block_q, block_k, FWD_BLOCKS
-    )
-    # Query tiles shrink for threads unless given, or kept from a BlockMask.
-    auto_q = block_q is None and plan.variants.block_mask is None
-    out, lse, _ = _run_forward(plan, block_q_, block_k_, auto_q=auto_q)
-    out = out.reshape(plan.out_shape + out.shape[-1:]).astype(plan.dtype, copy=False)
-    if return_lse:
-        return out, lse.reshape(plan.out_shape)
-    return out
+    call = check_call(q, k, v, causal, scale, variants)
+    plan = plan_forward(call, block_q, block_k)
+    out, lse, _ = run_forward(plan)
+    return _forward_results(plan, out, lse, return_lse)
 
 
 def visited_tiles(q, k, v, *, causal=False, block_q, block_k, **variants) -> int:
@@ -100,55 +110,8 @@ def visited_tiles(q, k, v, *, causal=False, block_q, block_k, **variants) -> int
     For tests and curious users: shows the causal/window band and a block
     mask's empty tiles being skipped. Runs the forward once.
     """
-    plan, bq, bk = plan_call(q, k, v, causal, None, variants, block_q, block_k, FWD_BLOCKS)
-    return _run_forward(plan, bq, bk, auto_q=False)[2]
-
-
-def _run_backward(plan, out, lse, dout, block_q, block_k):
-    from .cpu.backward import backward_kernel
-    from .cpu.blas import gemm_for, single_threaded_blas
-
-    q4, k4, v4 = plan.q4, plan.k4, plan.v4
-    o_shape = plan.out_shape + (v4.shape[-1],)
-    out = check_same_shape(out, "out", o_shape, "the forward output")
-    dout = check_same_shape(dout, "dout", o_shape, "the gradient of out")
-    lse = check_same_shape(lse, "lse", plan.out_shape, "from return_lse=True")
-
-    def like_q4(a, last):
-        return np.ascontiguousarray(a, dtype=q4.dtype).reshape(q4.shape[:-1] + last)
-
-    out4, dout4 = like_q4(out, (v4.shape[-1],)), like_q4(dout, (v4.shape[-1],))
-    lse4 = like_q4(lse, ())
-    items, parts = backward_items(plan, block_q)
-    dq = np.empty_like(q4)
-    # Part p accumulates its share of dk/dv in slice p; summed below in order.
-    dk_parts = np.zeros((parts, *k4.shape), k4.dtype)
-    dv_parts = np.zeros((parts, *v4.shape), v4.dtype)
-    gemm_fn = gemm_for(q4.dtype)
-    with single_threaded_blas(gemm_fn):
-        backward_kernel(
-            q4,
-            k4,
-            v4,
-            out4,
-            lse4,
-            dout4,
-            dq,
-            dk_parts,
-            dv_parts,
-            plan.seqs,
-            items,
-            plan.scale,
-            with_states(plan, block_q, block_k),
-            block_q,
-            block_k,
-            gemm_fn,
-        )
-    dk, dv = dk_parts[0], dv_parts[0]
-    for p in range(1, parts):  # a fixed order: deterministic sums
-        dk += dk_parts[p]
-        dv += dv_parts[p]
-    return dq, dk, dv
+    plan = plan_forward(check_call(q, k, v, causal, None, variants), block_q, block_k)
+    return run_forward(plan)[2]
 
 
 def attention_backward(
@@ -168,14 +131,11 @@ def attention_backward(
         deterministic (bit-identical from run to run). Not differentiated:
         masks and ALiBi slopes (constants).
     """
-    plan, block_q, block_k = plan_call(
-        q, k, v, causal, scale, variants, block_q, block_k, BWD_BLOCKS
-    )
-    grads = _run_backward(plan, out, lse, dout, block_q, block_k)
-    return tuple(
-        g.reshape(np.shape(a)).astype(plan.dtype, copy=False)
-        for g, a in zip(grads, (q, k, v), strict=True)
-    )
+    call = check_call(q, k, v, causal, scale, variants)
+    out, lse, dout = _check_gradient_inputs(call, out, lse, dout)
+    plan = plan_backward(call, block_q, block_k)
+    grads = run_backward(plan, out, lse, dout)
+    return _gradient_results(plan, call, grads)
 
 
 def varlen_attention(
@@ -206,12 +166,10 @@ def varlen_attention(
     Returns:
         ``out (Hq, total_q, dv)`` and, if asked, ``lse (Hq, total_q)``.
     """
-    plan, bq, bk = plan_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, variants, (block_q, block_k), FWD_BLOCKS
-    )
-    out4, lse4, _ = _run_forward(plan, bq, bk, auto_q=block_q is None)
-    out = out4[0].astype(plan.dtype, copy=False)
-    return (out, lse4[0]) if return_lse else out
+    call = check_call(q, k, v, causal, scale, variants, (cu_seqlens_q, cu_seqlens_k))
+    plan = plan_forward(call, block_q, block_k)
+    out, lse, _ = run_forward(plan)
+    return _forward_results(plan, out, lse, return_lse)
 
 
 def varlen_attention_backward(
@@ -231,11 +189,11 @@ def varlen_attention_backward(
     **variants,
 ):
     """Gradients ``(dq, dk, dv)`` of :func:`varlen_attention` (packed layout)."""
-    plan, bq, bk = plan_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, variants, (block_q, block_k), BWD_BLOCKS
-    )
-    grads = _run_backward(plan, out, lse, dout, bq, bk)
-    return tuple(g[0].astype(plan.dtype, copy=False) for g in grads)
+    call = check_call(q, k, v, causal, scale, variants, (cu_seqlens_q, cu_seqlens_k))
+    out, lse, dout = _check_gradient_inputs(call, out, lse, dout)
+    plan = plan_backward(call, block_q, block_k)
+    grads = run_backward(plan, out, lse, dout)
+    return _gradient_results(plan, call, grads)
 
 
 __all__ = [

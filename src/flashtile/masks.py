@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._validate import check_block_size
+
 try:
     from numba.extending import register_jitable as _jitable
 except ImportError:  # the reference works without Numba
@@ -142,6 +144,13 @@ def visible(q_idx, k_idx, tq, tk, causal, left=-1, right=-1, kv_len=None) -> np.
     return keep & (k_idx < kv_len[:, None, None, None])
 
 
+#: Tile states of a block map (:attr:`BlockMask.states`), as the kernels read
+#: them: no entry kept (the tile is skipped), some kept (the kernel reads the
+#: mask), every entry kept (no elementwise mask). Plain ints so that the
+#: compiled kernels can use them; ``BlockMask.EMPTY`` etc. name the same values.
+TILE_EMPTY, TILE_PARTIAL, TILE_FULL = 0, 1, 2
+
+
 @dataclass(frozen=True)
 class BlockMask:
     """A boolean mask summarised per tile, for skipping (FlexAttention's BlockMask).
@@ -159,7 +168,7 @@ class BlockMask:
     block_k: int
     states: np.ndarray
 
-    EMPTY, PARTIAL, FULL = 0, 1, 2
+    EMPTY, PARTIAL, FULL = TILE_EMPTY, TILE_PARTIAL, TILE_FULL
 
     def counts(self) -> dict[str, int]:
         """How many tiles are empty, partial and full."""
@@ -173,8 +182,6 @@ def block_mask(mask, block_q: int, block_k: int) -> BlockMask:
     Build it once and pass it as ``mask=`` to reuse the summary across calls;
     the kernels use their own tile sizes when these differ.
     """
-    from ._validate import check_block_size
-
     mask = np.asarray(mask)
     if mask.dtype != bool:
         raise TypeError(f"block_mask needs a boolean mask (True = keep), got dtype {mask.dtype}")

@@ -1,23 +1,47 @@
-"""How one attention call is laid out for the compiled kernels.
+"""One plan per call: everything a compiled kernel reads, decided in one place.
 
-:mod:`flashtile.api` validates a call and hands it here: the arrays become
-4-D contiguous blocks in the work dtype with one row per sequence
-(:class:`Plan`), the tile sizes are chosen (:func:`block_sizes`), and the
-work is cut into items, one ``(sequence, kv head, query block)`` each, ordered
-so that ``prange``'s static schedule gives every thread a similar share
-(:func:`forward_items`, :func:`backward_items`, :func:`balance`). A boolean
-mask travels as its block map, summarised for the kernel's tile sizes
-(:func:`with_states`). Internal: the public entry points are in
-:mod:`flashtile.api` and :mod:`flashtile.decode`.
+:mod:`flashtile.api` and :mod:`flashtile.decode` validate a call, ask here
+for its plan, and hand the plan to :mod:`flashtile.cpu.launch`; the kernels
+then only execute it.
+
+- :func:`plan_forward` and :func:`plan_backward` take a validated
+  :class:`Call` and return a :class:`KernelPlan`: the arrays as 4-D
+  contiguous blocks in the work dtype, one row per sequence in the ``seqs``
+  table (columns ``SEQ_*``, :mod:`flashtile.cpu.tiles`), the tile sizes
+  (:func:`tile_sizes`: the one tile-size policy), the variants in kernel form
+  with a boolean mask's block map summarised for those tiles
+  (:func:`kernel_variants`, :func:`block_states`), and the work items, one
+  ``(sequence, kv head, query block)`` (forward) or ``(sequence, kv head,
+  part)`` (backward) each, ordered so that ``prange``'s static schedule gives
+  every thread a similar share (:func:`balance`).
+- :func:`plan_decode` returns a :class:`DecodePlan`: a decode step's key
+  chunks (split-KV) as work items and the slots their partial results are
+  merged from (:func:`plan_splits`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numba
 import numpy as np
 
-from ._validate import check_block_size, check_qkv, compute_dtype, resolve_scale
-from .masks import block_key_range, block_mask
-from .variants import resolve_variants
+from ._validate import AttentionShapes, check_block_size, compute_dtype
+from .cpu.tiles import (
+    LOG2E,
+    SEQ_BATCH,
+    SEQ_COLUMNS,
+    SEQ_K_START,
+    SEQ_KV_LEN,
+    SEQ_Q_START,
+    SEQ_TK,
+    SEQ_TQ,
+    KernelVariants,
+)
+from .kvlayout import CacheLayout
+from .masks import TILE_EMPTY, block_key_range, block_mask
+from .variants import Variants
 
 #: Default tile sizes (query rows per item x keys), picked by sweeps on the
 #: 2-core machine (docs/benchmarks.md). Forward: a 256 x 512 float32 score
@@ -31,32 +55,196 @@ BWD_BLOCKS = (256, 256)
 #: finer tiles let a sparse mask skip more.
 MASK_BLOCKS = (128, 128)
 #: block_q never goes below this when it shrinks for GQA groups or to give
-#: every thread at least four work items.
+#: every thread enough work items.
 MIN_BLOCK_Q = 16
+#: The forward's default block_q halves until every thread gets this many items.
+ITEMS_PER_THREAD = 4
 #: With a sliding window of ``band`` keys per query, a tile of ``block_q``
 #: rows needs about ``band + block_q`` keys for ``band`` useful per row, so
 #: the default rows shrink toward ``band / 4`` (useful fraction about 80%),
 #: not below this many (smaller tile products lose more than they save).
 #: Measured at T=4096, window 256: 64 rows 0.79x the time of 256 rows.
 MIN_WINDOW_BLOCK_Q = 64
-LOG2E = 1.4426950408889634
+
+#: Decoding: keys per tile. A 256-key K tile of d=128 float32 is 128 KiB, so
+#: the tile, its V tile and the prefetched next pair stay in L2.
+DECODE_TILE = 256
+#: A decode chunk is never shorter than this (unless the sequence is): below
+#: it the per-chunk work (loading the queries, writing a partial) stops being small.
+MIN_SPLIT_KEYS = 512
+#: Automatic splitting aims at this many chunks per thread, so that the
+#: static schedule can balance sequences of different lengths.
+CHUNKS_PER_THREAD = 4
 
 
-class Plan:
-    """One call, laid out for the kernels (see :func:`plan_call`)."""
+class Call(NamedTuple):
+    """One validated attention call: the planner's input (built by :mod:`flashtile.api`).
 
-    def __init__(self, q4, k4, v4, seqs, variants, kernel_variants, scale, dtype, out_shape):
-        self.q4, self.k4, self.v4 = q4, k4, v4
-        self.seqs = seqs
-        self.variants = variants
-        self.kv = kernel_variants
-        self.scale = scale
-        self.dtype = dtype
-        self.out_shape = out_shape  # the caller's layout, for reshaping results back
+    Attributes:
+        q, k, v: the caller's arrays, validated (float dtype, shapes, layout).
+        shapes: their sizes (:func:`flashtile._validate.check_qkv`).
+        variants: the resolved variant keywords.
+        scale: the score multiplier.
+        cu_seqlens: ``(cu_q, cu_k)`` int64 offsets of a packed varlen batch,
+            or None for a batched call.
+    """
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    shapes: AttentionShapes
+    variants: Variants
+    scale: float
+    cu_seqlens: tuple[np.ndarray, np.ndarray] | None = None
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Everything one forward or backward kernel call reads.
+
+    Attributes:
+        q4, k4, v4: ``(NB, H, T, d)`` C-contiguous, in the work dtype (a
+            packed varlen batch is ``NB = 1``).
+        seqs: ``(S, SEQ_COLUMNS)`` int64 sequence table.
+        items: ``(N, 3)`` int64 work items in thread order: forward
+            ``(sequence, kv head, i0)``, backward ``(sequence, kv head, part)``.
+        parts: backward: parts per ``(sequence, kv head)`` (1 in the forward).
+        variants: :class:`KernelVariants`, with the block map for these tiles.
+        scale, block_q, block_k: the score multiplier and the tile sizes.
+        dtype: the caller's dtype (results are cast back to it).
+        out_shape: the caller's leading dims and ``Tq``: the shape of ``lse``
+            (``out`` adds ``dv``).
+    """
+
+    q4: np.ndarray
+    k4: np.ndarray
+    v4: np.ndarray
+    seqs: np.ndarray
+    items: np.ndarray
+    parts: int
+    variants: KernelVariants
+    scale: float
+    block_q: int
+    block_k: int
+    dtype: np.dtype
+    out_shape: tuple[int, ...]
+
+
+def plan_forward(call: Call, block_q=None, block_k=None) -> KernelPlan:
+    """The forward kernel's plan for ``call`` (tile sizes default when None)."""
+    return _plan(call, block_q, block_k, backward=False)
+
+
+def plan_backward(call: Call, block_q=None, block_k=None) -> KernelPlan:
+    """The backward kernel's plan for ``call`` (tile sizes default when None)."""
+    return _plan(call, block_q, block_k, backward=True)
+
+
+def _plan(call, block_q, block_k, backward):
+    q4, k4, v4, seqs = lay_out(call)
+    n_kv = k4.shape[1]
+    group = q4.shape[1] // n_kv  # MQA too (Hkv = 1)
+    va = call.variants
+    block_q, block_k = tile_sizes(va, seqs, group, n_kv, block_q, block_k, backward)
+    variants = kernel_variants(va, q4.dtype, q4.shape[1])
+    if va.mask_bool is not None:
+        states = block_states(va, variants.mask_bool, block_q, block_k, q4.shape[2], k4.shape[2])
+        variants = variants._replace(states=states)
+    if backward:
+        items, parts = backward_items(seqs, n_kv, block_q)
+    else:
+        items, parts = forward_items(seqs, n_kv, variants, block_q, block_k), 1
+    out_shape = call.shapes.batch + (call.shapes.tq,)
+    return KernelPlan(
+        q4, k4, v4, seqs, items, parts, variants, call.scale, block_q, block_k, call.q.dtype,
+        out_shape,
+    )  # fmt: skip
 
 
 def _as4d(a, work):
     return np.ascontiguousarray(a.reshape((1,) * (4 - a.ndim) + a.shape), dtype=work)
+
+
+def lay_out(call: Call):
+    """``(q4, k4, v4, seqs)``: the arrays as 4-D contiguous blocks in the work
+    dtype and the sequence table, one row per batch entry, or per packed
+    sequence with queries (varlen)."""
+    work = compute_dtype(call.q.dtype)
+    q4, k4, v4 = (_as4d(a, work) for a in (call.q, call.k, call.v))
+    if call.cu_seqlens is None:
+        n = q4.shape[0]
+        lengths = call.variants.kv_lengths
+        seqs = np.zeros((n, SEQ_COLUMNS), dtype=np.int64)
+        seqs[:, SEQ_BATCH] = np.arange(n)
+        seqs[:, SEQ_TQ], seqs[:, SEQ_TK] = call.shapes.tq, call.shapes.tk
+        seqs[:, SEQ_KV_LEN] = call.shapes.tk if lengths is None else lengths
+        return q4, k4, v4, seqs
+    cq, ck = call.cu_seqlens
+    keep = np.diff(cq) > 0  # a sequence without queries has nothing to compute
+    seqs = np.zeros((int(keep.sum()), SEQ_COLUMNS), dtype=np.int64)
+    seqs[:, SEQ_Q_START], seqs[:, SEQ_TQ] = cq[:-1][keep], np.diff(cq)[keep]
+    seqs[:, SEQ_K_START], seqs[:, SEQ_TK] = ck[:-1][keep], np.diff(ck)[keep]
+    seqs[:, SEQ_KV_LEN] = seqs[:, SEQ_TK]
+    return q4, k4, v4, seqs
+
+
+def tile_sizes(va: Variants, seqs, group, n_kv, block_q, block_k, backward) -> tuple[int, int]:
+    """``(block_q, block_k)`` for a call: the tile-size policy, all of it.
+
+    Explicit sizes are kept (only cut to the data). Defaults: FWD_BLOCKS or
+    BWD_BLOCKS; a boolean mask's MASK_BLOCKS, or a BlockMask's own tiles
+    (kept whole, so its summary is reused rather than rebuilt); with a
+    two-sided window, rows shrink toward the band (MIN_WINDOW_BLOCK_Q). A
+    default block_q is shared by a GQA group's heads (divided by ``group``)
+    and, in the forward, halved until every thread gets ITEMS_PER_THREAD
+    items (never below MIN_BLOCK_Q).
+    """
+    bm = va.block_mask
+    keep_q = block_q is not None or bm is not None
+    if bm is not None:
+        defaults = (bm.block_q, bm.block_k)
+    elif va.mask_bool is not None:
+        defaults = MASK_BLOCKS
+    else:
+        defaults = BWD_BLOCKS if backward else FWD_BLOCKS
+        if va.left >= 0 and va.right >= 0:  # a band (see MIN_WINDOW_BLOCK_Q)
+            band = va.left + va.right + 1
+            rows = 1 << max(band // 4, 1).bit_length() - 1  # largest power of two <= band / 4
+            defaults = (min(defaults[0], max(MIN_WINDOW_BLOCK_Q, rows)), defaults[1])
+    block_q = check_block_size(defaults[0] if block_q is None else block_q, "block_q")
+    block_k = check_block_size(defaults[1] if block_k is None else block_k, "block_k")
+    if not keep_q:  # a GQA group shares the tile's rows
+        block_q = max(MIN_BLOCK_Q, block_q // group)
+    lengths = seqs[:, SEQ_TQ]
+    block_q = min(block_q, int(lengths.max(initial=1)))  # buffers fit the data
+    block_k = min(block_k, int(seqs[:, SEQ_TK].max(initial=1)))
+    if not (keep_q or backward):
+        want = ITEMS_PER_THREAD * numba.get_num_threads()
+        while block_q > MIN_BLOCK_Q and n_kv * int((-(-lengths // block_q)).sum()) < want:
+            block_q = max(MIN_BLOCK_Q, block_q // 2)
+    return block_q, block_k
+
+
+def kernel_variants(va: Variants, work, heads: int) -> KernelVariants:
+    """The variants in kernel form: log2 units, zero-size arrays when off.
+
+    ``heads`` is ``Hq`` (ALiBi slopes become ``(1 or B, Hq)``). The block
+    map of a boolean mask depends on the tile sizes: :func:`block_states`.
+    """
+    empty_f = np.zeros((0, 0, 0, 0), dtype=work)
+    alibi = np.zeros((0, 0), dtype=work)
+    if va.alibi is not None:  # (Hq, 1, 1) or (B, Hq, 1, 1) -> (1 or B, Hq)
+        alibi = np.ascontiguousarray(va.alibi.reshape(-1, heads) * LOG2E, dtype=work)
+    mask_add = empty_f
+    if va.mask_add is not None:
+        # Finite values lie within +-MASK_LIMIT (variants.py): no overflow.
+        mask_add = _mask4(va.mask_add * LOG2E, work)
+    mask_bool = np.zeros((0, 0, 0, 0), dtype=np.bool_)
+    if va.mask_bool is not None:
+        mask_bool = _mask4(va.mask_bool)
+    states = np.zeros((0, 0, 0, 0), dtype=np.int8)
+    softcap = 0.0 if va.softcap is None else va.softcap * LOG2E
+    return KernelVariants(va.causal, va.left, va.right, softcap, alibi, mask_add, mask_bool, states)
 
 
 def _mask4(mask, work=None):
@@ -65,17 +253,10 @@ def _mask4(mask, work=None):
     return np.ascontiguousarray(mask if work is None else mask.astype(work))
 
 
-def with_states(plan, block_q, block_k):
-    """``plan.kv`` with the block map of its bool mask for these tile sizes."""
-    if plan.kv.mask_bool.size == 0:
-        return plan.kv
-    tq, tk = plan.q4.shape[2], plan.k4.shape[2]
-    states = block_states(plan.variants, plan.kv.mask_bool, block_q, block_k, tq, tk)
-    return plan.kv._replace(states=states)
-
-
-def block_states(va, mask4, block_q, block_k, tq, tk):
-    """``(Bm, Hm, ceil(Tq/block_q), ceil(Tk/block_k))`` tile states of the bool mask."""
+def block_states(va: Variants, mask4, block_q, block_k, tq, tk) -> np.ndarray:
+    """``(Bm, Hm, ceil(Tq/block_q), ceil(Tk/block_k))`` int8 tile states
+    (``TILE_*``) of the bool mask ``mask4``; a BlockMask's own summary when
+    its tiles match."""
     blocks = va.block_mask
     if blocks is None or (blocks.block_q, blocks.block_k) != (block_q, block_k):
         # Size-1 (broadcast) dims summarise as one block each, then broadcast.
@@ -84,126 +265,35 @@ def block_states(va, mask4, block_q, block_k, tq, tk):
         blocks = block_mask(mask4, bq, bk)
     nq, nk = -(-tq // block_q), -(-tk // block_k)
     shape = (*blocks.states.shape[:2], nq, nk)
-    return np.ascontiguousarray(np.broadcast_to(blocks.states, shape))
+    # A fresh writeable copy: one compiled kernel serves every call (a
+    # read-only array would be a second type, and a second compilation).
+    return np.array(np.broadcast_to(blocks.states, shape), dtype=np.int8, order="C")
 
 
-def kernel_variants(va, work, batch_heads):
-    """The variants in kernel form; the block map is added per call (:func:`with_states`)."""
-    from .cpu.tiles import KernelVariants
-
-    empty_f = np.zeros((0, 0, 0, 0), dtype=work)
-    alibi = np.zeros((0, 0), dtype=work)
-    if va.alibi is not None:  # (Hq, 1, 1) or (B, Hq, 1, 1) -> (1 or B, Hq)
-        alibi = np.ascontiguousarray(va.alibi.reshape(-1, batch_heads[1]) * LOG2E, dtype=work)
-    mask_add = empty_f
-    if va.mask_add is not None:
-        # Finite values lie within +-MASK_LIMIT (variants.py): no overflow.
-        mask_add = _mask4(va.mask_add * LOG2E, work)
-    mask_bool = np.zeros((0, 0, 0, 0), dtype=np.bool_)
-    states = np.zeros((0, 0, 0, 0), dtype=np.int8)
-    if va.mask_bool is not None:
-        mask_bool = _mask4(va.mask_bool)
-    softcap = 0.0 if va.softcap is None else va.softcap * LOG2E
-    return KernelVariants(va.causal, va.left, va.right, softcap, alibi, mask_add, mask_bool, states)
-
-
-def check_layout(q, k, v):
-    if q.ndim > 4:
-        raise ValueError(
-            f"q has {q.ndim} dims {q.shape}; flashtile.attention takes (B, H, T, d), "
-            f"(H, T, d) or (T, d): merge extra leading dims into B"
-        )
-    if not (q.ndim == k.ndim == v.ndim and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
-        raise ValueError(
-            f"leading dims differ: q {q.shape}, k {k.shape}, v {v.shape}; "
-            f"flashtile.attention needs the same batch for q, k and v, and k, v with "
-            f"Hq or a divisor of Hq heads (use np.broadcast_to(...).copy() for copies)"
-        )
-    if q.ndim >= 3 and not (k.shape[-3] == v.shape[-3] and q.shape[-3] % k.shape[-3] == 0):
-        raise ValueError(
-            f"Hq={q.shape[-3]}, k has {k.shape[-3]} heads and v {v.shape[-3]}: k and v need "
-            f"the same number of heads Hkv, and Hq must be a multiple of Hkv"
-        )
-
-
-def plan_call(q, k, v, causal, scale, variants, block_q, block_k, defaults) -> tuple:
-    """Validate one batched call and lay it out for the kernels.
-
-    Returns ``(plan, block_q, block_k)``: 4-D contiguous arrays in the work
-    dtype, one ``seqs`` row ``(b, 0, Tq, 0, Tk, kv_len)`` per batch entry,
-    the variants in kernel form and the tile sizes.
-    """
-    q, k, v, shapes = check_qkv(q, k, v)
-    check_layout(q, k, v)
-    scale = resolve_scale(scale, shapes.d)
-    va = resolve_variants(shapes, causal=causal, **variants)
-    if va.mask_bool is not None:
-        bm = va.block_mask
-        defaults = MASK_BLOCKS if bm is None else (bm.block_q, bm.block_k)
-    group = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1  # MQA too (Hkv = 1)
-    block_q, block_k = block_sizes(block_q, block_k, defaults, va, group, shapes.tq, shapes.tk)
-    work = compute_dtype(q.dtype)
-    q4, k4, v4 = (_as4d(a, work) for a in (q, k, v))
-    n_batch = q4.shape[0]
-    kv_len = np.full(n_batch, shapes.tk) if va.kv_lengths is None else va.kv_lengths
-    seqs = np.zeros((n_batch, 6), dtype=np.int64)
-    seqs[:, 0] = np.arange(n_batch)
-    seqs[:, 2], seqs[:, 4], seqs[:, 5] = shapes.tq, shapes.tk, kv_len
-    kv = kernel_variants(va, work, q4.shape[:2])
-    out_shape = shapes.batch + (shapes.tq,)
-    return Plan(q4, k4, v4, seqs, va, kv, scale, q.dtype, out_shape), block_q, block_k
-
-
-def block_sizes(block_q, block_k, defaults, va, group, tq, tk):
-    # A band (see MIN_WINDOW_BLOCK_Q); a bool mask keeps its block map's tiles,
-    # so that a BlockMask's summary is reused rather than rebuilt per call.
-    if va.left >= 0 and va.right >= 0 and va.mask_bool is None:
-        band = va.left + va.right + 1
-        rows = 1 << max(band // 4, 1).bit_length() - 1  # largest power of two <= band / 4
-        defaults = (min(defaults[0], max(MIN_WINDOW_BLOCK_Q, rows)), defaults[1])
-    # A BlockMask's tiles are kept whole (no GQA shrink): its summary is reused.
-    keep_q = block_q is not None or (va.mask_bool is not None and va.block_mask is not None)
-    block_q = check_block_size(defaults[0] if block_q is None else block_q, "block_q")
-    block_k = check_block_size(defaults[1] if block_k is None else block_k, "block_k")
-    if not keep_q:  # a GQA group shares the tile's rows
-        block_q = max(MIN_BLOCK_Q, block_q // group)
-    return min(block_q, tq), min(block_k, tk)  # buffers fit the data
-
-
-def forward_items(plan, block_q, block_k, auto_q) -> tuple[np.ndarray, int, object]:
+def forward_items(seqs, n_kv, variants: KernelVariants, block_q, block_k) -> np.ndarray:
     """Work items ``(sequence, kv head, i0)``, balanced for a static schedule.
 
-    Returns ``(items, block_q, kernel variants)``; with ``auto_q`` block_q is
-    halved (down to MIN_BLOCK_Q) until every thread gets at least four items.
-    The variants carry the block map for the final block_q, and with a map an
-    item's cost counts only the key blocks it keeps.
+    An item's cost is its rows times the keys it computes: its key span, or
+    with a block map the kept key blocks in it.
     """
-    import numba
-
-    want = 4 * numba.get_num_threads()
-    while True:
-        items, spans = enumerate_items(plan, block_q)
-        if not auto_q or len(items) >= want or block_q <= MIN_BLOCK_Q:
-            break
-        block_q = max(MIN_BLOCK_Q, block_q // 2)
-    kv = with_states(plan, block_q, block_k)
-    rows = np.minimum(block_q, plan.seqs[items[:, 0], 2] - items[:, 2])
-    if kv.states.size > 0:
-        keys = block_k * kept_blocks(plan, items, spans, kv.states, block_q, block_k)
+    items, spans = enumerate_items(seqs, n_kv, variants, block_q)
+    rows = np.minimum(block_q, seqs[items[:, 0], SEQ_TQ] - items[:, 2])
+    if variants.states.size > 0:
+        keys = block_k * kept_blocks(seqs, n_kv, items, spans, variants.states, block_q, block_k)
     else:
         keys = spans[:, 1] - spans[:, 0]
-    return balance(items, rows * keys + 1), block_q, kv
+    return balance(items, rows * keys + 1)
 
 
-def enumerate_items(plan, block_q):
+def enumerate_items(seqs, n_kv, variants: KernelVariants, block_q):
     """``(items (N, 3), spans (N, 2))``: every item and the key range it can see."""
-    kv = plan.kv
-    n_kv = plan.k4.shape[1]
+    va = variants
     items, spans = [], []
-    for s, (_, _, tq, _, tk, kv_len) in enumerate(plan.seqs.tolist()):
+    for s, row in enumerate(seqs.tolist()):
+        tq, tk, kv_len = row[SEQ_TQ], row[SEQ_TK], row[SEQ_KV_LEN]
         for i0 in range(0, tq, block_q):
             i1 = min(i0 + block_q, tq)
-            lo, hi = block_key_range(i0, i1, tq, tk, kv.causal, kv.left, kv.right, kv_len)
+            lo, hi = block_key_range(i0, i1, tq, tk, va.causal, va.left, va.right, kv_len)
             for hk in range(n_kv):
                 items.append((s, hk, i0))
                 spans.append((lo, max(lo, hi)))
@@ -213,19 +303,18 @@ def enumerate_items(plan, block_q):
     )
 
 
-def kept_blocks(plan, items, spans, states, block_q, block_k):
+def kept_blocks(seqs, n_kv, items, spans, states, block_q, block_k):
     """Key blocks each item computes with a block map: kept ones in its span.
 
     A block counts when any query head of the item's group keeps it, as in
     the kernel (:func:`.cpu.tiles.tile_state`).
     """
-    kept = states != 0  # (Bm, Hm, nq, nk)
-    n_kv = plan.k4.shape[1]
+    kept = states != TILE_EMPTY  # (Bm, Hm, nq, nk)
     if kept.shape[1] > 1:  # per query head: a kv head computes its group's union
         kept = kept.reshape(kept.shape[0], n_kv, -1, *kept.shape[2:]).any(axis=2)
     before = np.zeros(kept.shape[:3] + (kept.shape[3] + 1,), dtype=np.int64)
     np.cumsum(kept, axis=3, out=before[..., 1:])  # kept blocks before block j
-    b = plan.seqs[items[:, 0], 0] % kept.shape[0]
+    b = seqs[items[:, 0], SEQ_BATCH] % kept.shape[0]
     h = items[:, 1] % kept.shape[1]
     qb = items[:, 2] // block_q
     kb_lo = spans[:, 0] // block_k
@@ -249,75 +338,99 @@ def balance(items: np.ndarray, costs: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(items[zig])
 
 
-def backward_items(plan, block_q) -> tuple[np.ndarray, int]:
+def backward_items(seqs, n_kv, block_q) -> tuple[np.ndarray, int]:
     """``(sequence, kv head, part)`` items and the number of parts.
 
     One part per ``(sequence, kv head)`` when there are enough of them for
     the threads; otherwise each is split into parts that take every P-th
     query block, so a single head (or MQA at batch 1) still uses every core.
     """
-    import numba
-
-    n_kv = plan.k4.shape[1]
-    seqs = plan.seqs
     pairs = len(seqs) * n_kv
     threads = numba.get_num_threads()
-    most_blocks = int((-(-seqs[:, 2] // block_q)).max(initial=1))
+    most_blocks = int((-(-seqs[:, SEQ_TQ] // block_q)).max(initial=1))
     parts = 1 if pairs >= threads or pairs == 0 else min(-(-threads // pairs), most_blocks)
     items = np.array(
         [(s, hk, p) for s in range(len(seqs)) for hk in range(n_kv) for p in range(parts)],
         dtype=np.int64,
     ).reshape(-1, 3)
-    costs = (seqs[items[:, 0], 2] * seqs[items[:, 0], 4]).astype(np.float64)
+    costs = (seqs[items[:, 0], SEQ_TQ] * seqs[items[:, 0], SEQ_TK]).astype(np.float64)
     return balance(items, costs), parts
 
 
-def check_cu_seqlens(cu, name: str, total: int) -> np.ndarray:
-    cu = np.asarray(cu)
-    if cu.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be int32 or int64 offsets, got dtype {cu.dtype}")
-    if cu.ndim != 1 or cu.size < 2:
-        raise ValueError(f"{name} has shape {cu.shape}; expected (S + 1,) offsets, S >= 1")
-    if cu[0] != 0 or cu[-1] != total or np.any(np.diff(cu) < 0):
-        raise ValueError(
-            f"{name} = {cu.tolist()[:8]}{'...' if cu.size > 8 else ''} must start at 0, never "
-            f"decrease, and end at the packed length {total}"
-        )
-    return cu.astype(np.int64)
+class DecodePlan(NamedTuple):
+    """Everything the decode kernel reads (see :func:`plan_decode`).
+
+    Attributes:
+        q: ``(B, Hq, Tq, d)`` C-contiguous in the work dtype.
+        layout: the validated cache (:class:`flashtile.kvlayout.CacheLayout`).
+        items: ``(N, 5)`` int64 ``(b, kv head, j_lo, j_hi, slot)`` in thread order.
+        spans: ``(B * Hkv, 2)`` int64: first slot and count of each
+            ``(b, kv head)``'s partials.
+        variants: :class:`KernelVariants` (no mask arrays).
+        scale: the score multiplier; tile_keys: keys per tile.
+    """
+
+    q: np.ndarray
+    layout: CacheLayout
+    items: np.ndarray
+    spans: np.ndarray
+    variants: KernelVariants
+    scale: float
+    tile_keys: int
 
 
-def plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, variants, blocks, defaults):
-    for name, arr in (("q", q), ("k", k), ("v", v)):
-        if np.ndim(arr) != 3:
-            raise ValueError(
-                f"{name} has shape {np.shape(arr)}; varlen_attention takes packed "
-                f"(H, total, d) arrays"
-            )
-    for key in ("mask", "key_padding_mask", "kv_lengths"):
-        if variants.get(key) is not None:
-            raise ValueError(
-                f"{key} is not supported by varlen_attention: sequence boundaries already "
-                f"come from cu_seqlens; use flashtile.attention on a padded batch for masks"
-            )
-    q, k, v, shapes = check_qkv(q, k, v)
-    check_layout(q, k, v)
-    cq = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", shapes.tq)
-    ck = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", shapes.tk)
-    if cq.size != ck.size:
-        raise ValueError(
-            f"cu_seqlens_q has {cq.size - 1} sequences but cu_seqlens_k has {ck.size - 1}"
-        )
-    scale = resolve_scale(scale, shapes.d)
-    va = resolve_variants(shapes, causal=causal, **variants)
-    lq, lk = np.diff(cq), np.diff(ck)
-    block_q, block_k = block_sizes(
-        *blocks, defaults, va, q.shape[0] // k.shape[0], max(lq.max(), 1), max(lk.max(), 1)
-    )
-    work = compute_dtype(q.dtype)
-    q4, k4, v4 = (_as4d(a, work) for a in (q, k, v))
-    seqs = np.stack([np.zeros_like(cq[:-1]), cq[:-1], lq, ck[:-1], lk, lk], axis=1)
-    keep = lq > 0
-    seqs = np.ascontiguousarray(seqs[keep])
-    kv = kernel_variants(va, work, q4.shape[:2])
-    plan = Plan(q4, k4, v4, seqs, va, kv, scale, q.dtype, shapes.batch + (shapes.tq,))
-    return plan, block_q, block_k
+def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> DecodePlan:
+    """The decode kernel's plan for validated ``q (B, Hq, Tq, d)`` and cache.
+
+    ``num_splits``: chunks per sequence, or None to choose (:func:`plan_splits`).
+    The work dtype is float64 for a float64 cache, else float32.
+    """
+    work = compute_dtype(layout.k.dtype)
+    tq = q.shape[2]
+    ranges = np.zeros((len(layout.seqlens), 2), dtype=np.int64)
+    for b, n in enumerate(layout.seqlens.tolist()):  # keys any query of b can see
+        ranges[b] = block_key_range(0, tq, tq, n, va.causal, va.left, va.right, n)
+    items, spans = plan_splits(ranges, layout.heads, num_splits, numba.get_num_threads())
+    variants = kernel_variants(va, work, q.shape[1])
+    q_work = np.ascontiguousarray(q, dtype=work)
+    return DecodePlan(q_work, layout, items, spans, variants, scale, DECODE_TILE)
+
+
+def plan_splits(ranges, kv_heads, num_splits, threads, tile=DECODE_TILE):
+    """Split each sequence's visible keys into chunks: the decode work items.
+
+    Args:
+        ranges: ``(B, 2)`` visible keys ``[lo, hi)`` per sequence.
+        num_splits: chunks per sequence, or None: chunks of equal length
+            (a multiple of ``tile``, at least MIN_SPLIT_KEYS) sized so that
+            the whole batch makes about CHUNKS_PER_THREAD chunks per thread.
+
+    Returns:
+        ``items (N, 5)`` int64 rows ``(b, kv head, j_lo, j_hi, slot)`` in the
+        order the threads should take them, and ``spans (B * Hkv, 2)``:
+        the first slot and the count of each ``(b, kv head)``'s partials.
+    """
+    lengths = ranges[:, 1] - ranges[:, 0]
+    if num_splits is None:
+        total = kv_heads * int(lengths.sum())
+        chunk = max(MIN_SPLIT_KEYS, -(-total // (CHUNKS_PER_THREAD * threads)))
+        chunk = -(-chunk // tile) * tile
+        splits = np.maximum(1, -(-lengths // chunk))
+        chunks = np.full(len(lengths), chunk, dtype=np.int64)
+    else:
+        # More chunks than keys would only add empty partials.
+        splits = np.minimum(num_splits, np.maximum(lengths, 1))
+        chunks = np.maximum(1, -(-lengths // splits))
+    # Slots run (b, kv head, chunk)-major, so each pair's partials are adjacent.
+    pair_b = np.repeat(np.arange(len(lengths)), kv_heads)
+    pair_splits = splits[pair_b]
+    first = np.concatenate([[0], np.cumsum(pair_splits)[:-1]])
+    slot_pair = np.repeat(np.arange(len(pair_b)), pair_splits)
+    b = pair_b[slot_pair]
+    chunk_index = np.arange(len(slot_pair)) - first[slot_pair]
+    j_lo = np.minimum(ranges[b, 0] + chunk_index * chunks[b], ranges[b, 1])
+    j_hi = np.minimum(j_lo + chunks[b], ranges[b, 1])
+    items = np.stack([b, slot_pair % kv_heads, j_lo, j_hi, np.arange(len(b))], axis=1)
+    spans = np.stack([first, pair_splits], axis=1).astype(np.int64)
+    costs = (items[:, 3] - items[:, 2]) + 64  # + the fixed cost of a chunk
+    return balance(items, costs), spans

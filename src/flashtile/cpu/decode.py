@@ -7,16 +7,16 @@ head, stacked as rows (as in :mod:`.forward`), against one chunk of that
 sequence's keys. Chunks of one sequence run in parallel and each writes a
 partial ``(out, lse)``; :func:`merge_partials` folds them with the
 ``merge_states`` rule. Planning (how many chunks, which thread takes which)
-is :mod:`flashtile.decode`'s job.
+is :func:`flashtile.planning.plan_decode`'s job.
 
 The cache is always addressed through pages: key ``j`` of sequence ``b``
 lives in block ``table[b, j // P]`` at row ``j % P`` of the ``(blocks, Hkv,
 P, d)`` arrays. A contiguous ``(B, Hkv, T_max, d)`` cache is the special case
 ``P = T_max`` with ``table[b] = [b]``. A tile of keys inside one page is
 used in place; a tile spanning pages (small pages) or stored as float16 is
-gathered, and widened, into a scratch tile first. Either way the scores of
-a tile are one gemm, the online softmax is :func:`.forward.softmax_tile`
-(the variants and masks of the forward), and the next rows are prefetched
+gathered, and widened, into a scratch tile first. Either way each tile is
+folded by the forward's tile step (:func:`.tile_step.attend_tile`: the same
+online softmax, variants and epilogue), and the next rows are prefetched
 (:mod:`.memory`): the next tile while this one is computed, or, for small
 pages, the next page while this one is copied.
 """
@@ -29,11 +29,18 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ..masks import block_key_range, tile_fully_visible
 from . import FASTMATH
-from .blas import gemm
-from .forward import LN2, LOG2E, load_q_tile, softmax_tile
 from .memory import half_row_to_float, prefetch_rows
+from .tile_step import attend_tile, finish_rows, one_segment
+from .tiles import (
+    LOG2E,
+    SEG_KEY,
+    SEG_LENGTH,
+    QueryTile,
+    load_q_tile,
+    tile_key_range,
+    tile_sees_all,
+)
 
 #: Tiles gathered from small pages prefetch this many pages ahead.
 PREFETCH_PAGES = 1
@@ -119,7 +126,9 @@ def prefetch_keys(k, v, table_row, hk, page, j0, j1):
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def decode_kernel(q, k, v, table, seqlens, items, part_out, part_lse, scale, kv, tile, gemm_fn):
+def decode_kernel(
+    q, k, v, table, seqlens, items, part_out, part_lse, scale, variants, tile_keys, gemm_fn
+):
     """Partial attention of each item's queries over its key chunk.
 
     Args:
@@ -133,8 +142,8 @@ def decode_kernel(q, k, v, table, seqlens, items, part_out, part_lse, scale, kv,
         part_out: ``(slots, group * Tq, dv)``, part_lse: ``(slots, group * Tq)``
             (natural log), written at each item's slot; a chunk whose keys
             no query sees gives zeros and ``-inf``.
-        kv: :class:`.tiles.KernelVariants` (no mask arrays).
-        tile: keys per tile. gemm_fn: :func:`.blas.gemm_for` of the dtype.
+        variants: :class:`.tiles.KernelVariants` (no mask arrays).
+        tile_keys: keys per tile. gemm_fn: :func:`.blas.gemm_for` of the dtype.
     """
     tq, d = q.shape[2], q.shape[3]
     page, dv = k.shape[2], v.shape[3]
@@ -146,56 +155,43 @@ def decode_kernel(q, k, v, table, seqlens, items, part_out, part_lse, scale, kv,
         b, hk, j_lo, j_hi, slot = items[n, 0], items[n, 1], items[n, 2], items[n, 3], items[n, 4]
         length = seqlens[b]
         table_row = table[b]
-        h0 = hk * group
+        # Every query of the sequence in one tile: i0 = 0, br = Tq.
+        tile = QueryTile(b, hk * group, tq, 0, tq, length, length)
         q_tile = np.empty((rows, d), dtype=dtype)
-        load_q_tile(q, b, h0, group, 0, 0, tq, q_mult, q_tile)
-        s_buf = np.empty(rows * tile, dtype=dtype)
-        k_buf = np.empty((tile, d), dtype=dtype)
-        v_buf = np.empty((tile, dv), dtype=dtype)
+        load_q_tile(q, tile, group, 0, q_mult, q_tile)
+        s_buf = np.empty(rows * tile_keys, dtype=dtype)
+        k_buf = np.empty((tile_keys, d), dtype=dtype)
+        v_buf = np.empty((tile_keys, dv), dtype=dtype)
         acc = np.zeros((rows, dv), dtype=dtype)
         m = np.full(rows, -np.inf, dtype=dtype)
         ell = np.zeros(rows, dtype=dtype)
         alpha = np.empty(rows, dtype=dtype)
-        geo = (b, h0, tq, 0, tq, length, length)
-        seg1 = np.zeros((1, 4), dtype=np.int64)
-        seg1[0, 3] = 2  # no boolean mask in decoding
+        segs = one_segment()  # no boolean mask in decoding
 
-        lo, hi = block_key_range(0, tq, tq, length, kv.causal, kv.left, kv.right, length)
+        lo, hi = tile_key_range(tile, variants)
         lo, hi = max(lo, j_lo), min(hi, j_hi)
         j0 = lo
         while j0 < hi:
-            j1 = min(j0 + tile, hi)
-            if page >= tile:
+            j1 = min(j0 + tile_keys, hi)
+            if page >= tile_keys:
                 # End the tile at its page, so it is read in place. Such tiles
                 # wait on DRAM unless asked for early: prefetch the next one.
                 # (Tiles of small pages prefetch page by page as they are
                 # gathered instead; a whole tile ahead measured slower there.)
                 j1 = min(j1, j0 - j0 % page + page)
-                prefetch_keys(k, v, table_row, hk, page, j1, min(j1 + tile, hi))
+                prefetch_keys(k, v, table_row, hk, page, j1, min(j1 + tile_keys, hi))
             k_tile = load_tile(k, table_row, hk, page, j0, j1, k_buf, hi)
             v_tile = load_tile(v, table_row, hk, page, j0, j1, v_buf, hi)
             s = s_buf[: rows * (j1 - j0)].reshape((rows, j1 - j0))
-            gemm(gemm_fn, q_tile, k_tile, s, False, True, 0.0)
-            full = tile_fully_visible(
-                0, tq, j0, j1, tq, length, kv.causal, kv.left, kv.right, length
-            )
-            seg1[0, 1], seg1[0, 2] = j0, j1 - j0
-            softmax_tile(s, m, ell, alpha, q_tile, k_tile, seg1, geo, kv, full)
-            for r in range(rows):
-                if alpha[r] != 1.0:
-                    acc[r] *= alpha[r]
-            gemm(gemm_fn, s, v_tile, acc, False, False, 1.0)
+            full = tile_sees_all(tile, j0, j1, variants)
+            segs[0, SEG_KEY], segs[0, SEG_LENGTH] = j0, j1 - j0
+            attend_tile(
+                gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, variants,
+                full, 0, 0, k_buf[:0], v_buf[:0],
+            )  # fmt: skip
             j0 = j1
-
-        for r in range(rows):
-            if ell[r] == 0.0:
-                part_out[slot, r, :] = 0.0
-                part_lse[slot, r] = -np.inf
-            else:
-                inv = 1.0 / ell[r]
-                for c in range(dv):
-                    part_out[slot, r, c] = acc[r, c] * inv
-                part_lse[slot, r] = (m[r] + math.log2(ell[r])) * LN2
+        out_heads = part_out[slot].reshape((group, tq, dv))
+        finish_rows(acc, m, ell, out_heads, part_lse[slot].reshape((group, tq)), 0, 0, tq)
 
 
 @njit(fastmath=FASTMATH, cache=True)

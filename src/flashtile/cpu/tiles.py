@@ -1,19 +1,24 @@
-"""What the forward and backward kernels share about one score tile.
+"""What every kernel knows about one tile of stacked query rows.
 
 A *work item* covers ``group * br`` stacked rows: ``br`` consecutive queries
 ``[i0, i0 + br)`` of each of the ``group`` query heads that read one kv head
 (GQA/MQA; ``group = 1`` otherwise), so a K/V tile loaded once serves the
-whole group. Row ``r`` of a tile is query ``i0 + r % br`` of query head
-``h0 + r // br``.
+whole group. A :class:`QueryTile` places those rows: row ``r`` is query
+``i0 + r % br`` of query head ``h0 + r // br``.
 
 Scores arrive from the ``gemm`` in log2 units (the query tile is scaled by
-``scale * log2(e)``); :func:`transform_row` then applies the variants in the
-order of :mod:`flashtile.variants`, all in log2 units, and
-:func:`row_bounds` gives the columns the positional rules leave visible.
+``scale * log2(e)`` when it is loaded, :func:`load_q_tile`);
+:func:`transform_row` then applies the variants in the order of
+:mod:`flashtile.variants`, all in log2 units, and :func:`row_bounds` gives the
+columns the positional rules leave visible.
 
 The per-call variant parameters travel as one :class:`KernelVariants`
 namedtuple. Switched-off arrays have zero size, so every combination of
 variants runs the same compiled kernel (one compilation per dtype).
+
+The kernels' integer tables are indexed through named columns: ``SEQ_*``
+for the sequence table that :mod:`flashtile.planning` builds, ``SEG_*`` for
+the key segments of a score tile (:mod:`.tile_step`).
 """
 
 from __future__ import annotations
@@ -24,8 +29,48 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ..masks import key_bounds
+from ..masks import (
+    TILE_EMPTY,
+    TILE_FULL,
+    TILE_PARTIAL,
+    block_key_range,
+    key_bounds,
+    tile_fully_visible,
+)
 from . import FASTMATH
+
+#: ``log2(e)``: scores times this are exponents of 2 (``exp(x) = 2**(x log2(e))``).
+LOG2E = 1.4426950408889634
+#: ``ln(2)``: an lse in log2 units times this is the natural-log lse.
+LN2 = 0.6931471805599453
+
+#: Columns of the ``seqs (S, SEQ_COLUMNS)`` int64 table: sequence ``s`` is
+#: queries ``q_start + [0, Tq)`` and keys ``k_start + [0, Tk)`` of batch
+#: entry ``b``, of which the first ``kv_len`` keys are valid (one row per
+#: batch entry, or one per packed sequence for varlen).
+SEQ_BATCH, SEQ_Q_START, SEQ_TQ, SEQ_K_START, SEQ_TK, SEQ_KV_LEN = range(6)
+SEQ_COLUMNS = 6
+
+#: Columns of a score tile's ``segs (nseg, SEG_COLUMNS)`` int64 table: the
+#: tile's columns ``[offset, offset + length)`` hold keys ``[key, key +
+#: length)``, whose block-map state is ``state`` (``TILE_FULL`` without a map).
+SEG_OFFSET, SEG_KEY, SEG_LENGTH, SEG_STATE = range(4)
+SEG_COLUMNS = 4
+
+
+class QueryTile(NamedTuple):
+    """Where a tile's stacked rows sit: row ``r`` is query ``i0 + r % br`` of
+    query head ``h0 + r // br`` in batch entry ``b``, in a sequence of ``tq``
+    queries and ``tk`` keys, the first ``kv_len`` of them valid. Positions
+    are the sequence's own (causal alignment uses ``tq`` and ``tk``)."""
+
+    b: int
+    h0: int
+    br: int
+    i0: int
+    tq: int
+    tk: int
+    kv_len: int
 
 
 class KernelVariants(NamedTuple):
@@ -35,7 +80,8 @@ class KernelVariants(NamedTuple):
     ``slope * log2(e)``; ``mask_add`` is pre-multiplied by ``log2(e)``;
     ``mask_add``/``mask_bool``/``states`` are ``(Bm, Hm, TQm, TKm)``-shaped
     with size-1 dims broadcasting, and empty when off; ``states`` (the block
-    map for the call's tiles) is present whenever ``mask_bool`` is.
+    map for the call's tiles, ``TILE_*`` values) is present whenever
+    ``mask_bool`` is.
     """
 
     causal: bool
@@ -49,13 +95,40 @@ class KernelVariants(NamedTuple):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def row_bounds(i, j0, j1, tq, tk, kv_len, kv):
-    """Columns ``[a, b)`` of a tile over keys ``[j0, j1)`` that query ``i`` sees.
+def sequence_tile(seqs, s, h0, i0, block_q):
+    """The :class:`QueryTile` of query block ``[i0, i0 + block_q)`` (cut at
+    the sequence's end) of sequence ``s``, heads from ``h0``."""
+    tq = seqs[s, SEQ_TQ]
+    br = min(block_q, tq - i0)
+    return QueryTile(seqs[s, SEQ_BATCH], h0, br, i0, tq, seqs[s, SEQ_TK], seqs[s, SEQ_KV_LEN])
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def tile_key_range(tile, variants):
+    """Keys ``[lo, hi)`` that any of the tile's queries may see by position."""
+    t, va = tile, variants
+    return block_key_range(t.i0, t.i0 + t.br, t.tq, t.tk, va.causal, va.left, va.right, t.kv_len)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def tile_sees_all(tile, j0, j1, variants):
+    """Whether every query of the tile sees every key in ``[j0, j1)`` by position."""
+    t, va = tile, variants
+    return tile_fully_visible(
+        t.i0, t.i0 + t.br, j0, j1, t.tq, t.tk, va.causal, va.left, va.right, t.kv_len
+    )
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def row_bounds(tile, r, j0, j1, variants):
+    """Columns ``[a, b)`` of a tile over keys ``[j0, j1)`` that row ``r`` sees.
 
     Always ``0 <= a <= b <= j1 - j0``: a tile wholly left of the row's range
     gives ``(j1 - j0, j1 - j0)`` (callers hide ``[0, a)`` and ``[b, n)``).
     """
-    lo, hi = key_bounds(i, tq, tk, kv.causal, kv.left, kv.right, kv_len)
+    i = tile.i0 + r % tile.br
+    va = variants
+    lo, hi = key_bounds(i, tile.tq, tile.tk, va.causal, va.left, va.right, tile.kv_len)
     a = min(max(lo, j0), j1) - j0
     b = min(hi, j1) - j0
     return a, max(a, b)
@@ -67,7 +140,7 @@ MIN_SPLIT_ROWS = 32
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def diagonal_split(group, br, full, i0, j0, j1, tq, tk, kv_len, kv):
+def diagonal_split(tile, group, full, j0, j1, variants):
     """``(top, top_w)``: split a tile's rows at ``top`` when the rows above it
     see only the tile's first ``top_w`` keys; ``top = 0`` means no split.
 
@@ -76,57 +149,60 @@ def diagonal_split(group, br, full, i0, j0, j1, tq, tk, kv_len, kv):
     skip the columns past ``top_w``. Only with one query head per tile
     (``group == 1``): stacked GQA heads repeat the same rows per head.
     """
-    if group != 1 or full or br < 2 * MIN_SPLIT_ROWS:
+    if group != 1 or full or tile.br < 2 * MIN_SPLIT_ROWS:
         return 0, 0
-    top = br // 2
-    top_w = row_bounds(i0 + top - 1, j0, j1, tq, tk, kv_len, kv)[1]
+    top = tile.br // 2
+    top_w = row_bounds(tile, top - 1, j0, j1, variants)[1]
     if top_w > j1 - j0 - MIN_SPLIT_ROWS:
         return 0, 0  # too little to skip
     return top, top_w
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def changes_scores(kv):
+def changes_scores(variants):
     """Whether a variant changes visible scores (softcap, ALiBi, additive mask)."""
-    return kv.softcap > 0.0 or kv.alibi.size > 0 or kv.mask_add.size > 0
+    va = variants
+    return va.softcap > 0.0 or va.alibi.size > 0 or va.mask_add.size > 0
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def needs_transform(kv):
+def needs_transform(variants):
     """Whether :func:`transform_row` has anything to do (a bool mask too)."""
-    return changes_scores(kv) or kv.mask_bool.size > 0
+    return changes_scores(variants) or variants.mask_bool.size > 0
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def transform_row(seg, col0, i, tq, tk, b, h, kv, read_bool, tanh_out):
+def transform_row(seg, col0, tile, r, variants, read_bool, tanh_out):
     """Apply softcap, ALiBi, the additive and the boolean mask to ``seg`` in place.
 
-    ``seg`` holds the scores of query ``i`` (head ``h``, batch ``b``) against
-    keys ``col0, col0 + 1, ...``. ``read_bool`` is False when the block map
-    says the tile is fully kept. With softcap, ``tanh_out`` (same length)
+    ``seg`` holds the scores of the tile's row ``r`` against keys ``col0,
+    col0 + 1, ...``. ``read_bool`` is False when the block map says the
+    keys' block is fully kept. With softcap, ``tanh_out`` (same length)
     receives ``tanh(s / cap)`` for the backward's chain rule (pass an empty
     array to skip).
     """
+    va = variants
     n = seg.shape[0]
-    if kv.softcap > 0.0:
-        inv = 1.0 / kv.softcap
+    b, i, h = tile.b, tile.i0 + r % tile.br, tile.h0 + r // tile.br
+    if va.softcap > 0.0:
+        inv = 1.0 / va.softcap
         for c in range(n):
             t = math.tanh(seg[c] * inv)
-            seg[c] = kv.softcap * t
+            seg[c] = va.softcap * t
             if tanh_out.size > 0:
                 tanh_out[c] = t
-    if kv.alibi.size > 0:
-        slope = kv.alibi[b % kv.alibi.shape[0], h]
-        p = i + tk - tq
+    if va.alibi.size > 0:
+        slope = va.alibi[b % va.alibi.shape[0], h]
+        p = i + tile.tk - tile.tq
         for c in range(n):
             seg[c] -= slope * abs(p - (col0 + c))
-    if kv.mask_add.size > 0:
-        ma = kv.mask_add
+    if va.mask_add.size > 0:
+        ma = va.mask_add
         row = ma[b % ma.shape[0], h % ma.shape[1], i % ma.shape[2]]
         for c in range(n):
             seg[c] += row[(col0 + c) % ma.shape[3]]
-    if read_bool and kv.mask_bool.size > 0:
-        mb = kv.mask_bool
+    if read_bool and va.mask_bool.size > 0:
+        mb = va.mask_bool
         row = mb[b % mb.shape[0], h % mb.shape[1], i % mb.shape[2]]
         for c in range(n):
             if not row[(col0 + c) % mb.shape[3]]:
@@ -134,16 +210,32 @@ def transform_row(seg, col0, i, tq, tk, b, h, kv, read_bool, tanh_out):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def tile_state(kv, b, h0, group, qblock, kblock):
-    """Block-map state of a stacked tile: 0 skip, 1 read the mask, 2 fully kept."""
-    st = kv.states
+def tile_state(variants, b, h0, group, qblock, kblock):
+    """Block-map state (``TILE_*``) of a stacked tile: empty only when every
+    head's block is empty, full only when every head's block is full."""
+    st = variants.states
     if st.size == 0:  # no mask (the caller always builds a map for a mask)
-        return 2
-    lo, hi = 2, 0
+        return TILE_FULL
+    lo, hi = TILE_FULL, TILE_EMPTY
     for g in range(group):
         v = st[b % st.shape[0], (h0 + g) % st.shape[1], qblock, kblock]
         lo = min(lo, v)
         hi = max(hi, v)
-    if hi == 0:
-        return 0
-    return 2 if lo == 2 else 1
+    if hi == TILE_EMPTY:
+        return TILE_EMPTY
+    return TILE_FULL if lo == TILE_FULL else TILE_PARTIAL
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def load_q_tile(src, tile, group, q_start, mult, out):
+    """Stack the tile's rows of ``src (NB, H, T, w)`` into ``out (group * br, w)``,
+    times ``mult``: ``group`` heads from ``tile.h0``, queries ``q_start +
+    tile.i0 + [0, br)`` (queries, or the output gradient, in the backward)."""
+    br = tile.br
+    i = q_start + tile.i0
+    for g in range(group):
+        rows = src[tile.b, tile.h0 + g, i : i + br]
+        dst = out[g * br : (g + 1) * br]
+        for r in range(br):
+            for c in range(src.shape[3]):
+                dst[r, c] = rows[r, c] * mult

@@ -1,0 +1,92 @@
+"""Run a plan on the compiled kernels: allocate the outputs, pin BLAS, call.
+
+Each function takes a plan from :mod:`flashtile.planning` and returns the
+kernel's results in the work dtype and the kernel's 4-D layout; shaping them
+back to the caller's layout is the entry point's job.
+
+The kernel modules import SciPy's BLAS and probe for MKL (about half a
+second), so they are imported on first use, not with ``flashtile``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def run_forward(plan) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(out (NB, Hq, TQ, dv), lse (NB, Hq, TQ), tiles computed)`` of a forward plan."""
+    from .blas import gemm_for, single_threaded_blas
+    from .forward import forward_kernel
+
+    q4, v4 = plan.q4, plan.v4
+    out = np.empty(q4.shape[:-1] + (v4.shape[-1],), dtype=q4.dtype)
+    lse = np.empty(q4.shape[:-1], dtype=q4.dtype)
+    visited = np.empty(len(plan.items), dtype=np.int64)
+    gemm_fn = gemm_for(q4.dtype)
+    with single_threaded_blas(gemm_fn):
+        forward_kernel(
+            q4, plan.k4, v4, out, lse, visited, plan.seqs, plan.items, plan.scale, plan.variants,
+            plan.block_q, plan.block_k, gemm_fn,
+        )  # fmt: skip
+    return out, lse, int(visited.sum())
+
+
+def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(dq, dk, dv)`` shaped like ``plan.q4``, ``k4``, ``v4`` for a backward plan.
+
+    ``out``, ``lse``, ``dout`` hold the caller's validated arrays (any layout
+    with the plan's sizes); the parts' ``dk``/``dv`` are summed in a fixed
+    order, so the result is deterministic.
+    """
+    from .backward import backward_kernel
+    from .blas import gemm_for, single_threaded_blas
+
+    q4, k4, v4 = plan.q4, plan.k4, plan.v4
+
+    def like_q4(a, last):
+        return np.ascontiguousarray(a, dtype=q4.dtype).reshape(q4.shape[:-1] + last)
+
+    out4, dout4 = like_q4(out, (v4.shape[-1],)), like_q4(dout, (v4.shape[-1],))
+    lse4 = like_q4(lse, ())
+    dq = np.empty_like(q4)
+    # Part p accumulates its share of dk/dv in slice p; summed below in order.
+    dk_parts = np.zeros((plan.parts, *k4.shape), k4.dtype)
+    dv_parts = np.zeros((plan.parts, *v4.shape), v4.dtype)
+    gemm_fn = gemm_for(q4.dtype)
+    with single_threaded_blas(gemm_fn):
+        backward_kernel(
+            q4, k4, v4, out4, lse4, dout4, dq, dk_parts, dv_parts, plan.seqs, plan.items,
+            plan.scale, plan.variants, plan.block_q, plan.block_k, gemm_fn,
+        )  # fmt: skip
+    dk, dv = dk_parts[0], dv_parts[0]
+    for p in range(1, plan.parts):  # a fixed order: deterministic sums
+        dk += dk_parts[p]
+        dv += dv_parts[p]
+    return dq, dk, dv
+
+
+def run_decode(plan) -> tuple[np.ndarray, np.ndarray]:
+    """``(out (B, Hq, Tq, dv), lse (B, Hq, Tq))`` of a decode plan, in the work dtype."""
+    from .blas import gemm_for, single_threaded_blas
+    from .decode import decode_kernel, merge_partials
+
+    q, layout = plan.q, plan.layout
+    batch, hq, tq, _ = q.shape
+    dv = layout.v.shape[3]
+    rows = (hq // layout.heads) * tq
+    part_out = np.empty((len(plan.items), rows, dv), dtype=q.dtype)
+    part_lse = np.empty((len(plan.items), rows), dtype=q.dtype)
+    out = np.empty((batch, hq, tq, dv), dtype=q.dtype)
+    lse = np.empty((batch, hq, tq), dtype=q.dtype)
+    # Numba has no float16: the kernel widens the bit patterns itself.
+    k, v = layout.k, layout.v
+    if k.dtype == np.float16:
+        k, v = k.view(np.uint16), v.view(np.uint16)
+    gemm_fn = gemm_for(q.dtype, rows=rows)
+    with single_threaded_blas(gemm_fn):
+        decode_kernel(
+            q, k, v, layout.table, layout.seqlens, plan.items, part_out, part_lse, plan.scale,
+            plan.variants, plan.tile_keys, gemm_fn,
+        )  # fmt: skip
+    merge_partials(part_out, part_lse, plan.spans, out, lse)
+    return out, lse

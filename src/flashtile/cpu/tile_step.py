@@ -1,0 +1,238 @@
+"""The tile step: one key tile folded into a tile of query rows, and the epilogue.
+
+The attention forward (plain and gathered tiles) and the decode kernel walk
+key tiles differently but fold each one the same way (:func:`attend_tile`).
+Per row a tile of stacked query rows (:mod:`.tiles`) keeps a reference
+``m_i`` at or above the running max (log2 units, see :func:`softmax_tile`),
+the normaliser ``ell_i`` and the unnormalised output ``acc``::
+
+    S   = (scale * log2(e) * Q_i) K_j^T        BLAS gemm into a reused buffer
+    m'  = m_i, or max(S) + HEADROOM if S passed m_i;  alpha = 2**(m_i - m')
+    P   = 2**(S - m')  (vectorised, in place);  ell_i = alpha * ell_i + rowsum(P)
+    acc = alpha * acc + P V_j                  rescale rows, then gemm with beta = 1
+
+Folding ``scale * log2(e)`` into the query tile once makes every score an
+exponent of 2, so the inner loop is one subtract and a polynomial. Across the
+causal diagonal both products skip the columns the top rows cannot see
+(:func:`.tiles.diagonal_split`; the backward's score product is
+:func:`score_product` too). :func:`finish_rows` divides by ``ell`` once at
+the end and writes ``out`` and the natural-log ``lse``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from ..masks import TILE_FULL, TILE_PARTIAL
+from . import FASTMATH
+from .blas import gemm
+from .memory import prefetch_rows
+from .rowops import exp2_shifted, row_max
+from .tiles import (
+    LN2,
+    SEG_COLUMNS,
+    SEG_KEY,
+    SEG_LENGTH,
+    SEG_OFFSET,
+    SEG_STATE,
+    changes_scores,
+    needs_transform,
+    row_bounds,
+    transform_row,
+)
+
+#: How far (log2 units) the reference ``m`` sits above a row's max: every
+#: ``P <= 2**-10``, so a 512-wide tile sums to <= 0.5 unless a score jumped.
+HEADROOM = 10.0
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def one_segment():
+    """A ``segs`` table for a tile of consecutive keys with no block map
+    (the caller fills in ``SEG_KEY`` and ``SEG_LENGTH`` per tile)."""
+    segs = np.zeros((1, SEG_COLUMNS), dtype=np.int64)
+    segs[0, SEG_STATE] = TILE_FULL
+    return segs
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def prepare_row(row, r, segs, tile, variants, full):
+    """Lay out stacked row ``r`` of a score tile for the softmax; return columns ``[lo, hi)``.
+
+    ``segs`` (columns ``SEG_*``) says which keys the tile's columns hold: one
+    segment for a plain tile, several when kept blocks of a block mask were
+    gathered. With one segment, columns outside the positional bounds are
+    left out of ``[lo, hi)``; with several, hidden columns are set to
+    ``-inf`` (they exponentiate to exact zeros) and ``[lo, hi)`` is the whole
+    row. Variants are applied to the visible columns.
+    """
+    transform = needs_transform(variants)
+    if segs.shape[0] == 1:
+        j0, n = segs[0, SEG_KEY], segs[0, SEG_LENGTH]
+        lo, hi = 0, n
+        if not full:
+            lo, hi = row_bounds(tile, r, j0, j0 + n, variants)
+        if transform and hi > lo:
+            read_bool = segs[0, SEG_STATE] == TILE_PARTIAL
+            transform_row(row[lo:hi], j0 + lo, tile, r, variants, read_bool, row[:0])
+        return lo, hi
+    for g in range(segs.shape[0]):
+        off, j0, n = segs[g, SEG_OFFSET], segs[g, SEG_KEY], segs[g, SEG_LENGTH]
+        a, c = row_bounds(tile, r, j0, j0 + n, variants)
+        row[off : off + a] = -np.inf
+        row[off + c : off + n] = -np.inf
+        if transform and c > a:
+            read_bool = segs[g, SEG_STATE] == TILE_PARTIAL
+            transform_row(row[off + a : off + c], j0 + a, tile, r, variants, read_bool, row[:0])
+    return 0, segs[-1, SEG_OFFSET] + segs[-1, SEG_LENGTH]
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def rebase_row(row, r, lo, hi, q_row, k_rows, segs, tile, variants, full):
+    """Recompute row ``r``'s scores ``k_rows[lo:hi] @ q_row`` with every variant,
+    exponentiate against a new reference ``max + HEADROOM``; return
+    ``(reference, row sum)``.
+
+    The rare path of :func:`softmax_tile`; kept out of line so that the hot
+    loops stay small.
+    """
+    for c in range(lo, hi):
+        acc = row.dtype.type(0.0)
+        for t in range(q_row.shape[0]):
+            acc += q_row[t] * k_rows[c, t]
+        row[c] = acc
+    prepare_row(row, r, segs, tile, variants, full)
+    seg = row[lo:hi]
+    m_new = row_max(seg, hi - lo) + HEADROOM
+    return m_new, exp2_shifted(seg, m_new, hi - lo)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def softmax_tile(s, m, ell, alpha, q_tile, k_tile, segs, tile, variants, full):
+    """Online-softmax update of one stacked score tile ``s (rows, n)`` in place.
+
+    ``tile`` (a :class:`.tiles.QueryTile`) places the rows; ``segs`` (see
+    :func:`prepare_row`) says which key each column holds; ``k_tile`` holds
+    those keys' rows. ``full`` says every row sees every column: all
+    segments lie inside every row's positional bounds and, with a block
+    map, in fully kept blocks. A full tile without score-changing variants
+    goes straight to the exponential, row by row.
+
+    On return ``s`` holds ``P = 2**(S - m_new)`` (exact zeros where hidden),
+    ``m``/``ell`` the updated state and ``alpha`` the per-row rescale.
+
+    ``m`` is a *reference* at or above the running max, not the max itself:
+    a row's first visible tile sets it to ``max + HEADROOM``. Later tiles are
+    exponentiated against the old reference straight away, with no max pass
+    and no rescale, which is exact for any reference. Only when a score rises
+    above the reference (some ``P > 1``, which a row sum ``<= 1`` rules out
+    cheaply) is that row's score recomputed from ``q_tile`` and ``k_tile``
+    and the reference raised, as in the textbook update.
+    """
+    rows = s.shape[0]
+    plain = full and not changes_scores(variants)
+    for r in range(rows):
+        row = s[r]
+        if plain:
+            lo, hi = 0, s.shape[1]
+        else:
+            lo, hi = prepare_row(row, r, segs, tile, variants, full)
+        alpha[r] = 1.0
+        if hi <= lo:
+            row[:] = 0.0
+            continue
+        seg = row[lo:hi]
+        n = hi - lo
+        m_new = m[r]
+        if m_new == -np.inf:  # first visible tile: set the reference
+            mx = row_max(seg, n)
+            if mx == -np.inf:  # every score hidden by a mask: still empty
+                row[:] = 0.0
+                continue
+            m_new = mx + HEADROOM
+            total = exp2_shifted(seg, m_new, n)
+        else:
+            total = exp2_shifted(seg, m_new, n)
+            if total > 1.0 and row_max(seg, n) > 1.0:
+                # A score passed the reference: rebuild this row and raise it.
+                m_new, total = rebase_row(
+                    row, r, lo, hi, q_tile[r], k_tile, segs, tile, variants, full
+                )
+            alpha[r] = 1.0 if m_new == m[r] else math.exp2(m[r] - m_new)
+        row[:lo] = 0.0
+        row[hi:] = 0.0
+        ell[r] = ell[r] * alpha[r] + total
+        m[r] = m_new
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def score_product(gemm_fn, q_tile, k_tile, s, top, top_w):
+    """``s = q_tile k_tile^T``; with a diagonal split (``top > 0``) the first
+    ``top`` rows get only the first ``top_w`` columns (the rest is left
+    unwritten: the caller hides it)."""
+    if top > 0:
+        if top_w > 0:
+            gemm(gemm_fn, q_tile[:top], k_tile[:top_w], s[:top, :top_w], False, True, 0.0)
+        gemm(gemm_fn, q_tile[top:], k_tile, s[top:], False, True, 0.0)
+    else:
+        gemm(gemm_fn, q_tile, k_tile, s, False, True, 0.0)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def attend_tile(
+    gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, variants, full, top,
+    top_w, k_next, v_next,
+):  # fmt: skip
+    """Fold one key tile into the rows' state ``(m, ell, acc)``: the tile step.
+
+    Args:
+        q_tile: ``(rows, d)`` stacked queries, scaled by ``scale * log2(e)``.
+        k_tile, v_tile: ``(n, d)``, ``(n, dv)``: the keys and values of the
+            tile's columns (described by ``segs``, columns ``SEG_*``).
+        s: ``(rows, n)`` C-contiguous score buffer; alpha: ``(rows,)`` scratch.
+        m, ell, acc: ``(rows,)``, ``(rows,)``, ``(rows, dv)``: the state.
+        tile, variants: :class:`.tiles.QueryTile`, :class:`.tiles.KernelVariants`.
+        full: every row sees every column (no per-row limits, no mask reads).
+        top, top_w: the diagonal split (:func:`.tiles.diagonal_split`; ``top
+            = 0`` for none).
+        k_next, v_next: rows of the next tile to prefetch while this one is
+            finished (zero rows for none).
+    """
+    score_product(gemm_fn, q_tile, k_tile, s, top, top_w)
+    prefetch_rows(k_next, 0, k_next.shape[0])
+    prefetch_rows(v_next, 0, v_next.shape[0])
+    # Hidden columns (the top rows' unwritten ones too) come back as zeros.
+    softmax_tile(s, m, ell, alpha, q_tile, k_tile, segs, tile, variants, full)
+    for r in range(s.shape[0]):
+        if alpha[r] != 1.0:  # most rows keep their reference: nothing to rescale
+            acc[r] *= alpha[r]
+    if top > 0:
+        if top_w > 0:
+            gemm(gemm_fn, s[:top, :top_w], v_tile[:top_w], acc[:top], False, False, 1.0)
+        gemm(gemm_fn, s[top:], v_tile, acc[top:], False, False, 1.0)
+    else:
+        gemm(gemm_fn, s, v_tile, acc, False, False, 1.0)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def finish_rows(acc, m, ell, out, lse, h0, i_first, br):
+    """The epilogue: normalise the rows once and write ``out`` and ``lse``.
+
+    Row ``r`` goes to ``out[h0 + r // br, i_first + r % br]`` of ``out (H, T,
+    dv)`` and ``lse (H, T)`` (natural log). A row that saw no key gets zeros
+    and ``lse = -inf`` (a NaN row is not caught here: it stays NaN).
+    """
+    for r in range(acc.shape[0]):
+        h = h0 + r // br
+        i = i_first + r % br
+        if ell[r] == 0.0:
+            out[h, i, :] = 0.0
+            lse[h, i] = -np.inf
+        else:
+            inv = 1.0 / ell[r]
+            for c in range(out.shape[2]):
+                out[h, i, c] = acc[r, c] * inv
+            lse[h, i] = (m[r] + math.log2(ell[r])) * LN2
