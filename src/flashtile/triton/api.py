@@ -37,6 +37,11 @@ def _qkv(q, k, v, enable_gqa: bool, ranks: tuple[int, ...], layout: str):
         raise ValueError(f"q has head dim {q.shape[-1]} but k has {k.shape[-1]}: they must match")
     checks.check_heads(q.shape[-3], k.shape[-3], v.shape[-3], enable_gqa)
     checks.check_head_dims(q.shape[-1], v.shape[-1])
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}: empty sequences are not supported (as on "
+            f"the CPU path); packed batches may hold empty ones (varlen_attention)"
+        )
     return q, k, v
 
 

@@ -24,20 +24,20 @@ import triton.language as tl
 
 from .forward import sequence
 from .tiles import (
+    LOG2E,
     device_fn,
     dot,
     load_tile,
     mma_in,
     operand_like,
     phase_ends,
-    phase_span,
+    phase_block,
+    phase_count,
     query_block_keys,
     row_bounds,
     scores,
     store_tile,
 )
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -96,17 +96,20 @@ def _row_state(Lse, Delta, offs_m, m_ok, row_base):
 
 @device_fn
 def _dkdv_range(
-    dk, dv, k, v, q_base, do_base, stride_q, stride_do, Lse, Delta, row_base, start, end,
+    dk, dv, k, v, q_base, do_base, stride_q, stride_do, Lse, Delta, row_base, lo, s1, s2, hi,
     offs_n, tq, shift, kv_len, left, right, slope2, qk_scale, cap_in, cap_out,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
-    """Accumulate the key block's ``dk`` (unscaled) and ``dv`` over query rows ``[start, end)``."""
+    """Accumulate the key block's ``dk`` (unscaled) and ``dv`` over the query blocks of
+    one phase (see :func:`~.tiles.phase_count`)."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    for start_m in range(start, end, BLOCK_M):
+    blocks, head = phase_count(lo, s1, s2, hi, BLOCK_M, MASKED)
+    for i in range(blocks):
+        start_m, end = phase_block(i, head, lo, s1, s2, hi, BLOCK_M, MASKED)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < end
         rows = offs_m[:, None].to(tl.int64)
@@ -172,13 +175,13 @@ def attn_bwd_dkdv(
         q_base = Q + b * sq_b + h * sq_h + q0.to(tl.int64) * sq_t
         do_base = DOut + b * sd_b + h * sd_h + q0.to(tl.int64) * sd_t
         row_base = b * sl_b + h * sl_h + q0
-        for phase in tl.static_range(3):  # masked, unmasked, masked
-            start, end = phase_span(phase, i_lo, s1, s2, i_hi)
+        for phase in tl.static_range(2):  # the masked edges, then the unmasked interior
             dk, dv = _dkdv_range(
-                dk, dv, k, v, q_base, do_base, sq_t, sd_t, Lse, Delta, row_base, start, end,
+                dk, dv, k, v, q_base, do_base, sq_t, sd_t, Lse, Delta, row_base, i_lo, s1, s2,
+                i_hi,
                 offs_n, tq, tk - tq, kv_len, left, right, slope2, qk_scale, cap_in, cap_out,
                 HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT,
-                SOFTCAP, ALIBI, phase != 1, IEEE, EMULATE_BF16,
+                SOFTCAP, ALIBI, phase == 0, IEEE, EMULATE_BF16,
             )  # fmt: skip
     out_mask = n_ok[:, None]
     dk_ptrs = DK + b * sdk_b + hk * sdk_h + keys * sdk_t + offs_d[None, :]
@@ -189,16 +192,18 @@ def attn_bwd_dkdv(
 
 @device_fn
 def _dq_range(
-    dq, q, do, lse2, delta, k_base, v_base, stride_k, stride_v, start, end,
+    dq, q, do, lse2, delta, k_base, v_base, stride_k, stride_v, lo, s1, s2, hi,
     pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
     IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
-    """Accumulate the query block's ``dq`` (unscaled) over key blocks ``[start, end)``."""
+    """Accumulate the query block's ``dq`` (unscaled) over the key blocks of one phase."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    for start_n in range(start, end, BLOCK_N):
+    blocks, head = phase_count(lo, s1, s2, hi, BLOCK_N, MASKED)
+    for i in range(blocks):
+        start_n, end = phase_block(i, head, lo, s1, s2, hi, BLOCK_N, MASKED)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
         keys = offs_n[:, None].to(tl.int64)
@@ -259,12 +264,11 @@ def attn_bwd_dq(
     k_base = K + b * sk_b + hk * sk_h + k0.to(tl.int64) * sk_t
     v_base = V + b * sv_b + hk * sv_h + k0.to(tl.int64) * sv_t
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for phase in tl.static_range(3):  # masked, unmasked, masked
-        start, end = phase_span(phase, lo, s1, s2, hi)
+    for phase in tl.static_range(2):  # the masked edges, then the unmasked interior
         dq = _dq_range(
-            dq, q, do, lse2, delta, k_base, v_base, sk_t, sv_t, start, end,
+            dq, q, do, lse2, delta, k_base, v_base, sk_t, sv_t, lo, s1, s2, hi,
             pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
-            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP, ALIBI, phase != 1, IEEE,
+            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP, ALIBI, phase == 0, IEEE,
             EMULATE_BF16,
         )  # fmt: skip
     dq_ptrs = DQ + b * sdq_b + h * sdq_h + rows * sdq_t + offs_d[None, :]

@@ -122,7 +122,7 @@ def _jobs(archs, dtypes, head_dims, kernels):
 
 
 def compile_report(
-    archs=(80, 90), *, dtypes=DTYPES, head_dims=HEAD_DIMS, kernels=tuple(KERNELS)
+    archs=(80, 90), *, dtypes=DTYPES, head_dims=HEAD_DIMS, kernels=tuple(KERNELS), jobs=1
 ) -> list[dict]:
     """Compile every kernel ahead of time; one dict per compile.
 
@@ -132,6 +132,8 @@ def compile_report(
         head_dims: head dims to compile for (each bucket's largest, 64/128/256,
             covers the tile sizes of every head dim up to it).
         kernels: names from :data:`KERNELS`.
+        jobs: compiles run in this many processes at once (each compile takes
+            one core for 2-30 s; the full report is about 250 compiles).
 
     Returns:
         dicts with ``kernel, arch, dtype, head_dim, config, variants,
@@ -146,11 +148,22 @@ def compile_report(
     if unknown:
         raise ValueError(f"unknown dtypes or kernels {unknown}: choose from {DTYPES}, {KERNELS}")
     if INTERPRET:
-        return _in_child(list(archs), list(dtypes), list(head_dims), list(kernels))
-    return [_compile_one(*job) for job in _jobs(archs, dtypes, head_dims, kernels)]
+        return _in_child(list(archs), list(dtypes), list(head_dims), list(kernels), jobs)
+    todo = _jobs(archs, dtypes, head_dims, kernels)
+    if jobs <= 1:
+        return [_compile_one(*job) for job in todo]
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+        return list(pool.map(_compile_job, todo))
 
 
-def _in_child(archs, dtypes, head_dims, kernels) -> list[dict]:
+def _compile_job(job: tuple) -> dict:
+    return _compile_one(*job)
+
+
+def _in_child(archs, dtypes, head_dims, kernels, jobs) -> list[dict]:
     """Run the report in a Python without ``TRITON_INTERPRET`` (the kernels must be jitted)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -158,9 +171,10 @@ def _in_child(archs, dtypes, head_dims, kernels) -> list[dict]:
     code = (
         "import json, sys; from flashtile.triton import compile_report; "
         "a = json.loads(sys.argv[1]); "
-        "print(json.dumps(compile_report(a[0], dtypes=a[1], head_dims=a[2], kernels=a[3])))"
+        "rows = compile_report(a[0], dtypes=a[1], head_dims=a[2], kernels=a[3], jobs=a[4]); "
+        "print(json.dumps(rows))"
     )
-    args = json.dumps([archs, dtypes, head_dims, kernels])
+    args = json.dumps([archs, dtypes, head_dims, kernels, jobs])
     done = subprocess.run(
         [sys.executable, "-c", code, args], env=env, capture_output=True, text=True, check=False
     )

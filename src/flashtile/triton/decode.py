@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .tiles import (
+    LOG2E,
     LN2,
     device_fn,
     finish_rows,
@@ -28,13 +29,12 @@ from .tiles import (
     mma_in,
     online_block,
     phase_ends,
-    phase_span,
+    phase_block,
+    phase_count,
     row_bounds,
     scores,
     store_tile,
 )
-
-LOG2E = 1.4426950408889634
 
 
 @device_fn
@@ -55,15 +55,17 @@ def _cache_rows(base, table_row, offs_n, n_ok, stride_page, stride_t, page_size,
 @device_fn
 def _decode_range(
     acc, l_i, m_i, q, k_base, v_base, table_row, sk_page, sk_t, sv_page, sv_t, page_size,
-    start, end, pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
+    lo, s1, s2, hi, pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
     PAGED: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
-    """Fold cache keys ``[start, end)`` into the rows' state."""
+    """Fold the cache's key blocks of one phase (see :func:`~.tiles.phase_count`) in."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    for start_n in range(start, end, BLOCK_N):
+    blocks, head = phase_count(lo, s1, s2, hi, BLOCK_N, MASKED)
+    for i in range(blocks):
+        start_n, end = phase_block(i, head, lo, s1, s2, hi, BLOCK_N, MASKED)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
         k_rows = _cache_rows(k_base, table_row, offs_n, n_ok, sk_page, sk_t, page_size,
@@ -139,12 +141,11 @@ def decode_split(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for phase in tl.static_range(3):  # masked, unmasked, masked
-        lo, hi = phase_span(phase, start, s1, s2, end)
+    for phase in tl.static_range(2):  # the masked edges, then the unmasked interior
         acc, l_i, m_i = _decode_range(
             acc, l_i, m_i, q, k_base, v_base, Table + b * st_b, sk_b, sk_t, sv_b, sv_t,
-            page_size, lo, hi, pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
-            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP, ALIBI, phase != 1, PAGED,
+            page_size, start, s1, s2, end, pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
+            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP, ALIBI, phase == 0, PAGED,
             IEEE, EMULATE_BF16,
         )  # fmt: skip
     out, lse = finish_rows(acc, l_i, m_i)

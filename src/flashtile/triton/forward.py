@@ -21,19 +21,19 @@ import triton
 import triton.language as tl
 
 from .tiles import (
+    LOG2E,
     device_fn,
     finish_rows,
     load_tile,
     mma_in,
     online_block,
-    phase_span,
+    phase_block,
+    phase_count,
     query_block_keys,
     row_bounds,
     scores,
     store_tile,
 )
-
-LOG2E = 1.4426950408889634
 
 
 @device_fn
@@ -59,16 +59,18 @@ def sequence(seq, CuQ, CuK, KvLens, seqlen_q, seqlen_k, KV_LENS: tl.constexpr, V
 
 @device_fn
 def _fwd_range(
-    acc, l_i, m_i, q, k_base, v_base, stride_k, stride_v, start, end,
+    acc, l_i, m_i, q, k_base, v_base, stride_k, stride_v, lo, s1, s2, hi,
     pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
     IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
-    """Fold key blocks ``[start, end)`` into the state (masked or not)."""
+    """Fold the key blocks of one phase (see :func:`~.tiles.phase_count`) into the state."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    for start_n in range(start, end, BLOCK_N):
+    blocks, head = phase_count(lo, s1, s2, hi, BLOCK_N, MASKED)
+    for i in range(blocks):
+        start_n, end = phase_block(i, head, lo, s1, s2, hi, BLOCK_N, MASKED)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
         k_ptrs = k_base + offs_n[:, None].to(tl.int64) * stride_k + offs_d[None, :]
@@ -121,12 +123,11 @@ def attn_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for phase in tl.static_range(3):  # masked, unmasked, masked
-        start, end = phase_span(phase, lo, s1, s2, hi)
+    for phase in tl.static_range(2):  # the masked edges, then the unmasked interior
         acc, l_i, m_i = _fwd_range(
-            acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, start, end,
+            acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, lo, s1, s2, hi,
             pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
-            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP, ALIBI, phase != 1, IEEE,
+            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP, ALIBI, phase == 0, IEEE,
             EMULATE_BF16,
         )  # fmt: skip
     out, lse = finish_rows(acc, l_i, m_i)

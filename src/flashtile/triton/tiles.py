@@ -17,7 +17,8 @@ tensors as their uint16 bit patterns and runs NumPy on those patterns:
 ``tl.dot`` of two bfloat16 tiles is ``np.matmul`` of the integers (garbage,
 errors of 1e10), and so is any arithmetic on bfloat16 values (``x * 0.5``).
 Loads, stores and bfloat16 <-> float32 casts are right, except that the cast
-float32 -> bfloat16 truncates instead of rounding to nearest even. So with
+float32 -> bfloat16 truncates instead of rounding to nearest even (and flushes
+bfloat16 subnormals to zero). So with
 ``EMULATE_BF16`` (set only when interpreting bfloat16 inputs) tiles are
 widened to float32 right after loading (exact), the operands the kernels
 narrow to bfloat16 before a product (``P``, ``dS``) and the outputs are
@@ -48,8 +49,9 @@ def device_fn(fn):
     return fn if INTERPRET else triton.jit(fn)
 
 
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+# Kernels may read module globals only when they are tl.constexpr.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @device_fn
@@ -80,17 +82,32 @@ def phase_ends(lo, hi, inner_lo, inner_hi, BLOCK: tl.constexpr):
 
 
 @device_fn
-def phase_span(PHASE: tl.constexpr, lo, s1, s2, hi):
-    """``[start, end)`` of phase 0 (masked), 1 (unmasked) or 2 (masked) of :func:`phase_ends`."""
-    if PHASE == 0:
-        start = lo
-        end = s1
-    elif PHASE == 1:
-        start = s1
-        end = s2
+def phase_count(lo, s1, s2, hi, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """``(blocks, head)``: the blocks of the masked phase (``[lo, s1)``, then ``[s2, hi)``;
+    ``head`` of them lie before ``s1``) or of the unmasked phase (``[s1, s2)``).
+
+    The two masked edges share one loop, so each kernel compiles two copies of
+    its loop body, not three.
+    """
+    head = tl.cdiv(s1 - lo, BLOCK)
+    if MASKED:
+        blocks = head + tl.cdiv(hi - s2, BLOCK)
     else:
-        start = s2
-        end = hi
+        blocks = (s2 - s1) // BLOCK
+    return blocks, head
+
+
+@device_fn
+def phase_block(i, head, lo, s1, s2, hi, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """``(start, end)`` of block ``i`` of a phase: it covers ``[start, start + BLOCK)``
+    and nothing from ``end`` on belongs to its part of the range."""
+    if MASKED:
+        before = i < head
+        start = tl.where(before, lo + i * BLOCK, s2 + (i - head) * BLOCK)
+        end = tl.where(before, s1, hi)
+    else:
+        start = s1 + i * BLOCK
+        end = s2
     return start, end
 
 
