@@ -9,24 +9,39 @@
 
 Needs ``torch`` and ``triton`` (``pip install 'flashtile[gpu]'``; PyTorch's
 CUDA wheels already bring a matching Triton). The kernels take CUDA tensors.
-With ``TRITON_INTERPRET=1`` set **before this package is imported** they run
-in Triton's interpreter on CPU tensors instead (slowly: NumPy per tile); that
-is how the test suite checks them on machines without a GPU. ``triton.jit``
-reads the variable when it decorates the kernels, so the choice is made once
-per process, at import; :data:`INTERPRET` records it.
+With ``TRITON_INTERPRET=1`` they run in Triton's interpreter on CPU tensors
+instead (slowly: NumPy per tile); that is how the test suite checks them on
+machines without a GPU. ``triton.jit`` reads the variable when it decorates
+the kernels, which happens when the names above are first used, so set it
+before that (before importing ``flashtile.triton`` is always early enough);
+:data:`INTERPRET` records the choice, made once per process.
+
+Importing this package itself imports nothing heavy: ``flashtile --help``
+and the ``gpu`` command's parser work without torch or triton.
 """
 
-try:
-    import torch as _torch  # noqa: F401
-    import triton as _triton  # noqa: F401
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "flashtile.triton needs PyTorch and Triton: pip install 'flashtile[gpu]' (PyTorch's "
-        "CUDA wheels include Triton)"
-    ) from exc
+import importlib
 
-from .api import attention, decode_attention, varlen_attention
-from .compile import compile_report
-from .tiles import INTERPRET
+_EXPORTS = {
+    "attention": "api",
+    "varlen_attention": "api",
+    "decode_attention": "api",
+    "compile_report": "compile",
+    "INTERPRET": "tiles",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = ["INTERPRET", "attention", "compile_report", "decode_attention", "varlen_attention"]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'flashtile.triton' has no attribute {name!r}")
+    try:
+        module = importlib.import_module(f".{_EXPORTS[name]}", __name__)
+    except ImportError as exc:
+        if exc.name not in ("torch", "triton"):
+            raise
+        raise ImportError(
+            "flashtile.triton needs PyTorch and Triton: pip install 'flashtile[gpu]' (PyTorch's "
+            "CUDA wheels include Triton)"
+        ) from exc
+    return getattr(module, name)

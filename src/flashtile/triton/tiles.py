@@ -29,12 +29,17 @@ in float32, so this is the GPU's arithmetic up to summation order; the code
 the GPU runs (``EMULATE_BF16`` off) is checked by ``compile_report``.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
 #: Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when
 #: they were defined: ``triton.jit`` reads it when it decorates a function).
-INTERPRET = bool(triton.knobs.runtime.interpret)
+try:
+    INTERPRET = bool(triton.knobs.runtime.interpret)
+except AttributeError:  # Triton before 3.4 reads the variable directly
+    INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def device_fn(fn):
