@@ -19,10 +19,10 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import math  # noqa: E402
+import math
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
 torch = pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
@@ -86,9 +86,7 @@ def make(dims, dtype, seed, grad):
     gen = torch.Generator().manual_seed(seed)
     b, hq, hk, tq, tk, d, dv = dims
     shapes = ((b, hq, tq, d), (b, hk, tk, d), (b, hk, tk, dv))
-    return [
-        torch.randn(s, generator=gen).to(dtype).to(DEVICE).requires_grad_(grad) for s in shapes
-    ]
+    return [torch.randn(s, generator=gen).to(dtype).to(DEVICE).requires_grad_(grad) for s in shapes]
 
 
 def run_case(dims, dtype, kw, grad, seed=0):
@@ -136,17 +134,26 @@ CASES = {
     "causal_tq_below_tk": ((1, 2, 1, 20, 50, 32, 32), F32, {"causal": True}, False),
     "window_both_sides": ((1, 2, 2, 33, 70, 32, 32), F32, {"window": (5, 3)}, False),
     "causal_window_softcap_alibi_mqa": (
-        (2, 2, 1, 20, 45, 3, 5), F32,
-        {"causal": True, "window": (7, None), "softcap": 2.0, "alibi_slopes": slopes(2, 2)}, True,
-    ),  # fmt: skip
+        (2, 2, 1, 20, 45, 3, 5),
+        F32,
+        {"causal": True, "window": (7, None), "softcap": 2.0, "alibi_slopes": slopes(2, 2)},
+        True,
+    ),
     "kv_lengths": ((2, 2, 2, 17, 40, 8, 8), F32, {"kv_lengths": [0, 23]}, True),
-    "causal_kv_lengths": ((2, 1, 1, 17, 40, 8, 8), F32, {"causal": True, "kv_lengths": [40, 9]}, False),
+    "causal_kv_lengths": (
+        (2, 1, 1, 17, 40, 8, 8),
+        F32,
+        {"causal": True, "kv_lengths": [40, 9]},
+        False,
+    ),
     "one_query": ((1, 2, 2, 1, 37, 16, 16), F32, {"causal": True, "scale": 0.3}, False),
     "float16_causal_gqa": ((1, 4, 2, 37, 50, 64, 64), F16, {"causal": True}, True),
     "bfloat16_softcap_alibi": (
-        (1, 2, 2, 37, 50, 24, 24), BF16,
-        {"causal": True, "softcap": 5.0, "alibi_slopes": slopes(2)}, True,
-    ),  # fmt: skip
+        (1, 2, 2, 37, 50, 24, 24),
+        BF16,
+        {"causal": True, "softcap": 5.0, "alibi_slopes": slopes(2)},
+        True,
+    ),
     "bfloat16_window": ((1, 2, 1, 30, 30, 40, 40), BF16, {"window": (4, 6)}, True),
 }
 
@@ -191,12 +198,12 @@ def varlen_reference(q, k, v, cu_q, cu_k, causal, alibi, dout):
         if qs.stop == qs.start or ks.stop == ks.start:
             continue  # no queries, or queries that see no key: zeros and -inf
         kw = {"alibi_slopes": alibi}
-        o, l = flashtile.tiled_attention(
+        o, o_lse = flashtile.tiled_attention(
             q[:, qs], k[:, ks], v[:, ks], 16, causal, return_lse=True, **kw
         )
-        out[:, qs], lse[:, qs] = o, l
+        out[:, qs], lse[:, qs] = o, o_lse
         g = flashtile.tiled_attention_backward(
-            q=q[:, qs], k=k[:, ks], v=v[:, ks], out=o, dout=dout[:, qs], lse=l, block_size=16,
+            q=q[:, qs], k=k[:, ks], v=v[:, ks], out=o, dout=dout[:, qs], lse=o_lse, block_size=16,
             causal=causal, **kw,
         )  # fmt: skip
         for whole, part, rows in zip(grads, g, (qs, ks, ks), strict=True):

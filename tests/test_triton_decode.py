@@ -9,8 +9,8 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")

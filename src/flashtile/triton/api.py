@@ -144,8 +144,7 @@ def varlen_attention(
     )
     if cu_q.numel() != cu_k.numel():
         raise ValueError(
-            f"cu_seqlens_q has {cu_q.numel() - 1} sequences but cu_seqlens_k has "
-            f"{cu_k.numel() - 1}"
+            f"cu_seqlens_q has {cu_q.numel() - 1} sequences but cu_seqlens_k has {cu_k.numel() - 1}"
         )
     longest_q = checks.check_cu_seqlens(cu_q, "cu_seqlens_q", q.shape[1])
     longest_k = checks.check_cu_seqlens(cu_k, "cu_seqlens_k", k.shape[1])
@@ -200,7 +199,12 @@ def _cache(q, k_cache, v_cache, block_table):
         raise ValueError(
             f"block_table has shape {tuple(table.shape)}; expected (B, max_pages) with B={batch}"
         )
-    return q, k_cache, v_cache, checks.int_tensor(table, "block_table", tuple(table.shape), q.device)
+    return (
+        q,
+        k_cache,
+        v_cache,
+        checks.int_tensor(table, "block_table", tuple(table.shape), q.device),
+    )
 
 
 def _seqlens(cache_seqlens, table, batch, capacity, pages, device):
@@ -209,7 +213,9 @@ def _seqlens(cache_seqlens, table, batch, capacity, pages, device):
         seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=device)
     else:
         seqlens = checks.int_tensor(cache_seqlens, "cache_seqlens", (batch,), device)
-        checks.check_range(seqlens, "cache_seqlens", 0, capacity, "the cache's capacity per sequence")
+        checks.check_range(
+            seqlens, "cache_seqlens", 0, capacity, "the cache's capacity per sequence"
+        )
     if table is not None and table.numel():
         page_size = capacity // table.shape[1]
         used = torch.arange(table.shape[1], device=device)[None, :] * page_size < seqlens[:, None]

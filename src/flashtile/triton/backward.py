@@ -30,9 +30,9 @@ from .tiles import (
     load_tile,
     mma_in,
     operand_like,
-    phase_ends,
     phase_block,
     phase_count,
+    phase_ends,
     query_block_keys,
     row_bounds,
     scores,
@@ -58,8 +58,12 @@ def attn_bwd_delta(
     rows = (q0 + offs_m[:, None]).to(tl.int64)
     m_ok = offs_m < tq
     cols = offs_dv < HEAD_DV
-    o = load_tile(Out + b * so_b + h * so_h + rows * so_t + offs_dv[None, :], m_ok, cols, True, True)
-    do = load_tile(DOut + b * sd_b + h * sd_h + rows * sd_t + offs_dv[None, :], m_ok, cols, True, True)
+    o = load_tile(
+        Out + b * so_b + h * so_h + rows * so_t + offs_dv[None, :], m_ok, cols, True, True
+    )
+    do = load_tile(
+        DOut + b * sd_b + h * sd_h + rows * sd_t + offs_dv[None, :], m_ok, cols, True, True
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + b * st_b + h * st_h + q0 + offs_m, delta, mask=m_ok)
 
@@ -165,7 +169,9 @@ def attn_bwd_dkdv(
     v = mma_in(load_tile(v_ptrs, n_ok, offs_dv < HEAD_DV, True, BLOCK_DV != HEAD_DV), EMULATE_BF16)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    i_lo, i_hi, a, z = query_range(start_n, tq, tk, kv_len, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    i_lo, i_hi, a, z = query_range(
+        start_n, tq, tk, kv_len, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT
+    )
     s1, s2 = phase_ends(i_lo, i_hi, a, z, BLOCK_M)
     for g in range(group):  # the GQA group's sum, in a fixed order
         h = (hk * group + g).to(tl.int64)

@@ -90,12 +90,12 @@ def slopes(alibi_slopes, batch: int, heads: int, device, per_batch_ok: bool):
     """ALiBi slopes ``(Hq,)`` or ``(B, Hq)`` as a float32 ``(B or 1, Hq)`` tensor, or None."""
     if alibi_slopes is None:
         return None
-    if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.requires_grad:
-        if torch.is_grad_enabled():
-            raise ValueError(
-                "alibi_slopes requires grad, but flashtile computes no gradient for it: pass "
-                "alibi_slopes.detach() if it is fixed"
-            )
+    learned = isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.requires_grad
+    if learned and torch.is_grad_enabled():
+        raise ValueError(
+            "alibi_slopes requires grad, but flashtile computes no gradient for it: pass "
+            "alibi_slopes.detach() if it is fixed"
+        )
     s = torch.as_tensor(alibi_slopes).detach()
     if not (s.dtype.is_floating_point or s.dtype in (torch.int32, torch.int64)):
         raise TypeError(f"alibi_slopes must be real numbers, got dtype {s.dtype}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -62,6 +63,18 @@ def _signature(fn, dtype: str, out_type: str) -> dict[str, str]:
     return sig
 
 
+def _aligned(fn) -> dict:
+    """Divisibility by 16 for every pointer and stride, as the launcher's specialization
+    gives typical launches (contiguous tensors, head dims and lengths multiples of 16):
+    it decides vectorised and asynchronous (pipelined) loads, hence the shared memory."""
+    stride = re.compile(r"^s[a-z]{1,2}_[bhtrs]$")
+    return {
+        (i,): [["tt.divisibility", 16]]
+        for i, p in enumerate(fn.params)
+        if not p.is_constexpr and (p.name[0].isupper() or stride.match(p.name))
+    }
+
+
 def _constants(fn, dtype: str, d: int, config: Config, all_variants: bool, block_m: int):
     """The compile-time arguments ``fn`` takes, for one configuration."""
     values = {
@@ -74,7 +87,7 @@ def _constants(fn, dtype: str, d: int, config: Config, all_variants: bool, block
 
 
 def _compile_one(kernel: str, arch: int, dtype: str, d: int, config: Config, all_variants=False,
-                 block_m: int | None = None) -> dict:  # fmt: skip
+                 block_m: int | None = None, limits: dict | None = None) -> dict:  # fmt: skip
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -84,7 +97,8 @@ def _compile_one(kernel: str, arch: int, dtype: str, d: int, config: Config, all
     # The decode kernel writes partials in float32, or the output itself with one split.
     out_type = "fp32" if kernel == "decode_split" and not all_variants else "data"
     signature = _signature(fn, dtype, out_type)
-    source = ASTSource(fn, signature, _constants(fn, dtype, d, config, all_variants, block_m))
+    constants = _constants(fn, dtype, d, config, all_variants, block_m)
+    source = ASTSource(fn, signature, constants, attrs=_aligned(fn))
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages,
                "enable_fp_fusion": True}  # fmt: skip
     label = f"d={d} {config.label()}" + (f" rows={block_m}" if kernel == "decode_split" else "")
@@ -94,7 +108,7 @@ def _compile_one(kernel: str, arch: int, dtype: str, d: int, config: Config, all
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
         shared, error = int(compiled.metadata.shared), None
-        limit = SHARED_LIMIT.get(arch, SHARED_LIMIT[80])
+        limit = {**SHARED_LIMIT, **(limits or {})}.get(arch, SHARED_LIMIT[80])
         if shared > limit:
             error = f"needs {shared} B of shared memory, sm_{arch} has {limit} B per block"
     except Exception as exc:  # a compile error is a result of the report
@@ -102,6 +116,21 @@ def _compile_one(kernel: str, arch: int, dtype: str, d: int, config: Config, all
     row.update(shared_bytes=shared, ok=error is None, error=error,
                seconds=round(time.perf_counter() - start, 2))  # fmt: skip
     return row
+
+
+def _worst_jobs(archs, dtypes, head_dims, kernels):
+    """One compile per kernel, arch and dtype: every variant on, the largest head-dim
+    bucket with a head dim that needs padding, the largest tiles, 64 decoding rows."""
+    jobs = []
+    block_d = head_block(max(head_dims))
+    for arch in archs:
+        for kernel in kernels:
+            for dtype in dtypes:
+                options = candidates(kernel, 4 if dtype == "fp32" else 2, block_d)
+                config = max(options, key=lambda c: (c.block_m * c.block_n * c.num_stages, c))
+                rows = 64 if kernel == "decode_split" else None
+                jobs.append((kernel, arch, dtype, block_d * 3 // 4 + 8, config, True, rows))
+    return jobs
 
 
 def _jobs(archs, dtypes, head_dims, kernels):
@@ -122,7 +151,14 @@ def _jobs(archs, dtypes, head_dims, kernels):
 
 
 def compile_report(
-    archs=(80, 90), *, dtypes=DTYPES, head_dims=HEAD_DIMS, kernels=tuple(KERNELS), jobs=1
+    archs=(80, 90),
+    *,
+    dtypes=DTYPES,
+    head_dims=HEAD_DIMS,
+    kernels=tuple(KERNELS),
+    jobs=1,
+    worst_only=False,
+    limits=None,
 ) -> list[dict]:
     """Compile every kernel ahead of time; one dict per compile.
 
@@ -133,7 +169,12 @@ def compile_report(
             covers the tile sizes of every head dim up to it).
         kernels: names from :data:`KERNELS`.
         jobs: compiles run in this many processes at once (each compile takes
-            one core for 2-30 s; the full report is about 250 compiles).
+            one core for 2-30 s; the full report is about 200 compiles).
+        worst_only: compile only each kernel's worst case per arch and dtype:
+            every variant on, the largest head-dim bucket (with a head dim that
+            needs padding), the configuration with the largest tiles.
+        limits: ``{arch: bytes}`` of shared memory per block, overriding
+            :data:`SHARED_LIMIT` (other archs: sm_80's limit).
 
     Returns:
         dicts with ``kernel, arch, dtype, head_dim, config, variants,
@@ -148,8 +189,10 @@ def compile_report(
     if unknown:
         raise ValueError(f"unknown dtypes or kernels {unknown}: choose from {DTYPES}, {KERNELS}")
     if INTERPRET:
-        return _in_child(list(archs), list(dtypes), list(head_dims), list(kernels), jobs)
-    todo = _jobs(archs, dtypes, head_dims, kernels)
+        args = [list(archs), list(dtypes), list(head_dims), list(kernels), jobs, worst_only, limits]
+        return _in_child(args)
+    todo = (_worst_jobs if worst_only else _jobs)(archs, dtypes, head_dims, kernels)
+    todo = [(*job, limits) for job in todo]
     if jobs <= 1:
         return [_compile_one(*job) for job in todo]
     from concurrent.futures import ProcessPoolExecutor
@@ -163,20 +206,24 @@ def _compile_job(job: tuple) -> dict:
     return _compile_one(*job)
 
 
-def _in_child(archs, dtypes, head_dims, kernels, jobs) -> list[dict]:
+def _in_child(args: list) -> list[dict]:
     """Run the report in a Python without ``TRITON_INTERPRET`` (the kernels must be jitted)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
     code = (
         "import json, sys; from flashtile.triton import compile_report; "
-        "a = json.loads(sys.argv[1]); "
-        "rows = compile_report(a[0], dtypes=a[1], head_dims=a[2], kernels=a[3], jobs=a[4]); "
+        "a = json.loads(sys.argv[1]); limits = a[6] and {int(k): v for k, v in a[6].items()}; "
+        "rows = compile_report(a[0], dtypes=a[1], head_dims=a[2], kernels=a[3], jobs=a[4], "
+        "worst_only=a[5], limits=limits); "
         "print(json.dumps(rows))"
     )
-    args = json.dumps([archs, dtypes, head_dims, kernels, jobs])
     done = subprocess.run(
-        [sys.executable, "-c", code, args], env=env, capture_output=True, text=True, check=False
+        [sys.executable, "-c", code, json.dumps(args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode:
         raise RuntimeError(f"the compile report's child process failed:\n{done.stderr[-3000:]}")

@@ -21,16 +21,16 @@ import triton
 import triton.language as tl
 
 from .tiles import (
-    LOG2E,
     LN2,
+    LOG2E,
     device_fn,
     finish_rows,
     load_tile,
     mma_in,
     online_block,
-    phase_ends,
     phase_block,
     phase_count,
+    phase_ends,
     row_bounds,
     scores,
     store_tile,

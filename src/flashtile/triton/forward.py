@@ -30,14 +30,15 @@ from .tiles import (
     phase_block,
     phase_count,
     query_block_keys,
-    row_bounds,
     scores,
     store_tile,
 )
 
 
 @device_fn
-def sequence(seq, CuQ, CuK, KvLens, seqlen_q, seqlen_k, KV_LENS: tl.constexpr, VARLEN: tl.constexpr):
+def sequence(
+    seq, CuQ, CuK, KvLens, seqlen_q, seqlen_k, KV_LENS: tl.constexpr, VARLEN: tl.constexpr
+):
     """``(batch index, first query, first key, Tq, Tk, valid keys)`` of sequence ``seq``."""
     if VARLEN:
         q0 = tl.load(CuQ + seq)
@@ -74,7 +75,9 @@ def _fwd_range(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
         k_ptrs = k_base + offs_n[:, None].to(tl.int64) * stride_k + offs_d[None, :]
-        k = mma_in(load_tile(k_ptrs, n_ok, offs_d < HEAD_D, MASKED, BLOCK_D != HEAD_D), EMULATE_BF16)
+        k = mma_in(
+            load_tile(k_ptrs, n_ok, offs_d < HEAD_D, MASKED, BLOCK_D != HEAD_D), EMULATE_BF16
+        )
         s, _ = scores(
             q, k, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
             SOFTCAP, ALIBI, MASKED, IEEE,
@@ -131,6 +134,8 @@ def attn_fwd(
             EMULATE_BF16,
         )  # fmt: skip
     out, lse = finish_rows(acc, l_i, m_i)
-    o_ptrs = Out + b * so_b + h * so_h + (q0 + offs_m[:, None]).to(tl.int64) * so_t + offs_dv[None, :]
+    o_ptrs = (
+        Out + b * so_b + h * so_h + (q0 + offs_m[:, None]).to(tl.int64) * so_t + offs_dv[None, :]
+    )
     store_tile(o_ptrs, out, m_ok[:, None] & (offs_dv[None, :] < HEAD_DV), EMULATE_BF16)
     tl.store(Lse + b * sl_b + h * sl_h + q0 + offs_m, lse, mask=m_ok)

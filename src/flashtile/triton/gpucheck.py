@@ -95,8 +95,10 @@ def attention_rows(sizes, device: str, peak: float) -> list[dict]:
 
     b, h, t, d = sizes
     gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(b, h, t, d, device=device, dtype=torch.bfloat16, generator=gen)
-               for _ in range(3))  # fmt: skip
+    q, k, v = (
+        torch.randn(b, h, t, d, device=device, dtype=torch.bfloat16, generator=gen)
+        for _ in range(3)
+    )
     rows = []
     math_backend = _math() if device == "cuda" else None
     for causal in (True, False):
@@ -105,8 +107,9 @@ def attention_rows(sizes, device: str, peak: float) -> list[dict]:
         lowp = dense_lowp(q, k, v, causal)
         providers = {"flashtile-triton": lambda x, y, z, c=causal: ft.attention(x, y, z, causal=c)}
         for name, backend in sdpa_providers(device).items():
-            providers[name] = (lambda x, y, z, be=backend, c=causal:
-                               run_sdpa(be, x, y, z, is_causal=c))  # fmt: skip
+            providers[name] = lambda x, y, z, be=backend, c=causal: run_sdpa(
+                be, x, y, z, is_causal=c
+            )
         flops = 4 * b * h * t * t * d / (2 if causal else 1)
         for name, fn in providers.items():
             rows += _time_provider(name, fn, (q, k, v), ref, lowp, flops, causal, device, peak)
@@ -140,9 +143,18 @@ def _time_provider(name, fn, qkv, ref, lowp, flops, causal, device, peak) -> lis
     ok = err <= 2 * base_err + 1e-6
     rows = []
     ms = timer(lambda: fn(*qkv), device)
-    rows.append({**base, "pass": "forward", "ms": ms, "tflops": flops / ms / 1e9,
-                 "of_matmul_peak": flops / ms / 1e9 / peak, "err": err, "sdpa_math_err": base_err,
-                 "accurate": ok})  # fmt: skip
+    rows.append(
+        {
+            **base,
+            "pass": "forward",
+            "ms": ms,
+            "tflops": flops / ms / 1e9,
+            "of_matmul_peak": flops / ms / 1e9 / peak,
+            "err": err,
+            "sdpa_math_err": base_err,
+            "accurate": ok,
+        }
+    )
     leaves = [t.detach().requires_grad_(True) for t in qkv]
     dout = torch.randn_like(out)
 
@@ -156,8 +168,15 @@ def _time_provider(name, fn, qkv, ref, lowp, flops, causal, device, peak) -> lis
     except Exception as exc:
         rows.append({**base, "pass": "fwd+bwd", "error": f"{type(exc).__name__}: {exc}"[:200]})
         return rows
-    rows.append({**base, "pass": "fwd+bwd", "ms": ms, "tflops": 3.5 * flops / ms / 1e9,
-                 "of_matmul_peak": 3.5 * flops / ms / 1e9 / peak})  # fmt: skip
+    rows.append(
+        {
+            **base,
+            "pass": "fwd+bwd",
+            "ms": ms,
+            "tflops": 3.5 * flops / ms / 1e9,
+            "of_matmul_peak": 3.5 * flops / ms / 1e9 / peak,
+        }
+    )
     return rows
 
 
@@ -168,12 +187,15 @@ def decode_rows(sizes, device: str, bandwidth: float) -> list[dict]:
     b, hq, hk, tk, d = sizes
     gen = torch.Generator(device=device).manual_seed(1)
     q = torch.randn(b, hq, 1, d, device=device, dtype=torch.bfloat16, generator=gen)
-    k, v = (torch.randn(b, hk, tk, d, device=device, dtype=torch.bfloat16, generator=gen)
-            for _ in range(2))  # fmt: skip
+    k, v = (
+        torch.randn(b, hk, tk, d, device=device, dtype=torch.bfloat16, generator=gen)
+        for _ in range(2)
+    )
     page = 256 if tk % 256 == 0 else tk
     table = torch.arange(b * tk // page, device=device, dtype=torch.int32).reshape(b, -1)
-    kp, vp = (c.reshape(b, hk, -1, page, d).transpose(1, 2).reshape(-1, hk, page, d)
-              for c in (k, v))  # fmt: skip
+    kp, vp = (
+        c.reshape(b, hk, -1, page, d).transpose(1, 2).reshape(-1, hk, page, d) for c in (k, v)
+    )
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
     nbytes = 2 * k.numel() * k.element_size()
     providers = {
@@ -192,8 +214,16 @@ def decode_rows(sizes, device: str, bandwidth: float) -> list[dict]:
             rows.append({"provider": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
             continue
         gbps = nbytes / ms / 1e6
-        rows.append({"provider": name, "ms": ms, "gbps": gbps, "of_copy_bandwidth": gbps / bandwidth,
-                     "err": err, "accurate": err < 2e-2})  # fmt: skip
+        rows.append(
+            {
+                "provider": name,
+                "ms": ms,
+                "gbps": gbps,
+                "of_copy_bandwidth": gbps / bandwidth,
+                "err": err,
+                "accurate": err < 2e-2,
+            }
+        )
     return rows
 
 
@@ -213,17 +243,30 @@ def markdown(report: dict) -> str:
         if "ms" not in r:
             lines.append(f"| {r['provider']} | {r['causal']} | {r['pass']} | {r['error']} |||| ")
             continue
-        sdpa = [x["ms"] for x in rows if x["provider"].startswith("sdpa") and "ms" in x
-                and x["causal"] == r["causal"] and x["pass"] == r["pass"]]  # fmt: skip
+        sdpa = [
+            x["ms"]
+            for x in rows
+            if x["provider"].startswith("sdpa")
+            and "ms" in x
+            and x["causal"] == r["causal"]
+            and x["pass"] == r["pass"]
+        ]
         speed = f"{min(sdpa) / r['ms']:.2f}x" if sdpa else "-"
-        lines.append(f"| {r['provider']} | {r['causal']} | {r['pass']} | {r['ms']:.3f} | "
-                     f"{r['tflops']:.4g} | {r['of_matmul_peak']:.0%} | {speed} |")  # fmt: skip
-    lines += ["", "| decoding provider | ms | GB/s of K/V | of copy bandwidth |",
-              "| --- | ---: | ---: | ---: |"]  # fmt: skip
+        lines.append(
+            f"| {r['provider']} | {r['causal']} | {r['pass']} | {r['ms']:.3f} | "
+            f"{r['tflops']:.4g} | {r['of_matmul_peak']:.0%} | {speed} |"
+        )
+    lines += [
+        "",
+        "| decoding provider | ms | GB/s of K/V | of copy bandwidth |",
+        "| --- | ---: | ---: | ---: |",
+    ]
     for r in report.get("decode", []):
         if "ms" in r:
-            lines.append(f"| {r['provider']} | {r['ms']:.3f} | {r['gbps']:.4g} | "
-                         f"{r['of_copy_bandwidth']:.0%} |")  # fmt: skip
+            lines.append(
+                f"| {r['provider']} | {r['ms']:.3f} | {r['gbps']:.4g} | "
+                f"{r['of_copy_bandwidth']:.0%} |"
+            )
         else:
             lines.append(f"| {r['provider']} | {r['error']} |||")
     return "\n".join(lines)
@@ -245,15 +288,22 @@ def main(argv=None) -> int:
     sizes = SIZES["dry" if args.dry_run else "gpu"]
     path = args.json or os.path.join(os.environ.get("OUT", "."), "gpu_check.json")
     name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
-    report = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
-              "dry_run": args.dry_run, "sizes": sizes}  # fmt: skip
+    report = {
+        "device": name,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "dry_run": args.dry_run,
+        "sizes": sizes,
+    }
     start = time.perf_counter()
     sections = (
         ("machine", lambda: machine(device, sizes["matmul"])),
-        ("attention", lambda: attention_rows(sizes["attn"], device,
-                                             report["machine"]["matmul_tflops"])),
+        (
+            "attention",
+            lambda: attention_rows(sizes["attn"], device, report["machine"]["matmul_tflops"]),
+        ),
         ("decode", lambda: decode_rows(sizes["decode"], device, report["machine"]["copy_gbps"])),
-    )  # fmt: skip
+    )
     for key, section in sections:
         if time.perf_counter() - start > args.budget:
             report[key] = {"skipped": "time budget"}
@@ -265,8 +315,11 @@ def main(argv=None) -> int:
             json.dump(report, fh, indent=1, default=str)
     print(markdown(report))
     print(f"\nwrote {path} in {report['seconds']} s")
-    bad = [r for r in report.get("attention", []) + report.get("decode", [])
-           if r.get("accurate") is False and r.get("provider", "").startswith("flashtile")]  # fmt: skip
+    bad = [
+        r
+        for r in report.get("attention", []) + report.get("decode", [])
+        if r.get("accurate") is False and r.get("provider", "").startswith("flashtile")
+    ]
     return 1 if bad else 0
 
 

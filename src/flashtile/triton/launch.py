@@ -66,7 +66,12 @@ class Variants:
         dummy_f = torch.zeros(1, dtype=torch.float32, device=device)
         dummy_i = torch.zeros(1, dtype=torch.int32, device=device)
         alibi = dummy_f if self.alibi is None else self.alibi
-        return alibi, _or(self.kv_lengths, dummy_i), _or(self.cu_q, dummy_i), _or(self.cu_k, dummy_i)
+        return (
+            alibi,
+            _or(self.kv_lengths, dummy_i),
+            _or(self.cu_q, dummy_i),
+            _or(self.cu_k, dummy_i),
+        )
 
     def slope_batch_stride(self) -> int:
         return 0 if self.alibi is None or self.alibi.shape[0] == 1 else self.alibi.stride(0)
@@ -184,10 +189,7 @@ def decode_rows_block(rows: int) -> int:
 def auto_splits(batch: int, heads_kv: int, row_blocks: int, longest: int, device) -> int:
     """Key chunks per sequence: about two programs per multiprocessor, chunks of at
     least four 64-key tiles."""
-    if INTERPRET:
-        sms = 4
-    else:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = 4 if INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
     programs = max(1, batch * heads_kv * row_blocks)
     return max(1, min(cdiv(2 * sms, programs), cdiv(longest, 256)))
 
@@ -239,4 +241,3 @@ def decode(q, k_cache, v_cache, seqlens, table, num_splits: int, var: Variants):
             EMULATE_BF16=consts["EMULATE_BF16"], num_warps=c.num_warps,
         )  # fmt: skip
     return out.view(batch, heads, tq, dv), lse.view(batch, heads, tq)
-

@@ -95,10 +95,7 @@ def phase_count(lo, s1, s2, hi, BLOCK: tl.constexpr, MASKED: tl.constexpr):
     its loop body, not three.
     """
     head = tl.cdiv(s1 - lo, BLOCK)
-    if MASKED:
-        blocks = head + tl.cdiv(hi - s2, BLOCK)
-    else:
-        blocks = (s2 - s1) // BLOCK
+    blocks = head + tl.cdiv(hi - s2, BLOCK) if MASKED else (s2 - s1) // BLOCK
     return blocks, head
 
 
@@ -166,10 +163,7 @@ def mma_in(x, EMULATE_BF16: tl.constexpr):
 @device_fn
 def operand_like(x, ref, EMULATE_BF16: tl.constexpr):
     """A float32 tile narrowed to the dtype of the operand ``ref`` it multiplies."""
-    if EMULATE_BF16:
-        y = round_bf16(x)
-    else:
-        y = x.to(ref.dtype)
+    y = round_bf16(x) if EMULATE_BF16 else x.to(ref.dtype)
     return y
 
 
@@ -177,10 +171,7 @@ def operand_like(x, ref, EMULATE_BF16: tl.constexpr):
 def dot(a, b, acc, IEEE: tl.constexpr):
     """``acc + a @ b`` accumulated in float32; IEEE float32 products for float32 inputs
     (no TF32: flashtile's float32 results stay within a small multiple of float32 error)."""
-    if IEEE:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
+    acc = tl.dot(a, b, acc, input_precision="ieee") if IEEE else tl.dot(a, b, acc)
     return acc
 
 
@@ -249,7 +240,9 @@ def scores(
 
 
 @device_fn
-def online_block(acc, l_i, m_i, s, v, MASKED: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16):
+def online_block(
+    acc, l_i, m_i, s, v, MASKED: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr
+):
     """Fold one score tile ``s`` (log2 units) and its value tile into the running state.
 
     ``m_i`` is the running max, ``l_i`` the normaliser, ``acc`` the unnormalised
@@ -257,10 +250,7 @@ def online_block(acc, l_i, m_i, s, v, MASKED: tl.constexpr, IEEE: tl.constexpr, 
     exponentiates against 0 instead, so ``exp2(-inf - -inf)`` never makes NaN.
     """
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MASKED:
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_base = m_new
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
     p = tl.exp2(s - m_base[:, None])
     alpha = tl.exp2(m_i - m_base)
     l_i = l_i * alpha + tl.sum(p, 1)
