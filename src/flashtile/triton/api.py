@@ -249,7 +249,7 @@ def decode_attention(
         block_table: ``(B, max_pages)`` page indices (entries past a
             sequence's pages are never read).
         num_splits: key chunks per sequence attended in parallel and merged;
-            None picks about two programs per multiprocessor. Any value gives
+            None aims at eight programs per multiprocessor. Any value gives
             the same result up to rounding.
         causal, scale, window, alibi_slopes, softcap: as in :func:`attention`
             (``causal`` defaults to True here).

@@ -186,12 +186,18 @@ def decode_rows_block(rows: int) -> int:
     return min(DECODE_MAX_ROWS, head_block(rows))
 
 
+#: Decoding programs per multiprocessor that ``num_splits=None`` aims at: several
+#: can be resident on one, and many short chunks leave a short tail when the
+#: last programs run alone.
+PROGRAMS_PER_SM = 8
+
+
 def auto_splits(batch: int, heads_kv: int, row_blocks: int, longest: int, device) -> int:
-    """Key chunks per sequence: about two programs per multiprocessor, chunks of at
-    least four 64-key tiles."""
+    """Key chunks per sequence: about PROGRAMS_PER_SM programs per multiprocessor, each
+    chunk at least four 64-key tiles."""
     sms = 4 if INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
     programs = max(1, batch * heads_kv * row_blocks)
-    return max(1, min(cdiv(2 * sms, programs), cdiv(longest, 256)))
+    return max(1, min(cdiv(PROGRAMS_PER_SM * sms, programs), cdiv(longest, 256)))
 
 
 def decode(q, k_cache, v_cache, seqlens, table, num_splits: int, var: Variants):
