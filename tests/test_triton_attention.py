@@ -268,6 +268,19 @@ def test_fake_tensors_give_the_shapes_without_running():
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
 
+def test_torch_compile_fullgraph_traces_the_ops():
+    q, k, v = make((1, 2, 1, 20, 20, 16, 16), F32, 4, True)
+    kw = {"causal": True, "softcap": 3.0, "window": (5, None), "enable_gqa": True}
+    compiled = torch.compile(lambda *t: ft.attention(*t, **kw), fullgraph=True, backend="aot_eager")
+    compiled(q, k, v).sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ft.attention(q, k, v, **kw).sum().backward()
+    for before, t in zip(grads, (q, k, v), strict=True):
+        assert torch.equal(before, t.grad)
+
+
 def _t(*shape, dtype=torch.float32):
     return torch.zeros(shape, dtype=dtype, device=DEVICE)
 
