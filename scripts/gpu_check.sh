@@ -22,16 +22,25 @@ DRY=0
 log() { echo "[gpu_check $(date +%T)] $*"; }
 status=0
 
+A=tests/test_triton_attention.py
+D=tests/test_triton_decode.py
 if [[ $DRY == 1 ]]; then
     export TRITON_INTERPRET=1
-    TESTS=(-k "plain or bfloat16_window or contiguous_cache")
+    TEST_GROUPS=("basics|$A|plain" "decode|$D|contiguous_cache")
     BENCH=(--dry-run)
 else
     export TRITON_INTERPRET=0
     # One configuration per kernel in the tests: every tuning candidate would
-    # multiply the compiles (a few seconds each), and the tests judge accuracy.
+    # multiply the compiles (seconds each), and the tests judge accuracy only.
     export FLASHTILE_TRITON_TUNE=0
-    TESTS=(-k "plain or gqa or mqa or float16 or bfloat16 or kv_lengths or varlen or cache or rows or half or strided")
+    # Each group compiles its own kernels; the groups run at once on separate cores.
+    TEST_GROUPS=(
+        "basics|$A|plain or three_dim or rows_without"
+        "half|$A|float16 or bfloat16_softcap"
+        "variants|$A|bfloat16_window or varlen or mqa"
+        "rest|$A|kv_lengths or one_query or window_both or tq_below or compile or round or fake or bad"
+        "decode|$D|"
+    )
     BENCH=(--budget 150)
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv | tee "$OUT/nvidia-smi.csv"
 fi
@@ -48,14 +57,25 @@ if os.environ["TRITON_INTERPRET"] == "0":
     print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
 PYEOF
 
-log "test subset (TRITON_INTERPRET=$TRITON_INTERPRET)"
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
-    tests/test_triton_decode.py "${TESTS[@]}" --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.txt"
-test_rc=${PIPESTATUS[0]}
-if [[ $test_rc != 0 ]]; then
-    log "tests failed or timed out (status $test_rc; 124 = timeout)"
-    status=1
-fi
+log "tests in ${#TEST_GROUPS[@]} groups at once (TRITON_INTERPRET=$TRITON_INTERPRET)"
+for group in "${TEST_GROUPS[@]}"; do
+    IFS="|" read -r name file expr <<< "$group"
+    (
+        timeout 170 "$PY" -m pytest -q -p no:cacheprovider "$file" ${expr:+-k "$expr"} \
+            --junitxml="$OUT/tests-$name.xml" > "$OUT/tests-$name.txt" 2>&1
+        echo $? > "$OUT/tests-$name.rc"
+    ) &
+done
+wait
+for group in "${TEST_GROUPS[@]}"; do
+    name=${group%%|*}
+    rc=$(cat "$OUT/tests-$name.rc" 2>/dev/null || echo missing)
+    echo "  $name: $(tail -n 1 "$OUT/tests-$name.txt") (status $rc)"
+    if [[ $rc != 0 ]]; then
+        status=1
+        tail -n 30 "$OUT/tests-$name.txt"
+    fi
+done
 
 log "benchmarks"
 timeout 210 "$PY" -m flashtile.triton.gpucheck "${BENCH[@]}" --json "$OUT/gpu_check.json" \
