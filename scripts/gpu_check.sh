@@ -35,7 +35,7 @@ else
     export FLASHTILE_TRITON_TUNE=0
     # Each group compiles its own kernels; the groups run at once on separate cores.
     TEST_GROUPS=(
-        "basics|$A|plain or three_dim or rows_without"
+        "basics|$A|plain or tq_above or three_dim or rows_without"
         "half|$A|float16 or bfloat16_softcap"
         "variants|$A|bfloat16_window or varlen or mqa"
         "rest|$A|kv_lengths or one_query or window_both or tq_below or compile or round or fake or bad"
