@@ -9,6 +9,8 @@ report (about 200 compiles) is ``flashtile gpu compile``.
 
 import argparse
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -61,3 +63,15 @@ def test_report_arguments_are_checked():
         ft.compile_report(("sm_90",))
     with pytest.raises(ValueError, match="unknown"):
         ft.compile_report((90,), dtypes=("fp8",))
+
+
+def test_the_gpu_parser_imports_neither_torch_nor_triton():
+    """flashtile's CLI builds every command's parser on each call."""
+    code = (
+        "import argparse, sys; from flashtile.triton.cli import add_parser; "
+        "add_parser(argparse.ArgumentParser().add_subparsers()); "
+        "assert 'torch' not in sys.modules and 'triton' not in sys.modules, sys.modules.keys()"
+    )
+    src = os.path.dirname(os.path.dirname(os.path.dirname(ft.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)

@@ -50,7 +50,9 @@ def check_tensor(t, name: str) -> torch.Tensor:
             f"{name} has dtype {t.dtype}; the Triton kernels take float16, bfloat16 or float32"
             + (hint if t.dtype == torch.float64 else "")
         )
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+    if t.ndim and t.stride(-1) != 1 and t.shape[-1] > 1:
+        t = t.contiguous()  # the kernels address the head dim with unit stride
+    return t
 
 
 def check_head_dims(d: int, dv: int) -> None:
