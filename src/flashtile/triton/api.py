@@ -21,6 +21,8 @@ def _qkv(q, k, v, enable_gqa: bool, ranks: tuple[int, ...], layout: str):
     q, k, v = (checks.check_tensor(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on {q.device}, {k.device}, {v.device}: move them to one")
     if not (q.ndim == k.ndim == v.ndim and q.ndim in ranks):
         raise ValueError(
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected {layout}, "
@@ -171,6 +173,11 @@ def _cache(q, k_cache, v_cache, block_table):
         raise ValueError(
             f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}: expected "
             f"(B, Hkv, T_max, d / dv), or (num_pages, Hkv, page_size, d / dv) with block_table"
+        )
+    if not (q.device == k_cache.device == v_cache.device):
+        raise ValueError(
+            f"q, k_cache, v_cache are on {q.device}, {k_cache.device}, {v_cache.device}: "
+            f"move them to one"
         )
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(

@@ -25,6 +25,8 @@ the kernels run in Triton's interpreter (:mod:`flashtile.triton`).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import launch
@@ -46,6 +48,11 @@ _DECODE_SCHEMA = (
 )
 
 
+def _on(t: torch.Tensor):
+    """Launch on ``t``'s GPU (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def _variants(alibi, kv_lengths, cu_q, cu_k, max_q, max_k, scale, left, right, softcap):
     return launch.Variants(scale, left, right, softcap, alibi, kv_lengths, cu_q, cu_k, max_q, max_k)
 
@@ -53,7 +60,8 @@ def _variants(alibi, kv_lengths, cu_q, cu_k, max_q, max_k, scale, left, right, s
 @torch.library.custom_op("flashtile::triton_attention_fwd", mutates_args=(), schema=_FWD_SCHEMA)
 def attention_fwd(q, k, v, *variants):
     """``(out, lse)`` of the forward kernel (see the module docstring)."""
-    return launch.forward(q, k, v, _variants(*variants))
+    with _on(q):
+        return launch.forward(q, k, v, _variants(*variants))
 
 
 @attention_fwd.register_fake
@@ -67,7 +75,8 @@ def attention_bwd(dout, q, k, v, out, lse, *variants):
     """``(dq, dk, dv)`` of the backward kernels (probabilities recomputed from ``lse``)."""
     # dout arrives with any strides (an expanded gradient has stride 0).
     dout = dout.contiguous()
-    return launch.backward(dout, q, k, v, out, lse.contiguous(), _variants(*variants))
+    with _on(q):
+        return launch.backward(dout, q, k, v, out, lse.contiguous(), _variants(*variants))
 
 
 @attention_bwd.register_fake
@@ -111,7 +120,8 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, alibi, s
            right, softcap):  # fmt: skip
     """``(out, lse)`` of the split-KV decoding kernels."""
     var = launch.Variants(scale, left, right, softcap, alibi)
-    return launch.decode(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, var)
+    with _on(q):
+        return launch.decode(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, var)
 
 
 @decode.register_fake
