@@ -1,0 +1,285 @@
+"""The entry points on torch tensors: validate, lay out, call the custom ops.
+
+Semantics are flashtile's everywhere (:mod:`flashtile.masks`,
+:mod:`flashtile.variants`): causal aligns bottom-right, a query that sees no
+key gives a zero row and ``lse = -inf`` (never NaN), ``lse`` is the natural-log
+normaliser in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtile._validate import check_flag, resolve_scale
+from flashtile.masks import normalize_window
+
+from . import checks, ops  # noqa: F401  (ops registers torch.ops.flashtile.triton_*)
+from .launch import auto_splits, cdiv, decode_rows_block
+
+
+def _qkv(q, k, v, enable_gqa: bool, ranks: tuple[int, ...], layout: str):
+    q, k, v = (checks.check_tensor(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on {q.device}, {k.device}, {v.device}: move them to one")
+    if not (q.ndim == k.ndim == v.ndim and q.ndim in ranks):
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected {layout}, "
+            f"all with the same rank"
+        )
+    if q.shape[:-3] != k.shape[:-3] or k.shape[:-3] != v.shape[:-3]:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: they must share the "
+            f"batch size"
+        )
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k has {k.shape[-2]} keys but v has {v.shape[-2]}: they must match")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q has head dim {q.shape[-1]} but k has {k.shape[-1]}: they must match")
+    checks.check_heads(q.shape[-3], k.shape[-3], v.shape[-3], enable_gqa)
+    checks.check_head_dims(q.shape[-1], v.shape[-1])
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}: empty sequences are not supported (as on "
+            f"the CPU path); packed batches may hold empty ones (varlen_attention)"
+        )
+    return q, k, v
+
+
+def _scalars(causal, scale, window, softcap, d):
+    left, right = normalize_window(window, check_flag(causal, "causal"))
+    return resolve_scale(scale, d), left, right, checks.check_softcap(softcap)
+
+
+def attention(
+    q, k, v, *, causal=False, scale=None, window=None, alibi_slopes=None, softcap=None,
+    kv_lengths=None, mask=None, enable_gqa=False, return_lse=False,
+):  # fmt: skip
+    """Exact attention with the Triton kernels, differentiable w.r.t. ``q``, ``k``, ``v``.
+
+    The keywords of :func:`flashtile.torch.attention`, on CUDA tensors (CPU
+    tensors under ``TRITON_INTERPRET=1``).
+
+    Args:
+        q: ``(B, Hq, Tq, d)`` (SDPA layout) or ``(Hq, Tq, d)``; float16, bfloat16
+            or float32 (float32 accumulation; IEEE float32 products for float32).
+        k: ``(B, Hkv, Tk, d)``; v: ``(B, Hkv, Tk, dv)``; ``d``, ``dv`` <= 256.
+            ``Hkv != Hq`` needs ``enable_gqa=True`` and ``Hq % Hkv == 0`` (query
+            head ``h`` reads kv head ``h // (Hq // Hkv)``; K/V are never repeated).
+        causal: query ``i`` sees key ``j`` iff ``j <= i + Tk - Tq`` (bottom-right)::
+
+                Tq=2, Tk=5     Tq=5, Tk=2
+                x x x x .      . .   <- no key: zeros, lse = -inf
+                x x x x x      . .
+                               . .
+                               x .
+                               x x
+
+        scale: score multiplier, default ``1/sqrt(d)``.
+        window: ``(left, right)``: query at position ``p = i + Tk - Tq`` sees
+            keys ``p - left <= j <= p + right`` (None or -1: unbounded side).
+        alibi_slopes: ``(Hq,)`` or ``(B, Hq)``: adds ``-slope * |p - j|``.
+        softcap: ``softcap * tanh(score / softcap)`` before ALiBi and masking.
+        kv_lengths: ``(B,)`` valid keys per batch entry (4-D inputs); keys at
+            and beyond it are hidden (positions still align with ``Tk``).
+        mask: not supported by the Triton kernels (raises); use ``window``,
+            ``causal``, ``kv_lengths``, or the CPU path for arbitrary masks.
+        return_lse: also return ``lse (B, Hq, Tq)`` float32 (natural log), which
+            carries no gradient.
+
+    Returns:
+        ``out (B, Hq, Tq, dv)`` in the input dtype, and ``lse`` if asked.
+    """
+    if mask is not None:
+        raise ValueError(
+            "flashtile.triton.attention takes no mask: express it with causal, window or "
+            "kv_lengths, or run the CPU path (flashtile.torch.attention) or "
+            "torch.nn.functional.scaled_dot_product_attention for an arbitrary mask"
+        )
+    q, k, v = _qkv(q, k, v, enable_gqa, (3, 4), "(B, H, T, d) tensors (or (H, T, d))")
+    unbatched = q.ndim == 3
+    if unbatched:
+        q, k, v = q[None], k[None], v[None]
+    batch, heads = q.shape[:2]
+    scale, left, right, cap = _scalars(causal, scale, window, softcap, q.shape[-1])
+    alibi = checks.slopes(alibi_slopes, batch, heads, q.device, per_batch_ok=not unbatched)
+    lengths = None
+    if kv_lengths is not None:
+        if unbatched:
+            raise ValueError("kv_lengths needs 4-D (B, H, T, d) inputs, one length per batch entry")
+        lengths = checks.int_tensor(kv_lengths, "kv_lengths", (batch,), q.device)
+        checks.check_range(lengths, "kv_lengths", 0, k.shape[2], f"Tk = {k.shape[2]}")
+    out, lse = torch.ops.flashtile.triton_attention_fwd(
+        q, k, v, alibi, lengths, None, None, 0, 0, scale, left, right, cap
+    )
+    if unbatched:
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_lse else out
+
+
+def varlen_attention(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
+    causal=False, scale=None, window=None, alibi_slopes=None, softcap=None, return_lse=False,
+):  # fmt: skip
+    """Attention over packed variable-length sequences (no padding computed), differentiable.
+
+    Args:
+        q: ``(Hq, total_q, d)``; k: ``(Hkv, total_k, d)``; v: ``(Hkv, total_k, dv)``
+            (flashtile's packed layout, heads first; GQA as in :func:`attention`).
+        cu_seqlens_q, cu_seqlens_k: ``(S + 1,)`` integer offsets starting at 0
+            and ending at ``total_q`` / ``total_k``: sequence ``s`` is queries
+            ``[cu_q[s], cu_q[s+1])`` and keys ``[cu_k[s], cu_k[s+1])``, attended
+            on its own, causal/window/ALiBi positions bottom-right within it.
+        max_seqlen_q, max_seqlen_k: the longest sequences (computed from the
+            offsets when None; they are read on the host either way).
+        causal, scale, window, alibi_slopes (``(Hq,)``), softcap, return_lse: as
+            in :func:`attention`.
+
+    Returns:
+        ``out (Hq, total_q, dv)`` and, if asked, ``lse (Hq, total_q)`` float32.
+    """
+    q, k, v = _qkv(q, k, v, True, (3,), "packed (H, total, d) tensors")
+    cu_q, cu_k = (
+        checks.int_tensor(c, n, (torch.as_tensor(c).numel(),), q.device)
+        for c, n in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"))
+    )
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q has {cu_q.numel() - 1} sequences but cu_seqlens_k has {cu_k.numel() - 1}"
+        )
+    longest_q = checks.check_cu_seqlens(cu_q, "cu_seqlens_q", q.shape[1])
+    longest_k = checks.check_cu_seqlens(cu_k, "cu_seqlens_k", k.shape[1])
+    for name, given, longest in (("q", max_seqlen_q, longest_q), ("k", max_seqlen_k, longest_k)):
+        if given is not None and given < longest:
+            raise ValueError(f"max_seqlen_{name} = {given} but a sequence has {longest}")
+    scale, left, right, cap = _scalars(causal, scale, window, softcap, q.shape[-1])
+    alibi = checks.slopes(alibi_slopes, 1, q.shape[0], q.device, per_batch_ok=False)
+    out, lse = torch.ops.flashtile.triton_attention_fwd(
+        q[None], k[None], v[None], alibi, None, cu_q, cu_k, longest_q, longest_k,
+        scale, left, right, cap,
+    )  # fmt: skip
+    return (out[0], lse[0]) if return_lse else out[0]
+
+
+def _cache(q, k_cache, v_cache, block_table):
+    """Validated ``(q, k_cache, v_cache, table or None)`` of a decoding call."""
+    q = checks.check_tensor(q, "q").contiguous()
+    k_cache = checks.check_tensor(k_cache, "k_cache")
+    v_cache = checks.check_tensor(v_cache, "v_cache")
+    if q.ndim != 4 or 0 in q.shape[2:]:
+        raise ValueError(f"q has shape {tuple(q.shape)}; decoding takes q (B, Hq, Tq, d), Tq >= 1")
+    if k_cache.ndim != 4 or v_cache.ndim != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}: expected "
+            f"(B, Hkv, T_max, d / dv), or (num_pages, Hkv, page_size, d / dv) with block_table"
+        )
+    if not (q.device == k_cache.device == v_cache.device):
+        raise ValueError(
+            f"q, k_cache, v_cache are on {q.device}, {k_cache.device}, {v_cache.device}: "
+            f"move them to one"
+        )
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(
+            f"q is {q.dtype} but the cache is {k_cache.dtype} / {v_cache.dtype}: the Triton "
+            f"kernels take one dtype (cast q to the cache's)"
+        )
+    batch, hq, _, d = q.shape
+    hk = k_cache.shape[1]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"q has head dim d={d} but k_cache has {k_cache.shape[3]}")
+    if hk == 0 or hq % hk or k_cache.shape[2] == 0:
+        raise ValueError(
+            f"Hq={hq} query heads and Hkv={hk} cache heads of {k_cache.shape[2]} rows: Hkv must "
+            f"divide Hq (GQA/MQA) and the cache needs rows"
+        )
+    checks.check_head_dims(d, v_cache.shape[3])
+    if block_table is None:
+        if k_cache.shape[0] != batch:
+            raise ValueError(
+                f"q has B={batch} sequences but the contiguous cache has {k_cache.shape[0]}; "
+                f"for a paged cache pass block_table"
+            )
+        return q, k_cache, v_cache, None
+    table = torch.as_tensor(block_table)
+    if table.ndim != 2 or table.shape[0] != batch:
+        raise ValueError(
+            f"block_table has shape {tuple(table.shape)}; expected (B, max_pages) with B={batch}"
+        )
+    return (
+        q,
+        k_cache,
+        v_cache,
+        checks.int_tensor(table, "block_table", tuple(table.shape), q.device),
+    )
+
+
+def _seqlens(cache_seqlens, table, batch, capacity, pages, device):
+    """``cache_seqlens`` as int32 (default: full), checked against the cache and the table."""
+    if cache_seqlens is None:
+        seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=device)
+    else:
+        seqlens = checks.int_tensor(cache_seqlens, "cache_seqlens", (batch,), device)
+        checks.check_range(
+            seqlens, "cache_seqlens", 0, capacity, "the cache's capacity per sequence"
+        )
+    if table is not None and table.numel():
+        page_size = capacity // table.shape[1]
+        used = torch.arange(table.shape[1], device=device)[None, :] * page_size < seqlens[:, None]
+        bad = used & ((table < 0) | (table >= pages))
+        if bool(bad.any()):
+            b, p = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"block_table[{b}, {p}] = {int(table[b, p])} is not a page of the cache "
+                f"(0..{pages - 1}), but sequence {b} has {int(seqlens[b])} keys"
+            )
+    return seqlens
+
+
+def decode_attention(
+    q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, num_splits=None, causal=True,
+    scale=None, window=None, alibi_slopes=None, softcap=None, return_lse=False,
+):  # fmt: skip
+    """Attention of a few new queries per sequence against a KV cache (split-KV).
+
+    The semantics of :func:`flashtile.decode_attention`.
+
+    Args:
+        q: ``(B, Hq, Tq, d)``, Tq small (1 for plain decoding); query ``i`` sits
+            at position ``cache_seqlens[b] - Tq + i`` (bottom-right per sequence).
+        k_cache, v_cache: ``(B, Hkv, T_max, d / dv)`` contiguous, or
+            ``(num_pages, Hkv, page_size, d / dv)`` with ``block_table``: key
+            ``j`` of sequence ``b`` is row ``j % page_size`` of page
+            ``block_table[b, j // page_size]`` (any page size). Same dtype as
+            ``q``; ``Hkv`` divides ``Hq`` (each K/V tile is read once per group).
+        cache_seqlens: ``(B,)`` valid keys per sequence (default: all).
+        block_table: ``(B, max_pages)`` page indices (entries past a
+            sequence's pages are never read).
+        num_splits: key chunks per sequence attended in parallel and merged;
+            None aims at eight programs per multiprocessor. Any value gives
+            the same result up to rounding.
+        causal, scale, window, alibi_slopes, softcap: as in :func:`attention`
+            (``causal`` defaults to True here).
+        return_lse: also return ``lse (B, Hq, Tq)`` float32.
+
+    Returns:
+        ``out (B, Hq, Tq, dv)`` in q's dtype, and ``lse`` if asked; a query that
+        sees no key gets zeros and ``lse = -inf``.
+    """
+    q, k_cache, v_cache, table = _cache(q, k_cache, v_cache, block_table)
+    batch, heads, tq, d = q.shape
+    pages, hk, page_size = k_cache.shape[:3]
+    capacity = page_size if table is None else page_size * table.shape[1]
+    seqlens = _seqlens(cache_seqlens, table, batch, capacity, pages, q.device)
+    if num_splits is None:
+        longest = int(seqlens.max()) if batch else 0
+        row_blocks = cdiv(heads // hk * tq, decode_rows_block(heads // hk * tq))
+        num_splits = auto_splits(batch, hk, row_blocks, longest, q.device)
+    elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive integer or None, got {num_splits!r}")
+    scale, left, right, cap = _scalars(causal, scale, window, softcap, d)
+    alibi = checks.slopes(alibi_slopes, batch, heads, q.device, per_batch_ok=True)
+    out, lse = torch.ops.flashtile.triton_decode(
+        q, k_cache, v_cache, seqlens, table, num_splits, alibi, scale, left, right, cap
+    )
+    return (out, lse) if return_lse else out

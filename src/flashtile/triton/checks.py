@@ -1,0 +1,143 @@
+"""Input checks of the Triton entry points: errors name the values and the fix.
+
+Shape, dtype and device checks use tensor metadata only (no device sync, so
+``torch.compile`` traces them); value checks (lengths within range, offsets
+that never decrease, block tables inside the cache) read the small index
+tensors on the host once per call.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from .tiles import INTERPRET
+
+#: Input dtypes the kernels take (float32 accumulation; float64 runs on the CPU path).
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: The largest head dim (padded inside to a power of two).
+MAX_HEAD_DIM = 256
+
+
+def check_device(t: torch.Tensor, name: str) -> None:
+    """CUDA tensors, or CPU tensors when the kernels run in the interpreter."""
+    want = "cpu" if INTERPRET else "cuda"
+    if t.device.type == want:
+        return
+    if INTERPRET:
+        raise ValueError(
+            f"{name} is on {t.device}, but flashtile.triton was imported with TRITON_INTERPRET=1: "
+            f"its kernels run in Triton's interpreter on CPU tensors; import it without "
+            f"TRITON_INTERPRET for CUDA tensors"
+        )
+    raise ValueError(
+        f"{name} is on {t.device}, but flashtile.triton runs CUDA tensors: for CPU tensors use "
+        f"flashtile.torch.attention, or set TRITON_INTERPRET=1 before importing "
+        f"flashtile.triton to run these kernels in Triton's interpreter"
+    )
+
+
+def check_tensor(t, name: str) -> torch.Tensor:
+    """A float16/bfloat16/float32 tensor on the kernels' device, unit stride on the last dim."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} is a {type(t).__name__}, not a torch.Tensor")
+    check_device(t, name)
+    if t.dtype not in DTYPES:
+        hint = ": float64 runs on the CPU path (flashtile.torch.attention)"
+        raise TypeError(
+            f"{name} has dtype {t.dtype}; the Triton kernels take float16, bfloat16 or float32"
+            + (hint if t.dtype == torch.float64 else "")
+        )
+    if t.ndim and t.stride(-1) != 1 and t.shape[-1] > 1:
+        t = t.contiguous()  # the kernels address the head dim with unit stride
+    return t
+
+
+def check_head_dims(d: int, dv: int) -> None:
+    for name, n in (("head dim d", d), ("value head dim dv", dv)):
+        if not 1 <= n <= MAX_HEAD_DIM:
+            raise ValueError(
+                f"{name} = {n}: the Triton kernels take 1 to {MAX_HEAD_DIM} (padded inside to "
+                f"a power of two); use the CPU path (flashtile.torch.attention) for larger"
+            )
+
+
+def check_heads(hq: int, hk: int, hv: int, enable_gqa: bool) -> None:
+    if hq == 0 or hk == 0:
+        raise ValueError(f"q has {hq} heads and k {hk}: attention needs at least one head each")
+    if hk != hv:
+        raise ValueError(f"k has {hk} heads but v has {hv}: they must have the same")
+    if hq != hk and not enable_gqa:
+        raise ValueError(
+            f"q has {hq} heads but k and v have {hk}: pass enable_gqa=True for grouped-query "
+            f"attention (as torch SDPA requires), or repeat k and v to {hq} heads"
+        )
+    if hq % hk:
+        raise ValueError(f"grouped-query attention needs Hq divisible by Hkv, got {hq} and {hk}")
+
+
+def check_softcap(softcap) -> float | None:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a positive number or None, got {softcap!r}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be finite and > 0 (e.g. 50.0), got {softcap}")
+    return float(softcap)
+
+
+def slopes(alibi_slopes, batch: int, heads: int, device, per_batch_ok: bool):
+    """ALiBi slopes ``(Hq,)`` or ``(B, Hq)`` as a float32 ``(B or 1, Hq)`` tensor, or None."""
+    if alibi_slopes is None:
+        return None
+    learned = isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.requires_grad
+    if learned and torch.is_grad_enabled():
+        raise ValueError(
+            "alibi_slopes requires grad, but flashtile computes no gradient for it: pass "
+            "alibi_slopes.detach() if it is fixed"
+        )
+    s = torch.as_tensor(alibi_slopes).detach()
+    if not (s.dtype.is_floating_point or s.dtype in (torch.int32, torch.int64)):
+        raise TypeError(f"alibi_slopes must be real numbers, got dtype {s.dtype}")
+    if s.shape == (heads,):
+        s = s[None, :]
+    elif not (per_batch_ok and s.shape == (batch, heads)):
+        per_batch = f" or (B, Hq) = ({batch}, {heads})" if per_batch_ok else ""
+        raise ValueError(
+            f"alibi_slopes has shape {tuple(s.shape)}; expected (Hq,) = ({heads},){per_batch}, "
+            f"one slope per query head"
+        )
+    return s.to(device=device, dtype=torch.float32).contiguous()
+
+
+def int_tensor(x, name: str, shape: tuple[int, ...], device) -> torch.Tensor:
+    """An index tensor (lengths, offsets, block table) as int32 on ``device``."""
+    t = torch.as_tensor(x)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+        raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+    return t.to(device=device, dtype=torch.int32).contiguous()
+
+
+def check_range(t: torch.Tensor, name: str, low: int, high: int, why: str) -> None:
+    """Every value of ``t`` in ``[low, high]`` (reads ``t`` on the host)."""
+    if t.numel() == 0:
+        return
+    lo, hi = int(t.min()), int(t.max())
+    if lo < low or hi > high:
+        raise ValueError(f"{name} must lie in [{low}, {high}] ({why}), got min {lo} and max {hi}")
+
+
+def check_cu_seqlens(cu: torch.Tensor, name: str, total: int) -> int:
+    """Offsets that start at 0, never decrease and end at ``total``; returns the longest."""
+    host = cu.cpu()
+    if host.numel() < 2 or host[0] != 0 or host[-1] != total or bool((host.diff() < 0).any()):
+        shown = host.tolist()[:8]
+        raise ValueError(
+            f"{name} = {shown}{'...' if host.numel() > 8 else ''} must start at 0, never "
+            f"decrease, and end at the packed length {total}"
+        )
+    return int(host.diff().max())

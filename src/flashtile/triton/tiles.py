@@ -1,0 +1,268 @@
+"""Triton building blocks shared by the forward, backward and decoding kernels.
+
+Every kernel works in log2 units: scores are multiplied by ``scale * log2(e)``
+once (folded into ``qk_scale``), so the softmax uses ``exp2``, which is one
+instruction on the GPU. ``lse`` is converted back to the natural log on store.
+
+Visibility is the rule of :mod:`flashtile.masks`: query ``i`` of a sequence
+with ``Tq`` queries and ``Tk`` keys sits at position ``pos = i + Tk - Tq``
+(bottom-right) and sees keys ``[lo, hi)`` with ``hi = min(kv_len, pos + right
++ 1)`` when the right side is bounded (causal is ``right = 0``) and ``lo =
+max(0, pos - left)`` when the left side is. Both ends never decrease with
+``i``, so a block of queries needs one contiguous run of key blocks, and the
+key blocks that every query of the block sees need no per-element mask.
+
+**bfloat16 under the interpreter.** Triton 3.9's interpreter stores bfloat16
+tensors as their uint16 bit patterns and runs NumPy on those patterns:
+``tl.dot`` of two bfloat16 tiles is ``np.matmul`` of the integers (garbage,
+errors of 1e10), and so is any arithmetic on bfloat16 values (``x * 0.5``).
+Loads, stores and bfloat16 <-> float32 casts are right, except that the cast
+float32 -> bfloat16 truncates instead of rounding to nearest even (and flushes
+bfloat16 subnormals to zero). So with
+``EMULATE_BF16`` (set only when interpreting bfloat16 inputs) tiles are
+widened to float32 right after loading (exact), the operands the kernels
+narrow to bfloat16 before a product (``P``, ``dS``) and the outputs are
+rounded to the nearest bfloat16 by integer bit operations
+(:func:`round_bf16`), and the products run in float32. A product of two
+bfloat16 numbers is exact in float32 and the GPU's bfloat16 MMA accumulates
+in float32, so this is the GPU's arithmetic up to summation order; the code
+the GPU runs (``EMULATE_BF16`` off) is checked by ``compile_report``.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+#: Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when
+#: they were defined: ``triton.jit`` reads it when it decorates a function).
+try:
+    INTERPRET = bool(triton.knobs.runtime.interpret)
+except AttributeError:  # Triton before 3.4 reads the variable directly
+    INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def device_fn(fn):
+    """``triton.jit`` for a helper that kernels call.
+
+    Under the interpreter a helper stays a plain Python function: the
+    interpreter re-patches ``triton.language`` on every call of a jit helper
+    (about 8 ms, most of a small launch's time), while the kernel's own
+    patching already covers the ``tl`` calls inside a plain helper. The
+    helper's code is the same either way.
+    """
+    return fn if INTERPRET else triton.jit(fn)
+
+
+# Kernels may read module globals only when they are tl.constexpr.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@device_fn
+def row_bounds(pos, kv_len, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Keys ``[lo, hi)`` that a query at position ``pos`` (scalar or vector) may see."""
+    hi = pos * 0 + kv_len
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, pos + right + 1)
+    lo = pos * 0
+    if HAS_LEFT:
+        lo = tl.maximum(lo, pos - left)
+    return lo, hi
+
+
+@device_fn
+def phase_ends(lo, hi, inner_lo, inner_hi, BLOCK: tl.constexpr):
+    """Split ``[lo, hi)``, walked in steps of ``BLOCK``, into three phases.
+
+    Blocks in ``[lo, s1)`` and ``[s2, hi)`` need masks; the blocks of
+    ``[s1, s2)`` lie wholly inside ``[inner_lo, inner_hi)`` and need none.
+    The phases tile ``[lo, hi)`` exactly (only the last block of the range
+    may stick out past ``hi``).
+    """
+    head = tl.cdiv(tl.maximum(inner_lo - lo, 0), BLOCK)
+    s1 = tl.minimum(lo + head * BLOCK, hi)
+    middle = tl.maximum(tl.minimum(inner_hi, hi) - s1, 0) // BLOCK
+    return s1, s1 + middle * BLOCK
+
+
+@device_fn
+def phase_count(lo, s1, s2, hi, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """``(blocks, head)``: the blocks of the masked phase (``[lo, s1)``, then ``[s2, hi)``;
+    ``head`` of them lie before ``s1``) or of the unmasked phase (``[s1, s2)``).
+
+    The two masked edges share one loop, so each kernel compiles two copies of
+    its loop body, not three.
+    """
+    head = tl.cdiv(s1 - lo, BLOCK)
+    blocks = head + tl.cdiv(hi - s2, BLOCK) if MASKED else (s2 - s1) // BLOCK
+    return blocks, head
+
+
+@device_fn
+def phase_block(i, head, lo, s1, s2, hi, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """``(start, end)`` of block ``i`` of a phase: it covers ``[start, start + BLOCK)``
+    and nothing from ``end`` on belongs to its part of the range."""
+    if MASKED:
+        before = i < head
+        start = tl.where(before, lo + i * BLOCK, s2 + (i - head) * BLOCK)
+        end = tl.where(before, s1, hi)
+    else:
+        start = s1 + i * BLOCK
+        end = s2
+    return start, end
+
+
+@device_fn
+def query_block_keys(
+    start_m, tq, tk, kv_len, left, right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+):  # fmt: skip
+    """Query rows ``[start_m, start_m + BLOCK_M)``: their positions and key bounds, and
+    the block's keys ``[lo, hi)`` split into phases at ``s1``, ``s2``.
+
+    The block needs keys from its first row's ``lo`` to its last real row's
+    ``hi``; every row sees ``[lo of the last row, hi of the first row)``.
+    Returns ``(pos, lo_r, hi_r, lo, s1, s2, hi)``.
+    """
+    pos = start_m + tl.arange(0, BLOCK_M) + (tk - tq)
+    lo_r, hi_r = row_bounds(pos, kv_len, left, right, HAS_LEFT, HAS_RIGHT)
+    last = tl.minimum(start_m + BLOCK_M, tq) - 1
+    lo, hi_first = row_bounds(start_m + tk - tq, kv_len, left, right, HAS_LEFT, HAS_RIGHT)
+    lo_last, hi = row_bounds(last + tk - tq, kv_len, left, right, HAS_LEFT, HAS_RIGHT)
+    hi = tl.maximum(lo, hi)
+    s1, s2 = phase_ends(lo, hi, lo_last, hi_first, BLOCK_N)
+    return pos, lo_r, hi_r, lo, s1, s2, hi
+
+
+@device_fn
+def tanh(x):
+    """``tanh`` from ``exp2``: exactly +-1 for large ``|x|`` and never NaN.
+
+    (libdevice's tanh does not run in the interpreter.)
+    """
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@device_fn
+def round_bf16(x):
+    """float32 -> float32 holding the nearest bfloat16 (ties to even), by integer ops."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@device_fn
+def mma_in(x, EMULATE_BF16: tl.constexpr):
+    """A loaded tile as a ``tl.dot`` operand (float32 when emulating bfloat16)."""
+    if EMULATE_BF16:
+        x = x.to(tl.float32)
+    return x
+
+
+@device_fn
+def operand_like(x, ref, EMULATE_BF16: tl.constexpr):
+    """A float32 tile narrowed to the dtype of the operand ``ref`` it multiplies."""
+    y = round_bf16(x) if EMULATE_BF16 else x.to(ref.dtype)
+    return y
+
+
+@device_fn
+def dot(a, b, acc, IEEE: tl.constexpr):
+    """``acc + a @ b`` accumulated in float32; IEEE float32 products for float32 inputs
+    (no TF32: flashtile's float32 results stay within a small multiple of float32 error)."""
+    acc = tl.dot(a, b, acc, input_precision="ieee") if IEEE else tl.dot(a, b, acc)
+    return acc
+
+
+@device_fn
+def load_tile(ptrs, row_ok, col_ok, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Load a 2-D tile, masking rows and/or columns only where asked (zeros outside)."""
+    if ROWS and COLS:
+        x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    elif ROWS:
+        x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    elif COLS:
+        x = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@device_fn
+def store_tile(ptrs, x, mask, EMULATE_BF16: tl.constexpr):
+    """Store a float32 tile in the pointer's dtype, rounding to nearest."""
+    if EMULATE_BF16 and ptrs.dtype.element_ty == tl.bfloat16:
+        x = round_bf16(x)
+    tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@device_fn
+def scores(
+    q,
+    k,
+    pos,
+    offs_n,
+    lo,
+    hi,
+    slope2,
+    qk_scale,
+    cap_in,
+    cap_out,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    MASKED: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Scores of a ``(BLOCK_M, d)`` query tile against a ``(BLOCK_N, d)`` key tile.
+
+    In log2 units, with the variants in flashtile's order (softcap, then ALiBi,
+    then the mask): ``s = scale * q.k``; ``s = softcap * tanh(s / softcap)``;
+    ``s -= slope * |pos - j|``; ``-inf`` outside each row's ``[lo, hi)`` when
+    ``MASKED``. ``cap_in = scale / softcap``, ``cap_out = softcap * log2(e)``,
+    ``slope2`` is the per-row slope times ``log2(e)``. Returns ``(s, t)`` where
+    ``t`` is the tanh (for the backward's ``1 - t^2``; ``t = s`` without softcap).
+    """
+    s = dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], tl.float32), IEEE)
+    if SOFTCAP:
+        t = tanh(s * cap_in)
+        s = t * cap_out
+    else:
+        t = s
+        s = s * qk_scale
+    if ALIBI:
+        dist = tl.abs(pos[:, None] - offs_n[None, :]).to(tl.float32)
+        s = s - slope2[:, None] * dist
+    if MASKED:
+        keep = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+        s = tl.where(keep, s, float("-inf"))
+    return s, t
+
+
+@device_fn
+def online_block(
+    acc, l_i, m_i, s, v, MASKED: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr
+):
+    """Fold one score tile ``s`` (log2 units) and its value tile into the running state.
+
+    ``m_i`` is the running max, ``l_i`` the normaliser, ``acc`` the unnormalised
+    output. In masked tiles a row may have seen no key yet (``m = -inf``): it
+    exponentiates against 0 instead, so ``exp2(-inf - -inf)`` never makes NaN.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
+    p = tl.exp2(s - m_base[:, None])
+    alpha = tl.exp2(m_i - m_base)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = dot(operand_like(p, v, EMULATE_BF16), v, acc * alpha[:, None], IEEE)
+    return acc, l_i, m_new
+
+
+@device_fn
+def finish_rows(acc, l_i, m_i):
+    """``(out, lse)``: normalise once; a row that saw no key gives zeros and ``-inf``."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    return out, lse

@@ -1,0 +1,50 @@
+"""Pick each kernel's fastest configuration per shape class, once, on the GPU.
+
+The candidates are the short lists of :mod:`.configs`; the first call of a
+shape class times each (``triton.testing.do_bench``) and remembers the
+winner for the process. ``FLASHTILE_TRITON_TUNE=0`` skips the timing and
+takes each list's first entry (a deterministic choice, e.g. for profiling).
+Every kernel rewrites its outputs completely, so timing a launch several
+times leaves the right result behind. Under the interpreter nothing is timed:
+:data:`.configs.INTERPRET` is used.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Hashable
+
+from .configs import INTERPRET, Config, candidates
+from .tiles import INTERPRET as INTERPRETING
+
+_CHOSEN: dict[Hashable, Config] = {}
+
+
+def pick(kernel: str, element_bytes: int, block_d: int, key: Hashable, launch: Callable) -> Config:
+    """The configuration to launch ``kernel`` with; ``launch(config)`` runs it once."""
+    if INTERPRETING:
+        return INTERPRET[kernel]
+    options = candidates(kernel, element_bytes, block_d)
+    full_key = (kernel, element_bytes, block_d, key)
+    if len(options) == 1 or os.environ.get("FLASHTILE_TRITON_TUNE", "1") == "0":
+        return options[0]
+    if full_key not in _CHOSEN:
+        from triton.runtime.errors import OutOfResources
+        from triton.testing import do_bench
+
+        times = []
+        for config in options:
+            try:
+                times.append(do_bench(lambda c=config: launch(c), warmup=5, rep=20))
+            except OutOfResources:  # a GPU with less shared memory than an A100
+                times.append(math.inf)
+        if min(times) == math.inf:
+            raise RuntimeError(f"no configuration of {kernel} fits this GPU: {options}")
+        _CHOSEN[full_key] = options[times.index(min(times))]
+    return _CHOSEN[full_key]
+
+
+def chosen() -> dict[str, str]:
+    """What the tuner picked so far, ``{"kernel dtype-bytes d=.. key": "M..-N..-w..-s.."}``."""
+    return {f"{k[0]} {k[1]}B d={k[2]} {k[3]}": c.label() for k, c in _CHOSEN.items()}
