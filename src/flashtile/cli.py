@@ -1,5 +1,5 @@
-"""The ``flashtile`` command line: ``demo``, ``trace``, ``bench``, and the
-learning lab's ``learn``, ``io`` and ``plot``.
+"""The ``flashtile`` command line: ``demo``, ``trace``, ``bench``, ``gpu``, and
+the learning lab's ``learn``, ``io`` and ``plot``.
 
 Every subcommand lives with the code it runs and registers itself through an
 ``add_parser(subparsers)`` function that sets ``func``, the function that runs
@@ -16,11 +16,13 @@ import sys
 from .bench import cli as bench_cli
 from .learn import cli as learn_cli
 from .learn import io_table, plots, walkthrough
+from .triton import cli as gpu_cli
 
 #: One registration function per group of subcommands, in ``--help`` order.
 SUBCOMMANDS = (
     walkthrough.add_parsers,  # demo, trace
     bench_cli.add_parser,
+    gpu_cli.add_parser,  # gpu compile
     learn_cli.add_parser,
     io_table.add_parser,
     plots.add_parser,

@@ -69,8 +69,11 @@ def attention(
     (gradients flow back through the casts in the input dtype); ``lse`` stays
     float32. A float mask is cast to the compute dtype.
 
-    Devices: CPU only. Tensors on any other device (CUDA, meta, ...) raise a
-    ValueError naming the alternative; there is no silent fallback.
+    Devices: CPU tensors run the Numba kernels; CUDA tensors (q, k and v all
+    on CUDA) run the Triton kernels of :func:`flashtile.triton.attention`, with
+    the same semantics (no ``mask`` there: it raises). Other devices (meta,
+    ...) and mixed devices raise a ValueError naming the alternative; there is
+    no silent fallback.
 
     Gradients: none for ``mask`` and ``alibi_slopes``; passing either with
     ``requires_grad=True`` (a learned bias) while grad mode is on raises a
@@ -85,6 +88,11 @@ def attention(
             an accepted mask, slopes or softcap raise ValueError from the kernels'
             own checks.
     """
+    if _all_cuda(q, k, v):
+        return _on_gpu(
+            q, k, v, causal=causal, scale=scale, window=window, alibi_slopes=alibi_slopes,
+            softcap=softcap, mask=mask, enable_gqa=enable_gqa, return_lse=return_lse,
+        )  # fmt: skip
     refused = refusal(
         q,
         k,
@@ -121,3 +129,14 @@ def attention(
     )
     out = out.to(in_dtype)
     return (out, lse) if return_lse else out
+
+
+def _all_cuda(q, k, v) -> bool:
+    return all(isinstance(t, torch.Tensor) and t.is_cuda for t in (q, k, v))
+
+
+def _on_gpu(q, k, v, **keywords):
+    """CUDA tensors: the Triton kernels (imported on first use: they need triton)."""
+    from ..triton import attention as triton_attention
+
+    return triton_attention(q, k, v, **keywords)

@@ -59,9 +59,9 @@ def _device(t: torch.Tensor, name: str) -> Refusal | None:
         return None
     return Refusal(
         ValueError,
-        f"{name} is on device {t.device}, but flashtile.torch.attention runs on CPU "
-        f"tensors only (its kernels are NumPy/Numba); on GPU use "
-        f"torch.nn.functional.scaled_dot_product_attention, or move the tensors with .cpu()",
+        f"{name} is on device {t.device}, but flashtile.torch.attention runs CPU tensors "
+        f"(NumPy/Numba kernels) and CUDA tensors (Triton kernels, all of q, k, v on CUDA); "
+        f"move the tensors with .cpu() or .cuda()",
     )
 
 
