@@ -6,15 +6,26 @@ import pytest
 
 from flashtile.cli import build_parser, main
 
-COMMANDS = ("demo", "trace", "bench", "learn", "io", "plot")
+COMMANDS = ("demo", "trace", "bench", "gpu", "learn", "io", "plot")
+
+
+def _leaves(parser, name):
+    """``(name, parser)`` of the parsers that set ``func``: ``parser`` itself, or
+    its subcommands' (``gpu`` sets it on ``gpu compile``)."""
+    if parser.get_default("func") is not None:
+        return [(name, parser)]
+    nested = [a for a in parser._actions if isinstance(a.choices, dict)]
+    assert nested, f"{name} sets no func and has no subcommands"
+    return [leaf for a in nested for n, p in a.choices.items() for leaf in _leaves(p, n)]
 
 
 def test_every_subcommand_is_registered_with_the_function_that_runs_it():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     assert tuple(sub.choices) == COMMANDS
     for name, parser in sub.choices.items():
-        func = parser.get_default("func")
-        assert callable(func) and func.__name__ == f"run_{name}", name
+        for leaf, leaf_parser in _leaves(parser, name):  # gpu -> compile
+            func = leaf_parser.get_default("func")
+            assert callable(func) and func.__name__ == f"run_{leaf}", leaf
 
 
 @pytest.mark.parametrize("command", [(), *((c,) for c in COMMANDS)])
