@@ -94,7 +94,7 @@ def row_terms(lse, out, dout, h0, i_first, br, lse2, delta):
         delta[r] = acc
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=True, inline="always")
 def grad_rows(
     gemm_fn, p, ds, tanh, do_tile, q_raw, k_tile, v_tile, dq_tile, dk_tile, dv_tile, delta, r0,
     r1, cw,
