@@ -21,14 +21,14 @@ class Ring:
 
 
 def check_cpu(*tensors: torch.Tensor) -> None:
-    """CPU tensors only, until flashtile has GPU kernels (a clear error, no fallback)."""
+    """CPU tensors only, until the ring runs flashtile.triton (a clear error, no fallback)."""
     for t in tensors:
         if t.device.type != "cpu":
             raise ValueError(
                 f"a tensor is on {t.device}: flashtile.distributed runs flashtile's CPU kernels "
-                f"with the gloo backend; CUDA tensors with NCCL need flashtile's GPU kernels, "
-                f"which do not exist yet. Move the tensors to the CPU and init the group with "
-                f"backend='gloo'"
+                f"with the gloo backend; CUDA tensors with NCCL are not wired to flashtile's "
+                f"GPU kernels (flashtile.triton) yet. Move the tensors to the CPU and init the "
+                f"group with backend='gloo'"
             )
 
 
@@ -45,8 +45,8 @@ def ring_of(group, *tensors: torch.Tensor) -> Ring:
     if backend == "nccl":
         raise ValueError(
             "the process group uses NCCL, which carries CUDA tensors only; flashtile runs on "
-            "CPU tensors: create the group with backend='gloo' (NCCL support comes with "
-            "flashtile's GPU kernels)"
+            "CPU tensors: create the group with backend='gloo' (NCCL comes when the ring "
+            "runs flashtile.triton)"
         )
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     nxt, prev = (rank + 1) % size, (rank - 1) % size
