@@ -190,9 +190,10 @@ def attend_tile(
 ):  # fmt: skip
     """Fold one key tile into the rows' state ``(m, ell, acc)``: the tile step.
 
-    Inlined into each caller by Numba (``inline="always"``): it runs once per
-    key tile, and an out-of-line call passes some 150 words of array
-    descriptors, which measured 10-20% of a small decoding tile.
+    Inlined into each caller by Numba (``inline="always"``), as the helpers
+    it calls are not: it runs once per key tile, and an out-of-line call
+    passes some 150 words of array descriptors (a few percent of a small
+    decoding tile).
 
     Args:
         q_tile: ``(rows, d)`` stacked queries, scaled by ``scale * log2(e)``.
