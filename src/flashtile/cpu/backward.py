@@ -37,6 +37,7 @@ from .tiles import (
     load_q_tile,
     needs_transform,
     row_bounds,
+    row_query,
     sequence_tile,
     tile_key_range,
     tile_sees_all,
@@ -59,9 +60,10 @@ def probs_tile(s, lse2, tanh_buf, tile, j0, variants, full, read_bool):
     transform = needs_transform(variants)
     for r in range(rows):
         row = s[r]
+        i, h = row_query(tile, r)
         lo, hi = 0, bc
         if not full:
-            lo, hi = row_bounds(tile, r, j0, j0 + bc, variants)
+            lo, hi = row_bounds(tile, i, j0, j0 + bc, variants)
         if tanh_buf.size > 0:  # outside [lo, hi) the chain factor must be finite
             tanh_buf[r, :lo] = 0.0
             tanh_buf[r, hi:] = 0.0
@@ -73,7 +75,7 @@ def probs_tile(s, lse2, tanh_buf, tile, j0, variants, full, read_bool):
         seg = row[lo:hi]
         if transform:
             tanh_row = tanh_buf[r, lo:hi] if tanh_buf.size > 0 else tanh_buf[0:0, 0]
-            transform_row(seg, j0 + lo, tile, r, variants, read_bool, tanh_row)
+            transform_row(seg, j0 + lo, tile, i, h, variants, read_bool, tanh_row)
         exp2_shifted(seg, lse2[r], hi - lo)
         row[:lo] = 0.0
         row[hi:] = 0.0

@@ -49,9 +49,12 @@ GATHER_KEYS = 512
 def walk_band(gemm_fn, q_tile, k_rows, v_rows, s_buf, m, ell, alpha, acc, tile, group, va, bk):
     """Fold key blocks ``[lo, lo + bk), ...`` of the tile's band into its state.
 
-    ``k_rows``/``v_rows`` are the sequence's keys and values of one kv head
-    (row ``j`` = key ``j``); ``s_buf`` a flat score buffer of at least
-    ``rows * bk``. Returns the number of key blocks computed.
+    ``q_tile``, ``m``, ``ell``, ``alpha``, ``acc``: the rows and their state
+    (:func:`.tile_step.attend_tile`); ``k_rows``/``v_rows``: the sequence's
+    keys and values of one kv head (row ``j`` = key ``j``); ``s_buf``: a flat
+    score buffer of at least ``rows * bk``; ``tile``: a
+    :class:`.tiles.QueryTile` of ``group`` stacked heads; ``va``: the
+    :class:`.tiles.KernelVariants`. Returns the number of key blocks computed.
     """
     rows = q_tile.shape[0]
     segs = one_segment()

@@ -41,6 +41,7 @@ from .tiles import (
     changes_scores,
     needs_transform,
     row_bounds,
+    row_query,
     transform_row,
 )
 
@@ -69,24 +70,25 @@ def prepare_row(row, r, segs, tile, variants, full):
     ``-inf`` (they exponentiate to exact zeros) and ``[lo, hi)`` is the whole
     row. Variants are applied to the visible columns.
     """
+    i, h = row_query(tile, r)
     transform = needs_transform(variants)
     if segs.shape[0] == 1:
         j0, n = segs[0, SEG_KEY], segs[0, SEG_LENGTH]
         lo, hi = 0, n
         if not full:
-            lo, hi = row_bounds(tile, r, j0, j0 + n, variants)
+            lo, hi = row_bounds(tile, i, j0, j0 + n, variants)
         if transform and hi > lo:
             read_bool = segs[0, SEG_STATE] == TILE_PARTIAL
-            transform_row(row[lo:hi], j0 + lo, tile, r, variants, read_bool, row[:0])
+            transform_row(row[lo:hi], j0 + lo, tile, i, h, variants, read_bool, row[:0])
         return lo, hi
     for g in range(segs.shape[0]):
         off, j0, n = segs[g, SEG_OFFSET], segs[g, SEG_KEY], segs[g, SEG_LENGTH]
-        a, c = row_bounds(tile, r, j0, j0 + n, variants)
+        a, c = row_bounds(tile, i, j0, j0 + n, variants)
         row[off : off + a] = -np.inf
         row[off + c : off + n] = -np.inf
         if transform and c > a:
             read_bool = segs[g, SEG_STATE] == TILE_PARTIAL
-            transform_row(row[off + a : off + c], j0 + a, tile, r, variants, read_bool, row[:0])
+            transform_row(row[off + a : off + c], j0 + a, tile, i, h, variants, read_bool, row[:0])
     return 0, segs[-1, SEG_OFFSET] + segs[-1, SEG_LENGTH]
 
 
@@ -188,9 +190,10 @@ def attend_tile(
 ):  # fmt: skip
     """Fold one key tile into the rows' state ``(m, ell, acc)``: the tile step.
 
-    Inlined into each caller by Numba (``inline="always"``): it runs once per
-    key tile, and an out-of-line call passes some 150 words of array
-    descriptors, which measured 10-20% of a small decoding tile.
+    Inlined into each caller by Numba (``inline="always"``), as the helpers
+    it calls are not: it runs once per key tile, and an out-of-line call
+    passes some 150 words of array descriptors (a few percent of a small
+    decoding tile).
 
     Args:
         q_tile: ``(rows, d)`` stacked queries, scaled by ``scale * log2(e)``.

@@ -120,13 +120,22 @@ def tile_sees_all(tile, j0, j1, variants):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def row_bounds(tile, r, j0, j1, variants):
-    """Columns ``[a, b)`` of a tile over keys ``[j0, j1)`` that row ``r`` sees.
+def row_query(tile, r):
+    """``(i, h)``: the query and the query head of the tile's stacked row ``r``.
+
+    Callers compute it once per row and pass it on: the per-row helpers run
+    once per row and key segment, where an integer division per call shows.
+    """
+    return tile.i0 + r % tile.br, tile.h0 + r // tile.br
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def row_bounds(tile, i, j0, j1, variants):
+    """Columns ``[a, b)`` of a tile over keys ``[j0, j1)`` that query ``i`` sees.
 
     Always ``0 <= a <= b <= j1 - j0``: a tile wholly left of the row's range
     gives ``(j1 - j0, j1 - j0)`` (callers hide ``[0, a)`` and ``[b, n)``).
     """
-    i = tile.i0 + r % tile.br
     va = variants
     lo, hi = key_bounds(i, tile.tq, tile.tk, va.causal, va.left, va.right, tile.kv_len)
     a = min(max(lo, j0), j1) - j0
@@ -152,7 +161,7 @@ def diagonal_split(tile, group, full, j0, j1, variants):
     if group != 1 or full or tile.br < 2 * MIN_SPLIT_ROWS:
         return 0, 0
     top = tile.br // 2
-    top_w = row_bounds(tile, top - 1, j0, j1, variants)[1]
+    top_w = row_bounds(tile, tile.i0 + top - 1, j0, j1, variants)[1]
     if top_w > j1 - j0 - MIN_SPLIT_ROWS:
         return 0, 0  # too little to skip
     return top, top_w
@@ -172,18 +181,18 @@ def needs_transform(variants):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def transform_row(seg, col0, tile, r, variants, read_bool, tanh_out):
+def transform_row(seg, col0, tile, i, h, variants, read_bool, tanh_out):
     """Apply softcap, ALiBi, the additive and the boolean mask to ``seg`` in place.
 
-    ``seg`` holds the scores of the tile's row ``r`` against keys ``col0,
-    col0 + 1, ...``. ``read_bool`` is False when the block map says the
-    keys' block is fully kept. With softcap, ``tanh_out`` (same length)
-    receives ``tanh(s / cap)`` for the backward's chain rule (pass an empty
-    array to skip).
+    ``seg`` holds the scores of query ``i`` of head ``h`` (a row of ``tile``,
+    see :func:`row_query`) against keys ``col0, col0 + 1, ...``.
+    ``read_bool`` is False when the block map says the keys' block is fully
+    kept. With softcap, ``tanh_out`` (same length) receives ``tanh(s /
+    cap)`` for the backward's chain rule (pass an empty array to skip).
     """
     va = variants
     n = seg.shape[0]
-    b, i, h = tile.b, tile.i0 + r % tile.br, tile.h0 + r // tile.br
+    b = tile.b
     if va.softcap > 0.0:
         inv = 1.0 / va.softcap
         for c in range(n):
