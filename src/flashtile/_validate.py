@@ -191,7 +191,10 @@ def check_cu_seqlens(cu, name: str, total: int) -> np.ndarray:
         raise TypeError(f"{name} must be int32 or int64 offsets, got dtype {cu.dtype}")
     if cu.ndim != 1 or cu.size < 2:
         raise ValueError(f"{name} has shape {cu.shape}; expected (S + 1,) offsets, S >= 1")
-    if cu[0] != 0 or cu[-1] != total or np.any(np.diff(cu) < 0):
+    # Range first, then differences in int64: np.diff of unsigned offsets wraps
+    # around, so a decreasing (or past-int64) uint array would pass.
+    in_range = cu.min() >= 0 and cu.max() <= total
+    if not in_range or cu[0] != 0 or cu[-1] != total or np.any(np.diff(cu.astype(np.int64)) < 0):
         raise ValueError(
             f"{name} = {cu.tolist()[:8]}{'...' if cu.size > 8 else ''} must start at 0, never "
             f"decrease, and end at the packed length {total}"
