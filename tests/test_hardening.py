@@ -41,3 +41,19 @@ def test_unsigned_cu_seqlens_valid(rng):
     out = ft.varlen_attention(q, k, v, cu, cu)
     ref = ft.varlen_attention(q, k, v, cu.astype(np.int64), cu.astype(np.int64))
     np.testing.assert_array_equal(out, ref)
+
+
+def test_block_mask_does_not_alias_the_callers_array(rng):
+    """Editing the array after block_mask() must not change the results."""
+    q, k, v = qkv(rng, 2, 20, 8)
+    keep = rng.random((20, 20)) < 0.6
+    keep[:, 0] = True
+    original = keep.copy()
+    bm = ft.block_mask(keep, 4, 4)
+    before = ft.attention(q, k, v, mask=bm)
+    keep[:, 5:] = ~keep[:, 5:]
+    keep[:4] = True
+    after = ft.attention(q, k, v, mask=bm)
+    np.testing.assert_array_equal(after, before)
+    np.testing.assert_allclose(before, ft.naive_attention(q, k, v, mask=original)[0], atol=1e-12)
+    assert not bm.mask.flags.writeable

@@ -189,7 +189,10 @@ def block_mask(mask, block_q: int, block_k: int) -> BlockMask:
         raise ValueError(f"mask has shape {mask.shape}; expected (Tq, Tk) up to (B, H, Tq, Tk)")
     block_q = check_block_size(block_q, "block_q")
     block_k = check_block_size(block_k, "block_k")
-    mask4 = np.ascontiguousarray(mask.reshape((1,) * (4 - mask.ndim) + mask.shape))
+    # A private, read-only copy: editing the caller's array later must not
+    # change what this summary (and every call reusing it) computes.
+    mask4 = np.array(mask.reshape((1,) * (4 - mask.ndim) + mask.shape), order="C", copy=True)
+    mask4.flags.writeable = False
     bm, hm, tq, tk = mask4.shape
     nq, nk = -(-tq // block_q), -(-tk // block_k)
     if mask4.size == 0:  # no tiles, or tiles of nothing
