@@ -57,3 +57,28 @@ def test_block_mask_does_not_alias_the_callers_array(rng):
     np.testing.assert_array_equal(after, before)
     np.testing.assert_allclose(before, ft.naive_attention(q, k, v, mask=original)[0], atol=1e-12)
     assert not bm.mask.flags.writeable
+
+
+def test_hand_built_block_mask_is_checked_against_its_mask(rng):
+    """States claiming FULL tiles of a sparse mask, or of the wrong shape, are refused."""
+    sparse = np.eye(20, dtype=bool)
+    with pytest.raises(ValueError, match=r"tile \(0, 0, 0, 0\) as 2 but its mask makes it 1"):
+        ft.BlockMask(sparse, 4, 4, np.full((1, 1, 5, 5), 2, np.int8))
+    with pytest.raises(ValueError, match=r"states has shape \(1, 1, 1, 1\), expected"):
+        ft.BlockMask(sparse, 4, 4, np.full((1, 1, 1, 1), 2, np.int8))
+    with pytest.raises(ValueError, match=r"0 \(empty\), 1 \(partial\) or 2"):
+        ft.BlockMask(sparse, 4, 4, np.full((1, 1, 5, 5), 3, np.int8))
+    with pytest.raises(TypeError, match="boolean mask"):
+        ft.BlockMask(sparse.astype(np.int8), 4, 4)
+
+
+def test_hand_built_block_mask_partial_is_always_safe(rng):
+    """PARTIAL everywhere makes the kernel read the mask: still exact."""
+    q, k, v = qkv(rng, 2, 20, 8)
+    keep = rng.random((20, 20)) < 0.5
+    keep[:, 0] = True
+    bm = ft.BlockMask(keep, 4, 8, np.ones((1, 1, 5, 3), np.int16))
+    assert bm.states.dtype == np.int8 and not bm.states.flags.writeable
+    ref = ft.naive_attention(q, k, v, mask=keep)[0]
+    np.testing.assert_allclose(ft.attention(q, k, v, mask=bm), ref, atol=1e-12)
+    assert ft.BlockMask(keep, 4, 8).counts() == ft.block_mask(keep, 4, 8).counts()
