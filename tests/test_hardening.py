@@ -82,3 +82,16 @@ def test_hand_built_block_mask_partial_is_always_safe(rng):
     ref = ft.naive_attention(q, k, v, mask=keep)[0]
     np.testing.assert_allclose(ft.attention(q, k, v, mask=bm), ref, atol=1e-12)
     assert ft.BlockMask(keep, 4, 8).counts() == ft.block_mask(keep, 4, 8).counts()
+
+
+@pytest.mark.parametrize("side", ["a", "b"])
+def test_merge_states_refuses_plus_inf_lse(rng, side):
+    """lse = +inf gave a NaN row with only a RuntimeWarning."""
+    out = rng.standard_normal((3, 4))
+    bad, good = np.array([1.0, np.inf, 0.0]), np.zeros(3)
+    lses = (bad, good) if side == "a" else (good, bad)
+    with pytest.raises(ValueError, match=rf"lse_{side} holds \+inf at \[1\]"):
+        ft.merge_states(out, lses[0], out, lses[1])
+    merged, lse = ft.merge_states(out, np.array([1.0, -np.inf, 0.0]), out, good)
+    np.testing.assert_allclose(merged, out)
+    assert np.isfinite(lse).all()
