@@ -95,3 +95,29 @@ def test_merge_states_refuses_plus_inf_lse(rng, side):
     merged, lse = ft.merge_states(out, np.array([1.0, -np.inf, 0.0]), out, good)
     np.testing.assert_allclose(merged, out)
     assert np.isfinite(lse).all()
+
+
+def _decode_args(rng):
+    return rng.standard_normal((1, 2, 1, 4)), *qkv(rng, 1, 2, 6, 4)[:2]
+
+
+FLAG_CALLS = {
+    "attention": lambda rng, **kw: ft.attention(*qkv(rng, 2, 5, 4), **kw),
+    "varlen_attention": lambda rng, **kw: ft.varlen_attention(
+        *qkv(rng, 2, 5, 4), [0, 5], [0, 5], **kw
+    ),
+    "decode_attention": lambda rng, **kw: ft.decode_attention(*_decode_args(rng), **kw),
+    "tiled_attention": lambda rng, **kw: ft.tiled_attention(*qkv(rng, 2, 5, 4), 2, **kw),
+    "reference.decode_attention": lambda rng, **kw: ft.reference.decode_attention(
+        *_decode_args(rng), **kw
+    ),
+}
+
+
+@pytest.mark.parametrize("call", FLAG_CALLS.values(), ids=FLAG_CALLS.keys())
+@pytest.mark.parametrize("value", ["no", 0, 1, None, np.array([True])])
+def test_return_lse_accepts_bools_only(rng, call, value):
+    """return_lse="no" was taken as true; flags take True/False, as causal does."""
+    with pytest.raises(TypeError, match="return_lse must be True or False"):
+        call(rng, return_lse=value)
+    assert isinstance(call(rng, return_lse=np.bool_(True)), tuple)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from ._validate import (
     check_cu_seqlens_pair,
+    check_flag,
     check_kernel_layout,
     check_packed,
     check_qkv,
@@ -98,6 +99,7 @@ def attention(
         ``out (..., Tq, dv)`` in the input dtype, and ``lse`` if asked. A query
         that sees no key gets a zero row and ``lse = -inf``.
     """
+    return_lse = check_flag(return_lse, "return_lse")
     call = check_call(q, k, v, causal, scale, variants)
     plan = plan_forward(call, block_q, block_k)
     out, lse, _ = run_forward(plan)
@@ -166,6 +168,7 @@ def varlen_attention(
     Returns:
         ``out (Hq, total_q, dv)`` and, if asked, ``lse (Hq, total_q)``.
     """
+    return_lse = check_flag(return_lse, "return_lse")
     call = check_call(q, k, v, causal, scale, variants, (cu_seqlens_q, cu_seqlens_k))
     plan = plan_forward(call, block_q, block_k)
     out, lse, _ = run_forward(plan)

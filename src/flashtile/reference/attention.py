@@ -16,7 +16,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._validate import AttentionShapes, check_block_size, check_qkv, compute_dtype, resolve_scale
+from .._validate import (
+    AttentionShapes,
+    check_block_size,
+    check_flag,
+    check_qkv,
+    compute_dtype,
+    resolve_scale,
+)
 from ..masks import block_key_range, visible
 from ..variants import Variants, resolve_variants
 from .softmax import online_update, softmax
@@ -124,6 +131,7 @@ def tiled_attention(
     Returns ``out (..., Tq, dv)``, and with ``return_lse=True`` also
     ``lse = m + log(ell)`` of shape ``(..., Tq)`` (``-inf`` for empty rows).
     """
+    return_lse = check_flag(return_lse, "return_lse")
     pb = _prepare(q, k, v, causal, scale, variants)
     block_size = check_block_size(block_size)
     sh = pb.shapes
