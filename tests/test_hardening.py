@@ -121,3 +121,21 @@ def test_return_lse_accepts_bools_only(rng, call, value):
     with pytest.raises(TypeError, match="return_lse must be True or False"):
         call(rng, return_lse=value)
     assert isinstance(call(rng, return_lse=np.bool_(True)), tuple)
+
+
+@pytest.mark.parametrize("shape", [(2, 0, 5, 4), (0, 2, 5, 4), (0, 0, 5, 4)])
+def test_no_heads_gives_empty_results(shape):
+    """H = 0 raised ZeroDivisionError; the result is empty, as for B = 0."""
+    q = np.zeros(shape)
+    out, lse = ft.attention(q, q, q, causal=True, return_lse=True)
+    assert out.shape == shape and lse.shape == shape[:-1]
+    grads = ft.attention_backward(q, q, q, out, lse, out, causal=True)
+    assert [g.shape for g in grads] == [shape] * 3
+
+
+def test_varlen_no_heads_gives_empty_results():
+    q = np.zeros((0, 6, 4))
+    out, lse = ft.varlen_attention(q, q, q, [0, 2, 6], [0, 2, 6], return_lse=True)
+    assert out.shape == (0, 6, 4) and lse.shape == (0, 6)
+    grads = ft.varlen_attention_backward(q, q, q, out, lse, out, [0, 2, 6], [0, 2, 6])
+    assert [g.shape for g in grads] == [(0, 6, 4)] * 3

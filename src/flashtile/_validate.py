@@ -147,6 +147,12 @@ def check_same_shape(arr, name: str, expected: tuple[int, ...], hint: str) -> np
     return arr
 
 
+def head_group(hq: int, hkv: int) -> int:
+    """Query heads per kv head (GQA/MQA), at least 1; with no heads (H = 0) the
+    call is empty and gives empty results, as for B = 0."""
+    return max(1, hq // hkv) if hkv else 1
+
+
 def check_kernel_layout(q, k, v) -> None:
     """The compiled kernels' layout: at most 4 dims, the same leading dims for
     ``q``, ``k`` and ``v`` (no broadcasting), and ``Hkv`` dividing ``Hq``."""
@@ -161,7 +167,10 @@ def check_kernel_layout(q, k, v) -> None:
             f"flashtile.attention needs the same batch for q, k and v, and k, v with "
             f"Hq or a divisor of Hq heads (use np.broadcast_to(...).copy() for copies)"
         )
-    if q.ndim >= 3 and not (k.shape[-3] == v.shape[-3] and q.shape[-3] % k.shape[-3] == 0):
+    if q.ndim >= 3 and not (
+        k.shape[-3] == v.shape[-3]
+        and head_group(q.shape[-3], k.shape[-3]) * k.shape[-3] == q.shape[-3]
+    ):
         raise ValueError(
             f"Hq={q.shape[-3]}, k has {k.shape[-3]} heads and v {v.shape[-3]}: k and v need "
             f"the same number of heads Hkv, and Hq must be a multiple of Hkv"

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from ._validate import AttentionShapes, check_block_size, compute_dtype
+from ._validate import AttentionShapes, check_block_size, compute_dtype, head_group
 from .cpu.tiles import (
     LOG2E,
     SEQ_BATCH,
@@ -143,7 +143,7 @@ def plan_backward(call: Call, block_q=None, block_k=None) -> KernelPlan:
 def _plan(call, block_q, block_k, backward):
     q4, k4, v4, seqs = lay_out(call)
     n_kv = k4.shape[1]
-    group = q4.shape[1] // n_kv  # MQA too (Hkv = 1)
+    group = head_group(q4.shape[1], n_kv)  # MQA too (Hkv = 1)
     va = call.variants
     block_q, block_k = tile_sizes(va, seqs, group, n_kv, block_q, block_k, backward)
     variants = kernel_variants(va, q4.dtype, q4.shape[1])
