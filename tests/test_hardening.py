@@ -139,3 +139,26 @@ def test_varlen_no_heads_gives_empty_results():
     assert out.shape == (0, 6, 4) and lse.shape == (0, 6)
     grads = ft.varlen_attention_backward(q, q, q, out, lse, out, [0, 2, 6], [0, 2, 6])
     assert [g.shape for g in grads] == [(0, 6, 4)] * 3
+
+
+@pytest.mark.parametrize("side", [2**62, 2**63 - 1, 2**64, 10**30, np.uint64(2**64 - 1)])
+def test_huge_window_sides_are_unbounded(rng, side):
+    """Sides past int64 raised OverflowError; int64's max wrapped around to all zeros."""
+    q, k, v = qkv(rng, 2, 9, 4)
+    ref = ft.attention(q, k, v, causal=True)
+    for window in ((side, side), (side, None), (side, 0)):
+        np.testing.assert_array_equal(ft.attention(q, k, v, causal=True, window=window), ref)
+    np.testing.assert_array_equal(ft.attention(q, k, v, window=(side, side)), ft.attention(q, k, v))
+    qd, kc, vc = rng.standard_normal((1, 2, 1, 4)), *qkv(rng, 1, 2, 6, 4)[:2]
+    np.testing.assert_allclose(
+        ft.decode_attention(qd, kc, vc, window=(side, 0)), ft.decode_attention(qd, kc, vc)
+    )
+
+
+@pytest.mark.parametrize("splits", [2**63 - 1, 2**64, 10**30])
+def test_huge_num_splits(rng, splits):
+    """num_splits past int64 raised OverflowError; any count gives the same result."""
+    qd, kc, vc = rng.standard_normal((1, 2, 1, 4)), *qkv(rng, 1, 2, 6, 4)[:2]
+    np.testing.assert_allclose(
+        ft.decode_attention(qd, kc, vc, num_splits=splits), ft.decode_attention(qd, kc, vc)
+    )

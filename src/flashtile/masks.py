@@ -91,8 +91,17 @@ def tile_fully_visible(i0, i1, j0, j1, tq, tk, causal, left, right, kv_len):
     return lo <= j0 and hi >= j1
 
 
+#: A window side at or beyond this many keys is unbounded (-1): wider than any
+#: sequence, and small enough that positions plus sides stay within int64.
+WINDOW_UNBOUNDED = 2**62
+
+
 def normalize_window(window, causal: bool) -> tuple[int, int]:
-    """``window`` as ``(left, right)`` ints with -1 = unbounded; causal caps right at 0."""
+    """``window`` as ``(left, right)`` ints with -1 = unbounded; causal caps right at 0.
+
+    A side of :data:`WINDOW_UNBOUNDED` (2**62) keys or more, Python ints past
+    int64 included, is the same as unbounded.
+    """
     if window is None:
         left, right = -1, -1
     else:
@@ -113,7 +122,7 @@ def normalize_window(window, causal: bool) -> tuple[int, int]:
                 raise ValueError(
                     f"window {name}={side}: use a count >= 0, or -1 / None for unbounded"
                 )
-            sides.append(int(side))
+            sides.append(-1 if side >= WINDOW_UNBOUNDED else int(side))
         left, right = sides
     if causal:
         right = 0 if right < 0 else min(right, 0)
