@@ -162,3 +162,21 @@ def test_huge_num_splits(rng, splits):
     np.testing.assert_allclose(
         ft.decode_attention(qd, kc, vc, num_splits=splits), ft.decode_attention(qd, kc, vc)
     )
+
+
+@pytest.mark.parametrize("blocks", [(10**6, 10**6), (2**70, 3), (5, 2**64)])
+def test_block_mask_tiles_larger_than_the_mask(rng, blocks):
+    """block_mask(mask, 10**6, 10**6) tried to allocate 931 GiB of padding."""
+    keep = rng.random((2, 7, 11)) < 0.5
+    bm = ft.block_mask(keep, *blocks)
+    assert (bm.block_q, bm.block_k) == blocks
+    small = ft.block_mask(keep, min(blocks[0], 7), min(blocks[1], 11))
+    np.testing.assert_array_equal(bm.states, small.states)
+    q, k, v = qkv(rng, 2, 2, 7, 4)
+    k, v = k[:, :, :1].repeat(11, axis=2), v[:, :, :1].repeat(11, axis=2)
+    keep[..., 0] = True
+    np.testing.assert_allclose(
+        ft.attention(q, k, v, mask=ft.block_mask(keep[:, None], *blocks)),
+        ft.naive_attention(q, k, v, mask=keep[:, None])[0],
+        atol=1e-12,
+    )

@@ -255,6 +255,9 @@ def tile_states(mask4: np.ndarray, block_q: int, block_k: int) -> np.ndarray:
     if mask4.size == 0:  # no tiles, or tiles of nothing
         return np.zeros((bm, hm, nq, nk), dtype=np.int8)
     mask4 = np.ascontiguousarray(mask4)
+    # A tile larger than the mask is one tile of the whole mask: summarise with
+    # the mask's extent, so that padding never allocates more than the mask.
+    block_q, block_k = min(block_q, tq), min(block_k, tk)
     # Ragged edge tiles are padded by repeating their own last row/column:
     # neutral for both "any kept" and "all kept".
     padded = mask4
