@@ -180,3 +180,33 @@ def test_block_mask_tiles_larger_than_the_mask(rng, blocks):
         ft.naive_attention(q, k, v, mask=keep[:, None])[0],
         atol=1e-12,
     )
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf])
+def test_padded_keys_never_poison_whichever_padding_hid_them(rng, poison):
+    """NaN keys hidden by key_padding_mask poisoned every row; kv_lengths did not."""
+    q, k, v = qkv(rng, 2, 2, 9, 4)
+    lengths = np.array([7, 5])
+    kpm = np.arange(9) < lengths[:, None]
+    for b, n in enumerate(lengths):
+        k[b, :, n:] = poison
+        v[b, :, n:] = poison
+    k_before, v_before = k.copy(), v.copy()
+    clean = [np.where(kpm[:, None, :, None], a, 0) for a in (k, v)]
+    want, want_lse = ft.attention(q, *clean, kv_lengths=lengths, return_lse=True)
+    dout = rng.standard_normal(want.shape)
+    want_grads = ft.attention_backward(q, *clean, want, want_lse, dout, kv_lengths=lengths)
+    for pad in ({"kv_lengths": lengths}, {"key_padding_mask": kpm}):
+        out, lse = ft.attention(q, k, v, return_lse=True, **pad)
+        np.testing.assert_allclose(out, want, atol=1e-12)
+        grads = ft.attention_backward(q, k, v, out, lse, dout, **pad)
+        for g, w in zip(grads, want_grads, strict=True):
+            np.testing.assert_allclose(g, w, atol=1e-12)
+        np.testing.assert_allclose(ft.naive_attention(q, k, v, **pad)[0], want, atol=1e-12)
+        ref_grads = ft.tiled_attention_backward(
+            q, k, v, out=out, lse=lse, dout=dout, block_size=4, **pad
+        )
+        for g, w in zip(ref_grads, want_grads, strict=True):
+            np.testing.assert_allclose(g, w, atol=1e-12)
+    np.testing.assert_array_equal(k, k_before)  # the caller's arrays are not written
+    np.testing.assert_array_equal(v, v_before)

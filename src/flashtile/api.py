@@ -22,6 +22,8 @@ dtype: convert it to float32 first.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ._validate import (
     check_cu_seqlens_pair,
     check_flag,
@@ -33,7 +35,7 @@ from ._validate import (
 )
 from .cpu.launch import run_backward, run_forward
 from .planning import Call, plan_backward, plan_forward
-from .variants import resolve_variants
+from .variants import clear_padded_keys, resolve_variants
 
 
 def check_call(q, k, v, causal, scale, variants: dict, cu_seqlens=None) -> Call:
@@ -53,6 +55,10 @@ def check_call(q, k, v, causal, scale, variants: dict, cu_seqlens=None) -> Call:
         cu_seqlens = check_cu_seqlens_pair(*cu_seqlens, shapes)
     scale = resolve_scale(scale, shapes.d)
     va = resolve_variants(shapes, causal=causal, **variants)
+    kpm = variants.get("key_padding_mask")
+    if kpm is not None:  # its keys are still read in their tiles (kv_lengths' are not)
+        kept = clear_padded_keys(k, v, np.asarray(kpm))
+        k, v = (a.reshape(b.shape) for a, b in zip(kept, (k, v), strict=True))
     return Call(q, k, v, shapes, va, scale, cu_seqlens)
 
 

@@ -25,7 +25,7 @@ from .._validate import (
     resolve_scale,
 )
 from ..masks import block_key_range, visible
-from ..variants import Variants, resolve_variants
+from ..variants import Variants, clear_padded_keys, existing_keys, resolve_variants
 from .softmax import online_update, softmax
 
 
@@ -60,6 +60,8 @@ def _prepare(q, k, v, causal, scale, variants) -> _Problem:
     acc = compute_dtype(q.dtype)
     if shapes.group > 1:
         k, v = (np.repeat(a, shapes.group, axis=-3) for a in (k, v))
+    keep = existing_keys(va, variants.get("key_padding_mask"), shapes.tk)
+    k, v = clear_padded_keys(k, v, keep)  # padded keys do not exist, whatever they hold
     cast = (a.astype(acc, copy=False) for a in (q, k, v))
     return _Problem(*cast, shapes, va, scale, q.dtype)
 
