@@ -210,3 +210,11 @@ def test_padded_keys_never_poison_whichever_padding_hid_them(rng, poison):
             np.testing.assert_allclose(g, w, atol=1e-12)
     np.testing.assert_array_equal(k, k_before)  # the caller's arrays are not written
     np.testing.assert_array_equal(v, v_before)
+
+
+def test_no_heads_with_alibi_slopes():
+    """H = 0 with (empty) ALiBi slopes failed to reshape them (found by the fuzz test)."""
+    q = np.zeros((1, 0, 3, 2), dtype=np.float32)
+    out = ft.attention(q, q, q, alibi_slopes=np.zeros(0))
+    assert out.shape == q.shape
+    assert ft.attention_backward(q, q, q, out, out[..., 0], out, alibi_slopes=np.zeros(0))

@@ -234,7 +234,8 @@ def kernel_variants(va: Variants, work, heads: int) -> KernelVariants:
     empty_f = np.zeros((0, 0, 0, 0), dtype=work)
     alibi = np.zeros((0, 0), dtype=work)
     if va.alibi is not None:  # (Hq, 1, 1) or (B, Hq, 1, 1) -> (1 or B, Hq)
-        alibi = np.ascontiguousarray(va.alibi.reshape(-1, heads) * LOG2E, dtype=work)
+        slopes = np.atleast_2d(va.alibi[..., 0, 0])  # not reshape(-1, Hq): Hq may be 0
+        alibi = np.ascontiguousarray(slopes * LOG2E, dtype=work)
     mask_add = empty_f
     if va.mask_add is not None:
         # Finite values lie within +-MASK_LIMIT (variants.py): no overflow.
