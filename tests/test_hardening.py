@@ -5,6 +5,8 @@ Each test names the defect it guards; every one failed before its fix.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -218,3 +220,17 @@ def test_no_heads_with_alibi_slopes():
     out = ft.attention(q, q, q, alibi_slopes=np.zeros(0))
     assert out.shape == q.shape
     assert ft.attention_backward(q, q, q, out, out[..., 0], out, alibi_slopes=np.zeros(0))
+
+
+def test_float16_mask_does_not_warn(rng):
+    """A float16 mask warned 'overflow encountered in cast', and -60000 became -inf
+    (a row of them saw no key) (found by the fuzz test)."""
+    q, k, v = qkv(rng, 1, 3, 4)
+    mask = np.array([[0.5, -np.inf, -60000.0]] * 3, dtype=np.float16)
+    mask[1] = -60000.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = ft.attention(q, k, v, mask=mask)
+    np.testing.assert_allclose(out, ft.naive_attention(q, k, v, mask=mask.astype(float))[0])
+    with pytest.raises(ValueError, match=r"float mask .* not NaN, \+inf"):
+        ft.attention(q, k, v, mask=np.full((3, 3), np.inf, dtype=np.float16))

@@ -238,8 +238,9 @@ def kernel_variants(va: Variants, work, heads: int) -> KernelVariants:
         alibi = np.ascontiguousarray(slopes * LOG2E, dtype=work)
     mask_add = empty_f
     if va.mask_add is not None:
-        # Finite values lie within +-MASK_LIMIT (variants.py): no overflow.
-        mask_add = _mask4(va.mask_add * LOG2E, work)
+        # Finite values lie within +-MASK_LIMIT (variants.py): no overflow in
+        # the work dtype (a float16 mask is widened first: -60000 * log2(e) is not float16).
+        mask_add = _mask4(va.mask_add.astype(work) * LOG2E)
     mask_bool = np.zeros((0, 0, 0, 0), dtype=np.bool_)
     if va.mask_bool is not None:
         mask_bool = _mask4(va.mask_bool)

@@ -170,13 +170,15 @@ def _check_mask(mask, shapes: AttentionShapes):
             f"mask has dtype {mask.dtype}: pass a bool mask (True = keep) or a float mask "
             f"added to the scores (-inf = hidden)"
         )
-    if np.isnan(mask).any() or (mask > MASK_LIMIT).any():
+    # In the mask's own dtype: float16 cannot hold MASK_LIMIT (casting it warns).
+    limit = min(MASK_LIMIT, float(np.finfo(mask.dtype).max))
+    if np.isnan(mask).any() or (mask > limit).any():
         raise ValueError(
             f"a float mask may hold values up to {MASK_LIMIT:.3g} and -inf (hidden), not "
             f"NaN, +inf or larger values: they would turn whole rows into NaN"
         )
-    if (mask < -MASK_LIMIT).any():  # hidden, for every path and dtype
-        mask = np.where(mask < -MASK_LIMIT, -np.inf, mask)
+    if (mask < -limit).any():  # hidden, for every path and dtype
+        mask = np.where(mask < -limit, -np.inf, mask)
     return None, mask, None
 
 
