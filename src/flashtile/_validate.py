@@ -147,6 +147,12 @@ def check_same_shape(arr, name: str, expected: tuple[int, ...], hint: str) -> np
     return arr
 
 
+def head_group(hq: int, hkv: int) -> int:
+    """Query heads per kv head (GQA/MQA), at least 1; with no heads (H = 0) the
+    call is empty and gives empty results, as for B = 0."""
+    return max(1, hq // hkv) if hkv else 1
+
+
 def check_kernel_layout(q, k, v) -> None:
     """The compiled kernels' layout: at most 4 dims, the same leading dims for
     ``q``, ``k`` and ``v`` (no broadcasting), and ``Hkv`` dividing ``Hq``."""
@@ -161,7 +167,10 @@ def check_kernel_layout(q, k, v) -> None:
             f"flashtile.attention needs the same batch for q, k and v, and k, v with "
             f"Hq or a divisor of Hq heads (use np.broadcast_to(...).copy() for copies)"
         )
-    if q.ndim >= 3 and not (k.shape[-3] == v.shape[-3] and q.shape[-3] % k.shape[-3] == 0):
+    if q.ndim >= 3 and not (
+        k.shape[-3] == v.shape[-3]
+        and head_group(q.shape[-3], k.shape[-3]) * k.shape[-3] == q.shape[-3]
+    ):
         raise ValueError(
             f"Hq={q.shape[-3]}, k has {k.shape[-3]} heads and v {v.shape[-3]}: k and v need "
             f"the same number of heads Hkv, and Hq must be a multiple of Hkv"
@@ -191,7 +200,10 @@ def check_cu_seqlens(cu, name: str, total: int) -> np.ndarray:
         raise TypeError(f"{name} must be int32 or int64 offsets, got dtype {cu.dtype}")
     if cu.ndim != 1 or cu.size < 2:
         raise ValueError(f"{name} has shape {cu.shape}; expected (S + 1,) offsets, S >= 1")
-    if cu[0] != 0 or cu[-1] != total or np.any(np.diff(cu) < 0):
+    # Range first, then differences in int64: np.diff of unsigned offsets wraps
+    # around, so a decreasing (or past-int64) uint array would pass.
+    in_range = cu.min() >= 0 and cu.max() <= total
+    if not in_range or cu[0] != 0 or cu[-1] != total or np.any(np.diff(cu.astype(np.int64)) < 0):
         raise ValueError(
             f"{name} = {cu.tolist()[:8]}{'...' if cu.size > 8 else ''} must start at 0, never "
             f"decrease, and end at the packed length {total}"
@@ -218,4 +230,5 @@ def check_num_splits(num_splits) -> int | None:
         raise TypeError(f"num_splits must be a positive integer or None, got {num_splits!r}")
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1 (or None to choose), got {num_splits}")
-    return int(num_splits)
+    # More chunks than keys only add empty partials; the cap keeps it an int64.
+    return min(int(num_splits), 2**62)

@@ -22,8 +22,11 @@ dtype: convert it to float32 first.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ._validate import (
     check_cu_seqlens_pair,
+    check_flag,
     check_kernel_layout,
     check_packed,
     check_qkv,
@@ -32,7 +35,7 @@ from ._validate import (
 )
 from .cpu.launch import run_backward, run_forward
 from .planning import Call, plan_backward, plan_forward
-from .variants import resolve_variants
+from .variants import clear_padded_keys, resolve_variants
 
 
 def check_call(q, k, v, causal, scale, variants: dict, cu_seqlens=None) -> Call:
@@ -52,6 +55,10 @@ def check_call(q, k, v, causal, scale, variants: dict, cu_seqlens=None) -> Call:
         cu_seqlens = check_cu_seqlens_pair(*cu_seqlens, shapes)
     scale = resolve_scale(scale, shapes.d)
     va = resolve_variants(shapes, causal=causal, **variants)
+    kpm = variants.get("key_padding_mask")
+    if kpm is not None:  # its keys are still read in their tiles (kv_lengths' are not)
+        kept = clear_padded_keys(k, v, np.asarray(kpm))
+        k, v = (a.reshape(b.shape) for a, b in zip(kept, (k, v), strict=True))
     return Call(q, k, v, shapes, va, scale, cu_seqlens)
 
 
@@ -98,6 +105,7 @@ def attention(
         ``out (..., Tq, dv)`` in the input dtype, and ``lse`` if asked. A query
         that sees no key gets a zero row and ``lse = -inf``.
     """
+    return_lse = check_flag(return_lse, "return_lse")
     call = check_call(q, k, v, causal, scale, variants)
     plan = plan_forward(call, block_q, block_k)
     out, lse, _ = run_forward(plan)
@@ -166,6 +174,7 @@ def varlen_attention(
     Returns:
         ``out (Hq, total_q, dv)`` and, if asked, ``lse (Hq, total_q)``.
     """
+    return_lse = check_flag(return_lse, "return_lse")
     call = check_call(q, k, v, causal, scale, variants, (cu_seqlens_q, cu_seqlens_k))
     plan = plan_forward(call, block_q, block_k)
     out, lse, _ = run_forward(plan)

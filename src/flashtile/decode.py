@@ -15,7 +15,7 @@ the split planning: :func:`flashtile.planning.plan_decode`; the kernel:
 
 from __future__ import annotations
 
-from ._validate import check_num_splits, resolve_scale
+from ._validate import check_flag, check_num_splits, resolve_scale
 from .cpu.launch import run_decode
 from .kvlayout import check_cache, decode_variants
 from .planning import plan_decode
@@ -68,6 +68,7 @@ def decode_attention(
     ``q`` is cast to it.
     """
     num_splits = check_num_splits(num_splits)
+    return_lse = check_flag(return_lse, "return_lse")
     q, layout = check_cache(q, k_cache, v_cache, cache_seqlens, block_table)
     variants = decode_variants(
         q, layout, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap

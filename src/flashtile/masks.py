@@ -91,8 +91,17 @@ def tile_fully_visible(i0, i1, j0, j1, tq, tk, causal, left, right, kv_len):
     return lo <= j0 and hi >= j1
 
 
+#: A window side at or beyond this many keys is unbounded (-1): wider than any
+#: sequence, and small enough that positions plus sides stay within int64.
+WINDOW_UNBOUNDED = 2**62
+
+
 def normalize_window(window, causal: bool) -> tuple[int, int]:
-    """``window`` as ``(left, right)`` ints with -1 = unbounded; causal caps right at 0."""
+    """``window`` as ``(left, right)`` ints with -1 = unbounded; causal caps right at 0.
+
+    A side of :data:`WINDOW_UNBOUNDED` (2**62) keys or more, Python ints past
+    int64 included, is the same as unbounded.
+    """
     if window is None:
         left, right = -1, -1
     else:
@@ -113,7 +122,7 @@ def normalize_window(window, causal: bool) -> tuple[int, int]:
                 raise ValueError(
                     f"window {name}={side}: use a count >= 0, or -1 / None for unbounded"
                 )
-            sides.append(int(side))
+            sides.append(-1 if side >= WINDOW_UNBOUNDED else int(side))
         left, right = sides
     if causal:
         right = 0 if right < 0 else min(right, 0)
@@ -155,6 +164,12 @@ TILE_EMPTY, TILE_PARTIAL, TILE_FULL = 0, 1, 2
 class BlockMask:
     """A boolean mask summarised per tile, for skipping (FlexAttention's BlockMask).
 
+    Build it with :func:`block_mask`. One built by hand is checked: the mask
+    is copied (read-only, so later edits of the caller's array change
+    nothing) and ``states``, when given, must agree with it: a tile may be
+    marked PARTIAL whatever it holds (the kernel then reads the mask), but
+    EMPTY and FULL must be true of the mask. ``states=None`` summarises.
+
     Attributes:
         mask: ``(Bm, Hm, Tq, Tk)`` bool, True = keep (``Bm``/``Hm`` may be 1).
         block_q, block_k: the tile sizes of the summary.
@@ -166,9 +181,31 @@ class BlockMask:
     mask: np.ndarray
     block_q: int
     block_k: int
-    states: np.ndarray
+    states: np.ndarray | None = None
 
     EMPTY, PARTIAL, FULL = TILE_EMPTY, TILE_PARTIAL, TILE_FULL
+
+    def __post_init__(self):
+        mask = np.asarray(self.mask)
+        if mask.dtype != bool:
+            raise TypeError(
+                f"block_mask needs a boolean mask (True = keep), got dtype {mask.dtype}"
+            )
+        if not 2 <= mask.ndim <= 4:
+            raise ValueError(f"mask has shape {mask.shape}; expected (Tq, Tk) up to (B, H, Tq, Tk)")
+        block_q = check_block_size(self.block_q, "block_q")
+        block_k = check_block_size(self.block_k, "block_k")
+        # A private, read-only copy: editing the caller's array later must not
+        # change what this summary (and every call reusing it) computes.
+        mask4 = np.array(mask.reshape((1,) * (4 - mask.ndim) + mask.shape), order="C", copy=True)
+        mask4.flags.writeable = False
+        states = tile_states(mask4, block_q, block_k)
+        if self.states is not None:
+            states = _checked_states(self.states, states, block_q, block_k)
+        states.flags.writeable = False
+        for name, value in (("mask", mask4), ("block_q", block_q), ("block_k", block_k)):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "states", states)
 
     def counts(self) -> dict[str, int]:
         """How many tiles are empty, partial and full."""
@@ -176,24 +213,51 @@ class BlockMask:
         return {name: int(np.count_nonzero(self.states == value)) for name, value in kinds}
 
 
+def _checked_states(given, summary: np.ndarray, block_q: int, block_k: int) -> np.ndarray:
+    """Hand-given ``states`` as int8, refused where they claim more than the mask."""
+    states = np.asarray(given)
+    if states.shape != summary.shape:
+        raise ValueError(
+            f"BlockMask states has shape {states.shape}, expected {summary.shape} "
+            f"(Bm, Hm, ceil(Tq/{block_q}), ceil(Tk/{block_k})): build it with "
+            f"flashtile.block_mask(mask, {block_q}, {block_k})"
+        )
+    if states.dtype.kind not in "iu" or not np.isin(states, (0, 1, 2)).all():
+        raise ValueError(
+            "BlockMask states must hold 0 (empty), 1 (partial) or 2 (full) integers, "
+            f"got dtype {states.dtype} with values {np.unique(states)[:8].tolist()}"
+        )
+    wrong = (states != BlockMask.PARTIAL) & (states != summary)
+    if wrong.any():
+        tile = tuple(int(i) for i in np.argwhere(wrong)[0])
+        raise ValueError(
+            f"BlockMask states mark tile {tile} as {int(states[tile])} but its mask makes "
+            f"it {int(summary[tile])} (0 = empty, 1 = partial, 2 = full): a skipped or "
+            f"unmasked tile would give wrong results; build it with flashtile.block_mask"
+        )
+    return states.astype(np.int8)
+
+
 def block_mask(mask, block_q: int, block_k: int) -> BlockMask:
     """Summarise a boolean mask ``(..., Tq, Tk)`` (up to 4 dims) into tile states.
 
     Build it once and pass it as ``mask=`` to reuse the summary across calls;
-    the kernels use their own tile sizes when these differ.
+    the kernels use their own tile sizes when these differ. The mask is
+    copied: later edits of ``mask`` do not change the result.
     """
-    mask = np.asarray(mask)
-    if mask.dtype != bool:
-        raise TypeError(f"block_mask needs a boolean mask (True = keep), got dtype {mask.dtype}")
-    if not 2 <= mask.ndim <= 4:
-        raise ValueError(f"mask has shape {mask.shape}; expected (Tq, Tk) up to (B, H, Tq, Tk)")
-    block_q = check_block_size(block_q, "block_q")
-    block_k = check_block_size(block_k, "block_k")
-    mask4 = np.ascontiguousarray(mask.reshape((1,) * (4 - mask.ndim) + mask.shape))
+    return BlockMask(mask, block_q, block_k)
+
+
+def tile_states(mask4: np.ndarray, block_q: int, block_k: int) -> np.ndarray:
+    """``(Bm, Hm, ceil(Tq/block_q), ceil(Tk/block_k))`` int8 states of a 4-D bool mask."""
     bm, hm, tq, tk = mask4.shape
     nq, nk = -(-tq // block_q), -(-tk // block_k)
     if mask4.size == 0:  # no tiles, or tiles of nothing
-        return BlockMask(mask4, block_q, block_k, np.zeros((bm, hm, nq, nk), dtype=np.int8))
+        return np.zeros((bm, hm, nq, nk), dtype=np.int8)
+    mask4 = np.ascontiguousarray(mask4)
+    # A tile larger than the mask is one tile of the whole mask: summarise with
+    # the mask's extent, so that padding never allocates more than the mask.
+    block_q, block_k = min(block_q, tq), min(block_k, tk)
     # Ragged edge tiles are padded by repeating their own last row/column:
     # neutral for both "any kept" and "all kept".
     padded = mask4
@@ -213,5 +277,4 @@ def block_mask(mask, block_q: int, block_k: int) -> BlockMask:
         np.bitwise_and.reduce(words, axis=3).reshape(per_word), axis=4
     ) == word(ones)
     partial_or_empty = np.where(any_kept, BlockMask.PARTIAL, BlockMask.EMPTY)
-    states = np.where(all_kept, BlockMask.FULL, partial_or_empty).astype(np.int8)
-    return BlockMask(mask4, block_q, block_k, states)
+    return np.where(all_kept, BlockMask.FULL, partial_or_empty).astype(np.int8)

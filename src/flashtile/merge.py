@@ -25,7 +25,8 @@ def merge_states(out_a, lse_a, out_b, lse_b):
 
     Args:
         out_a, out_b: ``(..., T, dv)`` normalised partial outputs.
-        lse_a, lse_b: ``(..., T)`` natural-log normalisers (``-inf`` = no key).
+        lse_a, lse_b: ``(..., T)`` natural-log normalisers (``-inf`` = no key;
+            ``+inf`` is refused with a ``ValueError``, NaN gives NaN rows).
 
     Returns:
         ``(out, lse)`` with the shapes of the inputs (both partials must
@@ -48,6 +49,14 @@ def merge_states(out_a, lse_a, out_b, lse_b):
             f"out_a {out_a.shape} and out_b {out_b.shape} differ: both partials "
             f"must cover the same queries with the same value width"
         )
+    for lse, name in ((lse_a, "lse_a"), (lse_b, "lse_b")):
+        if np.isposinf(lse).any():
+            # +inf is no normaliser of finite scores; its weight would be inf/inf = NaN.
+            raise ValueError(
+                f"{name} holds +inf at {np.argwhere(np.isposinf(lse))[0].tolist()}: an lse is "
+                f"finite, or -inf for a partial that saw no key (+inf means the scores "
+                f"overflowed; compute them in float64)"
+            )
     lse_dtype = np.result_type(lse_a, lse_b)
     m = np.maximum(lse_a, lse_b)
     # Where both sides are empty m is -inf; shift by 0 instead so that the

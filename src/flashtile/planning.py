@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from ._validate import AttentionShapes, check_block_size, compute_dtype
+from ._validate import AttentionShapes, check_block_size, compute_dtype, head_group
 from .cpu.tiles import (
     LOG2E,
     SEQ_BATCH,
@@ -143,7 +143,7 @@ def plan_backward(call: Call, block_q=None, block_k=None) -> KernelPlan:
 def _plan(call, block_q, block_k, backward):
     q4, k4, v4, seqs = lay_out(call)
     n_kv = k4.shape[1]
-    group = q4.shape[1] // n_kv  # MQA too (Hkv = 1)
+    group = head_group(q4.shape[1], n_kv)  # MQA too (Hkv = 1)
     va = call.variants
     block_q, block_k = tile_sizes(va, seqs, group, n_kv, block_q, block_k, backward)
     variants = kernel_variants(va, q4.dtype, q4.shape[1])
@@ -234,11 +234,13 @@ def kernel_variants(va: Variants, work, heads: int) -> KernelVariants:
     empty_f = np.zeros((0, 0, 0, 0), dtype=work)
     alibi = np.zeros((0, 0), dtype=work)
     if va.alibi is not None:  # (Hq, 1, 1) or (B, Hq, 1, 1) -> (1 or B, Hq)
-        alibi = np.ascontiguousarray(va.alibi.reshape(-1, heads) * LOG2E, dtype=work)
+        slopes = np.atleast_2d(va.alibi[..., 0, 0])  # not reshape(-1, Hq): Hq may be 0
+        alibi = np.ascontiguousarray(slopes * LOG2E, dtype=work)
     mask_add = empty_f
     if va.mask_add is not None:
-        # Finite values lie within +-MASK_LIMIT (variants.py): no overflow.
-        mask_add = _mask4(va.mask_add * LOG2E, work)
+        # Finite values lie within +-MASK_LIMIT (variants.py): no overflow in
+        # the work dtype (a float16 mask is widened first: -60000 * log2(e) is not float16).
+        mask_add = _mask4(va.mask_add.astype(work) * LOG2E)
     mask_bool = np.zeros((0, 0, 0, 0), dtype=np.bool_)
     if va.mask_bool is not None:
         mask_bool = _mask4(va.mask_bool)

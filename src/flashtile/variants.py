@@ -170,13 +170,15 @@ def _check_mask(mask, shapes: AttentionShapes):
             f"mask has dtype {mask.dtype}: pass a bool mask (True = keep) or a float mask "
             f"added to the scores (-inf = hidden)"
         )
-    if np.isnan(mask).any() or (mask > MASK_LIMIT).any():
+    # In the mask's own dtype: float16 cannot hold MASK_LIMIT (casting it warns).
+    limit = min(MASK_LIMIT, float(np.finfo(mask.dtype).max))
+    if np.isnan(mask).any() or (mask > limit).any():
         raise ValueError(
             f"a float mask may hold values up to {MASK_LIMIT:.3g} and -inf (hidden), not "
             f"NaN, +inf or larger values: they would turn whole rows into NaN"
         )
-    if (mask < -MASK_LIMIT).any():  # hidden, for every path and dtype
-        mask = np.where(mask < -MASK_LIMIT, -np.inf, mask)
+    if (mask < -limit).any():  # hidden, for every path and dtype
+        mask = np.where(mask < -limit, -np.inf, mask)
     return None, mask, None
 
 
@@ -211,3 +213,35 @@ def resolve_variants(
         mask_add=mask_add,
         block_mask=blocks,
     )
+
+
+def existing_keys(va: Variants, key_padding_mask, tk: int) -> np.ndarray | None:
+    """``(B, Tk)`` bool of the keys that padding leaves (True = the key exists), or None."""
+    if va.kv_lengths is not None:
+        return np.arange(tk) < va.kv_lengths[:, None]
+    return None if key_padding_mask is None else np.asarray(key_padding_mask)
+
+
+def clear_padded_keys(k, v, keep):
+    """``(k, v)`` with the key rows that padding hides zeroed if they hold NaN or inf.
+
+    Padding (``kv_lengths`` or ``key_padding_mask``) says those keys do not
+    exist, so their values must never reach a result, whichever of the two
+    hid them. A hidden key inside a tile still enters ``P V`` with weight 0,
+    and ``0 * NaN = NaN``. Only the hidden rows are read; when one is not
+    finite, new arrays are returned (the caller's are never written).
+
+    Args:
+        k, v: ``(B or 1, H, Tk, d / dv)``, or fewer leading dims (broadcast).
+        keep: ``(B, Tk)`` bool, True = the key exists; or None.
+    """
+    if keep is None or keep.all():
+        return k, v
+    b_idx, j_idx = np.nonzero(~keep)
+    cleared = []
+    for a in (k, v):
+        a4 = a.reshape((1,) * (4 - a.ndim) + a.shape)
+        if not np.isfinite(a4[b_idx % a4.shape[0], :, j_idx]).all():
+            a = np.where(keep[:, None, :, None], a4, 0)
+        cleared.append(a)
+    return tuple(cleared)

@@ -22,6 +22,8 @@ def run_forward(plan) -> tuple[np.ndarray, np.ndarray, int]:
     out = np.empty(q4.shape[:-1] + (v4.shape[-1],), dtype=q4.dtype)
     lse = np.empty(q4.shape[:-1], dtype=q4.dtype)
     visited = np.empty(len(plan.items), dtype=np.int64)
+    if q4.size == 0:  # B = 0 or H = 0: nothing to compute (the kernel divides by H)
+        return out, lse, 0
     gemm_fn = gemm_for(q4.dtype)
     with single_threaded_blas(gemm_fn):
         forward_kernel(
@@ -52,6 +54,8 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
     # Part p accumulates its share of dk/dv in slice p; summed below in order.
     dk_parts = np.zeros((plan.parts, *k4.shape), k4.dtype)
     dv_parts = np.zeros((plan.parts, *v4.shape), v4.dtype)
+    if q4.size == 0:  # B = 0 or H = 0: nothing to compute (the kernel divides by H)
+        return dq, dk_parts[0], dv_parts[0]
     gemm_fn = gemm_for(q4.dtype)
     with single_threaded_blas(gemm_fn):
         backward_kernel(

@@ -16,9 +16,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._validate import AttentionShapes, check_block_size, check_qkv, compute_dtype, resolve_scale
+from .._validate import (
+    AttentionShapes,
+    check_block_size,
+    check_flag,
+    check_qkv,
+    compute_dtype,
+    resolve_scale,
+)
 from ..masks import block_key_range, visible
-from ..variants import Variants, resolve_variants
+from ..variants import Variants, clear_padded_keys, existing_keys, resolve_variants
 from .softmax import online_update, softmax
 
 
@@ -53,6 +60,8 @@ def _prepare(q, k, v, causal, scale, variants) -> _Problem:
     acc = compute_dtype(q.dtype)
     if shapes.group > 1:
         k, v = (np.repeat(a, shapes.group, axis=-3) for a in (k, v))
+    keep = existing_keys(va, variants.get("key_padding_mask"), shapes.tk)
+    k, v = clear_padded_keys(k, v, keep)  # padded keys do not exist, whatever they hold
     cast = (a.astype(acc, copy=False) for a in (q, k, v))
     return _Problem(*cast, shapes, va, scale, q.dtype)
 
@@ -124,6 +133,7 @@ def tiled_attention(
     Returns ``out (..., Tq, dv)``, and with ``return_lse=True`` also
     ``lse = m + log(ell)`` of shape ``(..., Tq)`` (``-inf`` for empty rows).
     """
+    return_lse = check_flag(return_lse, "return_lse")
     pb = _prepare(q, k, v, causal, scale, variants)
     block_size = check_block_size(block_size)
     sh = pb.shapes

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._validate import compute_dtype
+from .._validate import check_flag, compute_dtype
 from ..kvlayout import check_cache, decode_variants
 from .attention import tiled_attention
 
@@ -41,6 +41,7 @@ def decode_attention(
     wider of q's and the cache's dtypes (float64 if either is), where the
     fast path computes in the cache's dtype and returns q's.
     """
+    return_lse = check_flag(return_lse, "return_lse")
     q, layout = check_cache(q, k_cache, v_cache, cache_seqlens, block_table)
     # Validate the keywords once, with the fast path's messages.
     decode_variants(

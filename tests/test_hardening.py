@@ -1,0 +1,236 @@
+"""Regression tests for inputs that once gave a wrong number or an internal error.
+
+Each test names the defect it guards; every one failed before its fix.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import flashtile as ft
+
+
+def qkv(rng, *shape, dtype=np.float64):
+    return tuple(rng.standard_normal(shape).astype(dtype) for _ in range(3))
+
+
+@pytest.mark.parametrize("dtype", [np.uint32, np.uint64])
+@pytest.mark.parametrize("offsets", [[0, 15, 10, 20], [0, 2**31 + 5, 20], [0, 25, 20]])
+def test_unsigned_cu_seqlens_are_range_checked(rng, dtype, offsets):
+    """np.diff of unsigned offsets wraps: decreasing offsets must still be refused."""
+    q, k, v = qkv(rng, 2, 20, 8)
+    cu = np.array(offsets, dtype=dtype)
+    good = np.linspace(0, 20, cu.size).astype(dtype)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q .* never decrease"):
+        ft.varlen_attention(q, k, v, cu, good)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k .* never decrease"):
+        ft.varlen_attention(q, k, v, good, cu)
+
+
+def test_uint64_cu_seqlens_past_int64(rng):
+    q, k, v = qkv(rng, 2, 20, 8)
+    cu = np.array([0, 2**63 + 5, 20], dtype=np.uint64)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        ft.varlen_attention(q, k, v, cu, np.array([0, 10, 20], dtype=np.uint64))
+
+
+def test_unsigned_cu_seqlens_valid(rng):
+    q, k, v = qkv(rng, 2, 20, 8)
+    cu = np.array([0, 5, 20], dtype=np.uint32)
+    out = ft.varlen_attention(q, k, v, cu, cu)
+    ref = ft.varlen_attention(q, k, v, cu.astype(np.int64), cu.astype(np.int64))
+    np.testing.assert_array_equal(out, ref)
+
+
+def test_block_mask_does_not_alias_the_callers_array(rng):
+    """Editing the array after block_mask() must not change the results."""
+    q, k, v = qkv(rng, 2, 20, 8)
+    keep = rng.random((20, 20)) < 0.6
+    keep[:, 0] = True
+    original = keep.copy()
+    bm = ft.block_mask(keep, 4, 4)
+    before = ft.attention(q, k, v, mask=bm)
+    keep[:, 5:] = ~keep[:, 5:]
+    keep[:4] = True
+    after = ft.attention(q, k, v, mask=bm)
+    np.testing.assert_array_equal(after, before)
+    np.testing.assert_allclose(before, ft.naive_attention(q, k, v, mask=original)[0], atol=1e-12)
+    assert not bm.mask.flags.writeable
+
+
+def test_hand_built_block_mask_is_checked_against_its_mask(rng):
+    """States claiming FULL tiles of a sparse mask, or of the wrong shape, are refused."""
+    sparse = np.eye(20, dtype=bool)
+    with pytest.raises(ValueError, match=r"tile \(0, 0, 0, 0\) as 2 but its mask makes it 1"):
+        ft.BlockMask(sparse, 4, 4, np.full((1, 1, 5, 5), 2, np.int8))
+    with pytest.raises(ValueError, match=r"states has shape \(1, 1, 1, 1\), expected"):
+        ft.BlockMask(sparse, 4, 4, np.full((1, 1, 1, 1), 2, np.int8))
+    with pytest.raises(ValueError, match=r"0 \(empty\), 1 \(partial\) or 2"):
+        ft.BlockMask(sparse, 4, 4, np.full((1, 1, 5, 5), 3, np.int8))
+    with pytest.raises(TypeError, match="boolean mask"):
+        ft.BlockMask(sparse.astype(np.int8), 4, 4)
+
+
+def test_hand_built_block_mask_partial_is_always_safe(rng):
+    """PARTIAL everywhere makes the kernel read the mask: still exact."""
+    q, k, v = qkv(rng, 2, 20, 8)
+    keep = rng.random((20, 20)) < 0.5
+    keep[:, 0] = True
+    bm = ft.BlockMask(keep, 4, 8, np.ones((1, 1, 5, 3), np.int16))
+    assert bm.states.dtype == np.int8 and not bm.states.flags.writeable
+    ref = ft.naive_attention(q, k, v, mask=keep)[0]
+    np.testing.assert_allclose(ft.attention(q, k, v, mask=bm), ref, atol=1e-12)
+    assert ft.BlockMask(keep, 4, 8).counts() == ft.block_mask(keep, 4, 8).counts()
+
+
+@pytest.mark.parametrize("side", ["a", "b"])
+def test_merge_states_refuses_plus_inf_lse(rng, side):
+    """lse = +inf gave a NaN row with only a RuntimeWarning."""
+    out = rng.standard_normal((3, 4))
+    bad, good = np.array([1.0, np.inf, 0.0]), np.zeros(3)
+    lses = (bad, good) if side == "a" else (good, bad)
+    with pytest.raises(ValueError, match=rf"lse_{side} holds \+inf at \[1\]"):
+        ft.merge_states(out, lses[0], out, lses[1])
+    merged, lse = ft.merge_states(out, np.array([1.0, -np.inf, 0.0]), out, good)
+    np.testing.assert_allclose(merged, out)
+    assert np.isfinite(lse).all()
+
+
+def _decode_args(rng):
+    return rng.standard_normal((1, 2, 1, 4)), *qkv(rng, 1, 2, 6, 4)[:2]
+
+
+FLAG_CALLS = {
+    "attention": lambda rng, **kw: ft.attention(*qkv(rng, 2, 5, 4), **kw),
+    "varlen_attention": lambda rng, **kw: ft.varlen_attention(
+        *qkv(rng, 2, 5, 4), [0, 5], [0, 5], **kw
+    ),
+    "decode_attention": lambda rng, **kw: ft.decode_attention(*_decode_args(rng), **kw),
+    "tiled_attention": lambda rng, **kw: ft.tiled_attention(*qkv(rng, 2, 5, 4), 2, **kw),
+    "reference.decode_attention": lambda rng, **kw: ft.reference.decode_attention(
+        *_decode_args(rng), **kw
+    ),
+}
+
+
+@pytest.mark.parametrize("call", FLAG_CALLS.values(), ids=FLAG_CALLS.keys())
+@pytest.mark.parametrize("value", ["no", 0, 1, None, np.array([True])])
+def test_return_lse_accepts_bools_only(rng, call, value):
+    """return_lse="no" was taken as true; flags take True/False, as causal does."""
+    with pytest.raises(TypeError, match="return_lse must be True or False"):
+        call(rng, return_lse=value)
+    assert isinstance(call(rng, return_lse=np.bool_(True)), tuple)
+
+
+@pytest.mark.parametrize("shape", [(2, 0, 5, 4), (0, 2, 5, 4), (0, 0, 5, 4)])
+def test_no_heads_gives_empty_results(shape):
+    """H = 0 raised ZeroDivisionError; the result is empty, as for B = 0."""
+    q = np.zeros(shape)
+    out, lse = ft.attention(q, q, q, causal=True, return_lse=True)
+    assert out.shape == shape and lse.shape == shape[:-1]
+    grads = ft.attention_backward(q, q, q, out, lse, out, causal=True)
+    assert [g.shape for g in grads] == [shape] * 3
+
+
+def test_varlen_no_heads_gives_empty_results():
+    q = np.zeros((0, 6, 4))
+    out, lse = ft.varlen_attention(q, q, q, [0, 2, 6], [0, 2, 6], return_lse=True)
+    assert out.shape == (0, 6, 4) and lse.shape == (0, 6)
+    grads = ft.varlen_attention_backward(q, q, q, out, lse, out, [0, 2, 6], [0, 2, 6])
+    assert [g.shape for g in grads] == [(0, 6, 4)] * 3
+
+
+@pytest.mark.parametrize("side", [2**62, 2**63 - 1, 2**64, 10**30, np.uint64(2**64 - 1)])
+def test_huge_window_sides_are_unbounded(rng, side):
+    """Sides past int64 raised OverflowError; int64's max wrapped around to all zeros."""
+    q, k, v = qkv(rng, 2, 9, 4)
+    ref = ft.attention(q, k, v, causal=True)
+    for window in ((side, side), (side, None), (side, 0)):
+        np.testing.assert_array_equal(ft.attention(q, k, v, causal=True, window=window), ref)
+    np.testing.assert_array_equal(ft.attention(q, k, v, window=(side, side)), ft.attention(q, k, v))
+    qd, kc, vc = rng.standard_normal((1, 2, 1, 4)), *qkv(rng, 1, 2, 6, 4)[:2]
+    np.testing.assert_allclose(
+        ft.decode_attention(qd, kc, vc, window=(side, 0)), ft.decode_attention(qd, kc, vc)
+    )
+
+
+@pytest.mark.parametrize("splits", [2**63 - 1, 2**64, 10**30])
+def test_huge_num_splits(rng, splits):
+    """num_splits past int64 raised OverflowError; any count gives the same result."""
+    qd, kc, vc = rng.standard_normal((1, 2, 1, 4)), *qkv(rng, 1, 2, 6, 4)[:2]
+    np.testing.assert_allclose(
+        ft.decode_attention(qd, kc, vc, num_splits=splits), ft.decode_attention(qd, kc, vc)
+    )
+
+
+@pytest.mark.parametrize("blocks", [(10**6, 10**6), (2**70, 3), (5, 2**64)])
+def test_block_mask_tiles_larger_than_the_mask(rng, blocks):
+    """block_mask(mask, 10**6, 10**6) tried to allocate 931 GiB of padding."""
+    keep = rng.random((2, 7, 11)) < 0.5
+    bm = ft.block_mask(keep, *blocks)
+    assert (bm.block_q, bm.block_k) == blocks
+    small = ft.block_mask(keep, min(blocks[0], 7), min(blocks[1], 11))
+    np.testing.assert_array_equal(bm.states, small.states)
+    q, k, v = qkv(rng, 2, 2, 7, 4)
+    k, v = k[:, :, :1].repeat(11, axis=2), v[:, :, :1].repeat(11, axis=2)
+    keep[..., 0] = True
+    np.testing.assert_allclose(
+        ft.attention(q, k, v, mask=ft.block_mask(keep[:, None], *blocks)),
+        ft.naive_attention(q, k, v, mask=keep[:, None])[0],
+        atol=1e-12,
+    )
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf])
+def test_padded_keys_never_poison_whichever_padding_hid_them(rng, poison):
+    """NaN keys hidden by key_padding_mask poisoned every row; kv_lengths did not."""
+    q, k, v = qkv(rng, 2, 2, 9, 4)
+    lengths = np.array([7, 5])
+    kpm = np.arange(9) < lengths[:, None]
+    for b, n in enumerate(lengths):
+        k[b, :, n:] = poison
+        v[b, :, n:] = poison
+    k_before, v_before = k.copy(), v.copy()
+    clean = [np.where(kpm[:, None, :, None], a, 0) for a in (k, v)]
+    want, want_lse = ft.attention(q, *clean, kv_lengths=lengths, return_lse=True)
+    dout = rng.standard_normal(want.shape)
+    want_grads = ft.attention_backward(q, *clean, want, want_lse, dout, kv_lengths=lengths)
+    for pad in ({"kv_lengths": lengths}, {"key_padding_mask": kpm}):
+        out, lse = ft.attention(q, k, v, return_lse=True, **pad)
+        np.testing.assert_allclose(out, want, atol=1e-12)
+        grads = ft.attention_backward(q, k, v, out, lse, dout, **pad)
+        for g, w in zip(grads, want_grads, strict=True):
+            np.testing.assert_allclose(g, w, atol=1e-12)
+        np.testing.assert_allclose(ft.naive_attention(q, k, v, **pad)[0], want, atol=1e-12)
+        ref_grads = ft.tiled_attention_backward(
+            q, k, v, out=out, lse=lse, dout=dout, block_size=4, **pad
+        )
+        for g, w in zip(ref_grads, want_grads, strict=True):
+            np.testing.assert_allclose(g, w, atol=1e-12)
+    np.testing.assert_array_equal(k, k_before)  # the caller's arrays are not written
+    np.testing.assert_array_equal(v, v_before)
+
+
+def test_no_heads_with_alibi_slopes():
+    """H = 0 with (empty) ALiBi slopes failed to reshape them (found by the fuzz test)."""
+    q = np.zeros((1, 0, 3, 2), dtype=np.float32)
+    out = ft.attention(q, q, q, alibi_slopes=np.zeros(0))
+    assert out.shape == q.shape
+    assert ft.attention_backward(q, q, q, out, out[..., 0], out, alibi_slopes=np.zeros(0))
+
+
+def test_float16_mask_does_not_warn(rng):
+    """A float16 mask warned 'overflow encountered in cast', and -60000 became -inf
+    (a row of them saw no key) (found by the fuzz test)."""
+    q, k, v = qkv(rng, 1, 3, 4)
+    mask = np.array([[0.5, -np.inf, -60000.0]] * 3, dtype=np.float16)
+    mask[1] = -60000.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = ft.attention(q, k, v, mask=mask)
+    np.testing.assert_allclose(out, ft.naive_attention(q, k, v, mask=mask.astype(float))[0])
+    with pytest.raises(ValueError, match=r"float mask .* not NaN, \+inf"):
+        ft.attention(q, k, v, mask=np.full((3, 3), np.inf, dtype=np.float16))
