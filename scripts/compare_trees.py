@@ -1,0 +1,99 @@
+"""Before/after guard for a change to the kernels: two flashtile source trees
+timed side by side in ONE process.
+
+usage: python scripts/compare_trees.py OLD_SRC NEW_SRC [rounds]
+(e.g. ``git worktree add /tmp/base <rev>`` and ``/tmp/base/src`` as OLD_SRC).
+
+Each tree's ``flashtile`` package is copied to a temporary folder under its own
+name (the package uses relative imports only), the two are checked to agree on
+every case, then the core preset's cases (and one decode case) are timed in
+shuffled interleaved rounds. Prints medians, new/old ratios, and the spread of
+the old tree's rounds (min..max over the median): a ratio inside that spread is
+noise.
+"""
+
+import importlib
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def load_trees(old_src: str, new_src: str) -> dict:
+    """Both trees' packages, imported as ``flashtile_old`` and ``flashtile_new``."""
+    tmp = tempfile.mkdtemp(prefix="compare_trees_")
+    skip = shutil.ignore_patterns("__pycache__", "*.nbi", "*.nbc")
+    for tag, src in (("old", old_src), ("new", new_src)):
+        shutil.copytree(
+            os.path.join(src, "flashtile"), os.path.join(tmp, f"flashtile_{tag}"), ignore=skip
+        )
+    sys.path.insert(0, tmp)
+    return {tag: importlib.import_module(f"flashtile_{tag}") for tag in ("old", "new")}
+
+
+#: (label, T, d, causal, mode): the core preset's cases and one decode case.
+CASES = [
+    ("fwd T=4096 full", 4096, 64, False, "fwd"),
+    ("fwd T=4096 causal", 4096, 64, True, "fwd"),
+    ("fwd T=1024 causal", 1024, 64, True, "fwd"),
+    ("fwd T=1024 full", 1024, 64, False, "fwd"),
+    ("fwd+bwd T=2048 causal", 2048, 64, True, "bwd"),
+    ("fwd+bwd T=2048 full", 2048, 64, False, "bwd"),
+    ("fwd T=2048 d=128 causal", 2048, 128, True, "fwd"),
+    ("decode Tk=65536 GQA32/8 d128", 65536, 128, True, "dec"),
+]
+
+
+def make_inputs() -> dict:
+    rng = np.random.default_rng(0)
+    data = {}
+    for label, t, d, _, mode in CASES:
+        if mode == "dec":  # one query per sequence, 32 query heads on 8 kv heads
+            q = rng.standard_normal((1, 32, 1, d), dtype=np.float32)
+            k = rng.standard_normal((1, 8, t, d), dtype=np.float32)
+            data[label] = (q, k, k.copy())
+        else:
+            data[label] = tuple(
+                rng.standard_normal((1, 8, t, d), dtype=np.float32) for _ in range(3)
+            )
+    return data
+
+
+def run(ft, q, k, v, causal, mode) -> tuple:
+    if mode == "dec":
+        return (ft.decode_attention(q, k, v),)
+    if mode == "fwd":
+        return (ft.attention(q, k, v, causal=causal),)
+    out, lse = ft.attention(q, k, v, causal=causal, return_lse=True)
+    return ft.attention_backward(q, k, v, out, lse, out, causal=causal)
+
+
+def main(old_src: str, new_src: str, rounds: int) -> None:
+    mods, data = load_trees(old_src, new_src), make_inputs()
+    for label, _, _, causal, mode in CASES:  # warm-up (compiles) and agreement
+        old, new = (run(mods[tag], *data[label], causal, mode) for tag in ("old", "new"))
+        for x, y in zip(old, new, strict=True):
+            assert np.allclose(x, y, rtol=1e-4, atol=1e-5), label
+    times = {(case[0], tag): [] for case in CASES for tag in ("old", "new")}
+    for r in range(rounds):
+        order = [(case, tag) for case in CASES for tag in ("old", "new")]
+        random.Random(r).shuffle(order)
+        for (label, _, _, causal, mode), tag in order:
+            t0 = time.perf_counter()
+            run(mods[tag], *data[label], causal, mode)
+            times[(label, tag)].append(time.perf_counter() - t0)
+    print(f"{'case':32s} {'old ms':>9s} {'new ms':>9s} {'new/old':>8s}  spread of old")
+    for label, *_ in CASES:
+        old, new = times[(label, "old")], times[(label, "new")]
+        o, n = statistics.median(old), statistics.median(new)
+        spread = f"{min(old) / o:.2f}..{max(old) / o:.2f}"
+        print(f"{label:32s} {o * 1e3:9.2f} {n * 1e3:9.2f} {n / o:8.3f}  {spread}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 11)
