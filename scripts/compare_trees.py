@@ -10,6 +10,12 @@ every case, then the core preset's cases (and one decode case) are timed in
 shuffled interleaved rounds. Prints medians, new/old ratios, and the spread of
 the old tree's rounds (min..max over the median): a ratio inside that spread is
 noise.
+
+Caveat: Numba's dispatcher caches argument types by name, so two trees' records
+of the same name (``KernelVariants``) can send the second tree's calls through
+the slow dispatch path (about 0.5 ms a call). Negligible for the cases here
+(tens to hundreds of ms); for sub-millisecond calls compare the compiled entry
+points directly.
 """
 
 import importlib
