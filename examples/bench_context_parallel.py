@@ -168,6 +168,7 @@ def scaling(args) -> None:
     }
     if args.heads % p:
         del configs[f"{p} processes x 1 thread, Ulysses"]
+    configs["1 process x 1 thread"] = ("one", "contiguous", 1, 1)  # the serial work
     results = {name: [] for name in configs}
     for _ in range(args.rounds):  # rounds interleave the configurations against drift
         for name, (kind, layout, threads, world) in configs.items():
@@ -179,17 +180,25 @@ def scaling(args) -> None:
         f"median of each, best round; CPU: {_cpu_name()}\n"
     )
     print(
-        "| configuration | forward s | fwd + bwd s | efficiency "
+        "| configuration | forward s | fwd + bwd s | efficiency | speed-up over 1 thread "
         "| sent per rank: forward | backward |"
     )
-    print("| --- | ---: | ---: | ---: | --- | --- |")
-    base = None
-    for name, runs in results.items():
-        fwd = min(statistics.median(t[0] for t in r["times"]) for r in runs)
-        total = min(statistics.median(t[1] for t in r["times"]) for r in runs)
-        base = total if base is None else base
-        sent = " | ".join(_sent(*runs[0]["sent"][ph]) for ph in ("forward", "backward"))
-        print(f"| {name} | {fwd:.3f} | {total:.3f} | {base / total:.2f} | {sent} |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | --- |")
+    best = {
+        name: [min(statistics.median(t[i] for t in r["times"]) for r in runs) for i in (0, 1)]
+        for name, runs in results.items()
+    }
+    base, serial = best[f"1 process x {p} threads"][1], best["1 process x 1 thread"][1]
+    for name, (fwd, total) in best.items():
+        sent = " | ".join(_sent(*results[name][0]["sent"][ph]) for ph in ("forward", "backward"))
+        print(
+            f"| {name} | {fwd:.3f} | {total:.3f} | {base / total:.2f} | {serial / total:.2f} "
+            f"| {sent} |"
+        )
+    print(
+        f"\nefficiency = t({p} threads in 1 process) / t; the speed-up over 1 thread "
+        f"({p} being ideal) shows how far the one-process baseline itself is from ideal"
+    )
 
 
 def _sent(nbytes: float, messages: float) -> str:

@@ -24,10 +24,11 @@ positions), so the ring refuses it (see :func:`flashtile.distributed.ring_attent
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..masks import normalize_window
 
 
 @dataclass(frozen=True)
@@ -57,38 +58,18 @@ class Block:
         return kw
 
 
-def _side(value, name: str) -> int:
-    if value is None:
-        return -1
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"window {name} must be an int or None, got {value!r}")
-    if value < -1:
-        raise ValueError(f"window {name}={value}: use a count >= 0, or -1 / None for unbounded")
-    return int(value)
-
-
 def band(causal: bool, window) -> tuple[float, float]:
     """``(lo, hi)``: the key - query offsets a query may see (``+-inf`` = unbounded).
 
     ``window=(left, right)`` as in :func:`flashtile.attention` (None or -1 for
-    an unbounded side; ``window=(256, 0)`` is a causal window of 257 keys).
+    an unbounded side; ``window=(256, 0)`` is a causal window of 257 keys),
+    read by the same rule (:func:`flashtile.masks.normalize_window`).
     """
     if not isinstance(causal, bool | np.bool_):
         raise TypeError(f"causal must be True or False, got {causal!r}")
-    left, right = -1, -1
-    if window is not None:
-        try:
-            left, right = window
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"window must be a pair (left, right), got {window!r}: "
-                f"e.g. window=(256, 0) for a causal sliding window of 257 keys"
-            ) from None
-        left, right = _side(left, "left"), _side(right, "right")
+    left, right = normalize_window(window, bool(causal))
     lo = -math.inf if left < 0 else -left
     hi = math.inf if right < 0 else right
-    if causal:
-        hi = min(hi, 0)
     return lo, hi
 
 
