@@ -10,6 +10,8 @@ of one-process flashtile's own float32 error against float64.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import multiprocessing
 import multiprocessing.forkserver
@@ -259,6 +261,42 @@ def context_parallel_decode_matches_one_process(rank, world):
         )
         tol = 1e-12 if dtype == np.float64 else 1e-6
         assert rel_err(out.numpy(), ref) <= tol, (dtype, tq, tail, rel_err(out.numpy(), ref))
+
+
+@contextlib.contextmanager
+def _on_triton_kernels():
+    """This rank runs the Triton kernels (in Triton's interpreter, on its CPU
+    tensors) where a CUDA tensor would: the GPU path of ring, Ulysses and decoding."""
+    os.environ["TRITON_INTERPRET"] = "1"  # before flashtile.triton builds its kernels
+    import flashtile.distributed.kernels as kernels
+    import flashtile.triton
+
+    assert flashtile.triton.INTERPRET, "Triton was set up without its interpreter"
+    saved, kernels.for_device = kernels.for_device, lambda device: kernels.GPU
+    try:
+        yield
+    finally:
+        kernels.for_device = saved  # the later cases run the CPU kernels again
+
+
+if importlib.util.find_spec("triton") is not None:  # the gpu extra (in dev)
+
+    @case(2)
+    def ring_and_decode_on_the_triton_kernels(rank, world):
+        whole = _problem(11, world, hq=4, hkv=2, chunk=5, d=16, dtype=np.float32)
+        kw = {"causal": True, "enable_gqa": True, "window": (7, 0), "softcap": 5.0}
+        rng = np.random.default_rng(12)
+        q = rng.standard_normal((1, 4, 1, 16)).astype(np.float32)
+        kc, vc = (rng.standard_normal((1, 2, 2 * 9, 16)).astype(np.float32) for _ in range(2))
+        mine = [torch.from_numpy(c[:, :, 9 * rank : 9 * (rank + 1)].copy()) for c in (kc, vc)]
+        with _on_triton_kernels():
+            # Ulysses runs the same engine and kernels, with the ring left out.
+            _run_and_check(
+                fd.ring_attention, whole, rank, world, layout="zigzag", dtype=torch.float32,
+                keywords=kw,
+            )  # fmt: skip
+            out = fd.context_parallel_decode(torch.from_numpy(q), *mine)
+        assert rel_err(out.numpy(), flashtile.decode_attention(q, kc, vc)) <= 1e-6
 
 
 @case(4)

@@ -189,6 +189,20 @@ def test_three_dim_inputs_and_strided_views():
     assert torch.equal(ft.attention(qt, k, v), ft.attention(q, k, v))
 
 
+def test_attention_backward_from_kept_out_and_lse_equals_autograd():
+    q, k, v = make((1, 4, 2, 13, 17, 16, 16), F32, 5, True)  # GQA 4/2, Tq != Tk
+    kw = {"causal": True, "window": (6, 0), "softcap": 4.0, "enable_gqa": True}
+    out, lse = ft.attention(q, k, v, return_lse=True, **kw)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    plain = [t.detach() for t in (q, k, v)]
+    grads = ft.attention_backward(*plain, out.detach(), lse, dout, **kw)
+    for got, want in zip(grads, (q.grad, k.grad, v.grad), strict=True):
+        assert torch.equal(got, want)  # the same kernels, run from the caller's (out, lse)
+    with pytest.raises(ValueError, match="expected out and dout"):
+        ft.attention_backward(*plain, out.detach()[:, :, 1:], lse, dout, **kw)
+
+
 def varlen_reference(q, k, v, cu_q, cu_k, causal, alibi, dout):
     """Each packed sequence attended on its own by the reference: out, lse and grads."""
     out, lse = np.zeros(q.shape[:-1] + v.shape[-1:]), np.full(q.shape[:-1], -np.inf)

@@ -58,19 +58,30 @@ def merge_states(out_a, lse_a, out_b, lse_b):
                 f"overflowed; compute them in float64)"
             )
     lse_dtype = np.result_type(lse_a, lse_b)
-    m = np.maximum(lse_a, lse_b)
+    with np.errstate(divide="ignore"):
+        out, lse = merge_partials(np, out_a, lse_a, out_b, lse_b)
+    return out.astype(np.result_type(out_a, out_b), copy=False), lse.astype(lse_dtype, copy=False)
+
+
+def merge_partials(xp, out_a, lse_a, out_b, lse_b):
+    """The arithmetic of :func:`merge_states`, unchecked, for NumPy arrays (``xp = numpy``)
+    or torch tensors on any device (``xp = torch``; what ring attention on GPUs merges).
+
+    Shapes as in :func:`merge_states`; the result has the inputs' promoted dtype.
+    NumPy callers silence the division warning of an all-empty row (its weight
+    is 0: ``1 / 0`` is discarded).
+    """
+    m = xp.maximum(lse_a, lse_b)
     # Where both sides are empty m is -inf; shift by 0 instead so that the
     # weights become exp(-inf) = 0 rather than exp(-inf + inf) = NaN.
-    m_safe = np.where(np.isneginf(m), 0.0, m)
-    w_a = np.exp(lse_a - m_safe)
-    w_b = np.exp(lse_b - m_safe)
+    m_safe = xp.where(xp.isneginf(m), 0.0, m)
+    w_a = xp.exp(lse_a - m_safe)
+    w_b = xp.exp(lse_b - m_safe)
     total = w_a + w_b
-    with np.errstate(divide="ignore"):
-        lse = (m_safe + np.log(total)).astype(lse_dtype, copy=False)
-    inv = np.divide(1.0, total, out=np.zeros_like(total), where=total != 0)
+    lse = m_safe + xp.log(total)
+    inv = xp.where(total != 0, 1.0 / total, 0.0)
     # A side of weight 0 (lse = -inf) contributes nothing, even if its out
     # holds NaN or garbage (an empty chunk's buffer, say).
-    part_a = np.where((w_a == 0)[..., None], 0.0, (w_a * inv)[..., None] * out_a)
-    part_b = np.where((w_b == 0)[..., None], 0.0, (w_b * inv)[..., None] * out_b)
-    out = part_a + part_b
-    return out.astype(np.result_type(out_a, out_b), copy=False), lse
+    part_a = xp.where((w_a == 0)[..., None], 0.0, (w_a * inv)[..., None] * out_a)
+    part_b = xp.where((w_b == 0)[..., None], 0.0, (w_b * inv)[..., None] * out_b)
+    return part_a + part_b, lse

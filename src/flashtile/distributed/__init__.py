@@ -1,7 +1,8 @@
 """flashtile.distributed: attention over a sequence split across processes and machines.
 
-Context parallelism on ``torch.distributed`` (gloo, CPU tensors), launched with
-torchrun. Every rank holds a shard of the sequence (:func:`shard_sequence`,
+Context parallelism on ``torch.distributed`` (gloo with CPU tensors, running
+flashtile's CPU kernels; NCCL with CUDA tensors, running its Triton kernels),
+launched with torchrun. Every rank holds a shard of the sequence (:func:`shard_sequence`,
 layouts ``"zigzag"`` and ``"contiguous"``) and gets its shard of the exact
 result of one-process :func:`flashtile.attention` on the whole sequence:
 

@@ -20,39 +20,54 @@ class Ring:
     prev: int
 
 
-def check_cpu(*tensors: torch.Tensor) -> None:
-    """CPU tensors only, until the ring runs flashtile.triton (a clear error, no fallback)."""
-    for t in tensors:
-        if t.device.type != "cpu":
-            raise ValueError(
-                f"a tensor is on {t.device}: flashtile.distributed runs flashtile's CPU kernels "
-                f"with the gloo backend; CUDA tensors with NCCL are not wired to flashtile's "
-                f"GPU kernels (flashtile.triton) yet. Move the tensors to the CPU and init the "
-                f"group with backend='gloo'"
-            )
+def check_device(backend: str, *tensors: torch.Tensor) -> torch.device:
+    """The one device of ``tensors``, checked against the group's ``backend``.
+
+    CPU tensors travel through gloo (or any backend but NCCL) and run
+    flashtile's CPU kernels; CUDA tensors travel through NCCL and run its
+    Triton kernels (:mod:`.kernels`). Anything else is refused, before any
+    message is posted.
+    """
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(
+            f"the tensors are on {sorted(map(str, devices))}: move them to one device (CPU "
+            f"tensors with a gloo group, CUDA tensors with an NCCL group)"
+        )
+    (device,) = devices
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"the tensors are on {device}: flashtile.distributed runs CPU tensors (gloo) and "
+            f"CUDA tensors (NCCL, flashtile's Triton kernels)"
+        )
+    if device.type == "cpu" and backend == "nccl":
+        raise ValueError(
+            "the process group uses NCCL, which carries CUDA tensors only: create the group "
+            "with backend='gloo' for CPU tensors, or move the tensors to the GPU"
+        )
+    if device.type == "cuda" and backend != "nccl":
+        raise ValueError(
+            f"CUDA tensors with a {backend} process group: create the group with "
+            f"backend='nccl' (gloo's point-to-point ops take CPU tensors), or move the "
+            f"tensors to the CPU"
+        )
+    return device
 
 
-def ring_of(group, *tensors: torch.Tensor) -> Ring:
-    """Check the group and the tensors' device; this process's :class:`Ring`."""
+def ring_of(group, *tensors: torch.Tensor) -> tuple[Ring, torch.device]:
+    """Check the group and the tensors' device: this process's :class:`Ring`, and the device."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialised: call "
             "torch.distributed.init_process_group('gloo') first (torchrun sets the "
             "environment it reads)"
         )
-    check_cpu(*tensors)
-    backend = str(dist.get_backend(group))
-    if backend == "nccl":
-        raise ValueError(
-            "the process group uses NCCL, which carries CUDA tensors only; flashtile runs on "
-            "CPU tensors: create the group with backend='gloo' (NCCL comes when the ring "
-            "runs flashtile.triton)"
-        )
+    device = check_device(str(dist.get_backend(group)), *tensors)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     nxt, prev = (rank + 1) % size, (rank - 1) % size
     if group is not None:  # point-to-point ops take global ranks
         nxt, prev = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prev)
-    return Ring(group, rank, size, nxt, prev)
+    return Ring(group, rank, size, nxt, prev), device
 
 
 def shift(ring: Ring, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> list:

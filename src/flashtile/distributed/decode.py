@@ -2,35 +2,26 @@
 
 Every rank holds part of each sequence's keys and values and the same new
 queries. Each attends its own part with the split-KV kernel
-(:func:`flashtile.decode_attention`), then one all-gather of the partial
-``(out, lse)`` (``B * Hq * Tq * (dv + 1)`` numbers per rank) lets every rank
-merge them with :func:`flashtile.merge_states`, in rank order: every rank
-gets the same bits.
+(:func:`flashtile.decode_attention` for CPU tensors,
+:func:`flashtile.triton.decode_attention` for CUDA tensors), then one
+all-gather of the partial ``(out, lse)`` (``B * Hq * Tq * (dv + 1)`` numbers
+per rank) lets every rank merge them by :func:`flashtile.merge_states`' rule,
+in float32 and in rank order: every rank gets the same bits.
 """
 
 from __future__ import annotations
 
 import numbers
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-import flashtile
+from flashtile.merge import merge_partials
 
+from . import kernels
 from .comm import ring_of
+from .kernels import work_dtype
 from .threads import kernel_threads
-
-
-def _numpy(x, name: str):
-    """A tensor argument as NumPy (16-bit floats NumPy lacks are widened to float32)."""
-    if x is None or not isinstance(x, torch.Tensor):
-        return x
-    if x.device.type != "cpu":
-        raise ValueError(f"{name} is on {x.device}: pass CPU tensors")
-    if x.dtype == torch.bfloat16:
-        x = x.float()
-    return x.detach().contiguous().numpy()
 
 
 def _tail(tail_rank, size: int) -> int:
@@ -43,10 +34,10 @@ def _tail(tail_rank, size: int) -> int:
     return int(tail_rank)
 
 
-def _merge_in_rank_order(parts: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
-    out, lse = parts[0][..., :-1].numpy(), parts[0][..., -1].numpy()
+def _merge_in_rank_order(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = parts[0][..., :-1], parts[0][..., -1]
     for part in parts[1:]:
-        out, lse = flashtile.merge_states(out, lse, part[..., :-1].numpy(), part[..., -1].numpy())
+        out, lse = merge_partials(torch, out, lse, part[..., :-1], part[..., -1])
     return out, lse
 
 
@@ -68,11 +59,12 @@ def context_parallel_decode(
     """Attention of a few new queries against a KV cache split across the ranks of ``group``.
 
     Args:
-        q: ``(B, Hq, Tq, d)`` CPU tensor, the same on every rank (the new tokens).
+        q: ``(B, Hq, Tq, d)``, the same on every rank (the new tokens); a CPU
+            tensor (gloo) or a CUDA tensor (NCCL).
         k_cache, v_cache: this rank's part of the cache, in any layout
             :func:`flashtile.decode_attention` takes (contiguous
             ``(B, Hkv, T_max, d)``, or paged with ``block_table``); float16,
-            float32, float64 (bfloat16 is widened to float32 first).
+            float32, float64 (bfloat16 is widened to float32 first on the CPU).
         cache_seqlens: ``(B,)`` valid keys per sequence *in this rank's part*
             (default: all); 0 is fine (the rank contributes nothing).
         block_table, num_splits, scale, softcap: as in :func:`flashtile.decode_attention`,
@@ -93,24 +85,25 @@ def context_parallel_decode(
     """
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"context_parallel_decode: q is a {type(q).__name__}, not a torch.Tensor")
-    ring = ring_of(group, q, *(t for t in (k_cache, v_cache) if isinstance(t, torch.Tensor)))
+    cache = [t for t in (k_cache, v_cache) if isinstance(t, torch.Tensor)]
+    ring, device = ring_of(group, q, *cache)
     tail = _tail(tail_rank, ring.size)
     with kernel_threads(ring.size):
-        out, lse = flashtile.decode_attention(
-            _numpy(q, "q"),
-            _numpy(k_cache, "k_cache"),
-            _numpy(v_cache, "v_cache"),
-            cache_seqlens=_numpy(cache_seqlens, "cache_seqlens"),
-            block_table=_numpy(block_table, "block_table"),
+        out, lse = kernels.for_device(device).decode(
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens=cache_seqlens,
+            block_table=block_table,
             num_splits=num_splits,
             causal=bool(causal) and ring.rank == tail,
             scale=scale,
             softcap=softcap,
-            return_lse=True,
         )
-    mine = torch.from_numpy(np.concatenate([out.astype(lse.dtype), lse[..., None]], axis=-1))
+    work = work_dtype(q.dtype)
+    mine = torch.cat([out.to(work), lse.to(work)[..., None]], dim=-1)
     parts = [torch.empty_like(mine) for _ in range(ring.size)]
     dist.all_gather(parts, mine, group=ring.group)
     out, lse = _merge_in_rank_order(parts)
-    out = torch.from_numpy(np.ascontiguousarray(out)).to(q.dtype)
-    return (out, torch.from_numpy(np.ascontiguousarray(lse))) if return_lse else out
+    out = out.to(q.dtype)
+    return (out, lse.contiguous()) if return_lse else out

@@ -17,21 +17,23 @@ which each rank adds its share, and a last hop returns it to the owner. The
 sums run in one fixed order (owner, owner+1, ...), so gradients are
 bit-identical from run to run.
 
-K/V travel in the input dtype (16-bit inputs send 16-bit bytes) and are
-widened per step; ``dK/dV`` travel in the compute dtype.
+K/V travel in the input dtype (16-bit inputs send 16-bit bytes); each block
+runs on the device's kernels (:mod:`.kernels`: flashtile's CPU kernels in
+float32, or its Triton kernels in the input dtype); partial results merge and
+``dK/dV`` travel in float32 (float64 for float64 inputs).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-import flashtile
+from flashtile.merge import merge_partials
 
 from .comm import Ring, shift, wait
-from .inputs import as_work, work_dtype
+from .kernels import LocalKernels, work_dtype
 from .threads import kernel_threads
 
 
@@ -39,12 +41,13 @@ from .threads import kernel_threads
 class Setup:
     """One call's plan: the ring (None = no communication), the blocks of each
     step (``steps[s]``: against the K/V of rank ``rank - s``), the
-    position-free keywords passed to every block, and how many processes share
-    the node's cores (for :func:`.threads.kernel_threads`)."""
+    position-free keywords passed to every block, the local kernels, and how
+    many processes share the node's cores (for :func:`.threads.kernel_threads`)."""
 
     ring: Ring | None
     steps: tuple
     keywords: dict
+    kernels: LocalKernels
     procs: int = 1
 
     @property
@@ -56,87 +59,88 @@ def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.cat([k.detach().reshape(-1), v.detach().reshape(-1)])
 
 
-def _unpack(buf: torch.Tensor, k_shape, v_shape, work) -> tuple[np.ndarray, np.ndarray]:
-    n = int(np.prod(k_shape))
-    return as_work(buf[:n].view(k_shape), work), as_work(buf[n:].view(v_shape), work)
+def _unpack(buf: torch.Tensor, k_shape, v_shape, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    n = math.prod(k_shape)
+    return buf[:n].view(k_shape).to(dtype), buf[n:].view(v_shape).to(dtype)
 
 
-def _rows(a: np.ndarray, blk) -> np.ndarray:
+def _rows(a: torch.Tensor, blk) -> torch.Tensor:
+    """Rows ``[q0, q1)`` of a ``(B, H, T, ...)`` tensor (``lse (B, H, T)`` too)."""
     return a[:, :, blk.q0 : blk.q1]
 
 
-def _cols(a: np.ndarray, blk) -> np.ndarray:
+def _cols(a: torch.Tensor, blk) -> torch.Tensor:
     return a[:, :, blk.k0 : blk.k1]
 
 
-def ring_forward(setup: Setup, q, k, v) -> tuple[np.ndarray, np.ndarray]:
+def ring_forward(setup: Setup, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of this rank's queries over every rank's keys, in the work dtype."""
-    work = work_dtype(q.dtype)
-    qn = as_work(q, work)
-    out = np.zeros(q.shape[:-1] + v.shape[-1:], dtype=qn.dtype)
-    lse = np.full(q.shape[:-1], -np.inf, dtype=qn.dtype)
-    seen = np.zeros(q.shape[2], dtype=bool)  # rows that hold a partial result already
+    work, compute = work_dtype(q.dtype), setup.kernels.compute(q.dtype)
+    qc = q.detach().to(compute)
+    out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=work, device=q.device)
+    lse = torch.full(q.shape[:-1], -math.inf, dtype=work, device=q.device)
+    seen = [False] * q.shape[2]  # rows that hold a partial result already
     kv = _pack(k, v)
     spare = torch.empty_like(kv)
     for step, blocks in enumerate(setup.steps):
         works = shift(setup.ring, kv, spare) if step < setup.size - 1 else None
         if blocks:
-            kn, vn = _unpack(kv, k.shape, v.shape, work)
+            kc, vc = _unpack(kv, k.shape, v.shape, compute)
         for blk in blocks:
-            o, o_lse = flashtile.attention(
-                _rows(qn, blk),
-                _cols(kn, blk),
-                _cols(vn, blk),
-                return_lse=True,
-                **blk.kwargs(),
-                **setup.keywords,
+            o, o_lse = setup.kernels.attend(
+                _rows(qc, blk), _cols(kc, blk), _cols(vc, blk), **blk.kwargs(), **setup.keywords
             )
-            if seen[blk.q0 : blk.q1].any():
-                o, o_lse = flashtile.merge_states(_rows(out, blk), _rows(lse, blk), o, o_lse)
+            o, o_lse = o.to(work), o_lse.to(work)
+            if any(seen[blk.q0 : blk.q1]):
+                o, o_lse = merge_partials(torch, _rows(out, blk), _rows(lse, blk), o, o_lse)
             # else: merging into the empty state would give (o, o_lse) bit for bit
-            out[:, :, blk.q0 : blk.q1], lse[:, :, blk.q0 : blk.q1] = o, o_lse
-            seen[blk.q0 : blk.q1] = True
+            _rows(out, blk).copy_(o)
+            _rows(lse, blk).copy_(o_lse)
+            seen[blk.q0 : blk.q1] = [True] * (blk.q1 - blk.q0)
         wait(works)
         kv, spare = spare, kv
     return out, lse
 
 
-def _block_grads(setup: Setup, blocks, arrays, kv_arrays, dq, dkv_arrays) -> None:
+def _block_grads(setup: Setup, blocks, tensors, kv_tensors, dq, dkv_tensors) -> None:
     """Add each block's exact gradient shares into ``dq`` and the K/V owner's ``dk/dv``."""
-    qn, outn, lse, doutn = arrays
-    kn, vn = kv_arrays
-    dkn, dvn = dkv_arrays
+    qc, outc, lse, doutc = tensors
+    kc, vc = kv_tensors
+    dk, dv = dkv_tensors
     for blk in blocks:
-        gq, gk, gv = flashtile.attention_backward(
-            _rows(qn, blk),
-            _cols(kn, blk),
-            _cols(vn, blk),
-            _rows(outn, blk),
+        gq, gk, gv = setup.kernels.grads(
+            _rows(qc, blk),
+            _cols(kc, blk),
+            _cols(vc, blk),
+            _rows(outc, blk),
             _rows(lse, blk),
-            _rows(doutn, blk),
+            _rows(doutc, blk),
             **blk.kwargs(),
             **setup.keywords,
         )
-        _rows(dq, blk)[...] += gq
-        _cols(dkn, blk)[...] += gk
-        _cols(dvn, blk)[...] += gv
+        _rows(dq, blk).add_(gq)
+        _cols(dk, blk).add_(gk)
+        _cols(dv, blk).add_(gv)
 
 
 def ring_backward(setup: Setup, q, k, v, out, lse, dout):
     """``(dq, dk, dv)`` in the work dtype for this rank's q and its own k, v."""
-    work = work_dtype(q.dtype)
-    arrays = (as_work(q, work), as_work(out, work), as_work(lse, work), as_work(dout, work))
-    dq = np.zeros(q.shape, dtype=arrays[0].dtype)
+    work, compute = work_dtype(q.dtype), setup.kernels.compute(q.dtype)
+    qc, outc, doutc = (t.detach().to(compute) for t in (q, out, dout))
+    tensors = (qc, outc, lse.detach(), doutc)
+    dq = torch.zeros(q.shape, dtype=work, device=q.device)
     kv = _pack(k, v)
     spare = torch.empty_like(kv)
     incoming = sending = dkv_works = None
     last = setup.size - 1
     for step, blocks in enumerate(setup.steps):
         kv_works = shift(setup.ring, kv, spare) if step < last else None
-        dkv = torch.zeros(kv.numel(), dtype=work)
+        dkv = torch.zeros(kv.numel(), dtype=work, device=q.device)
         if blocks:
-            kv_arrays = _unpack(kv, k.shape, v.shape, work)
-            _block_grads(setup, blocks, arrays, kv_arrays, dq, _unpack(dkv, k.shape, v.shape, work))
+            kv_tensors = _unpack(kv, k.shape, v.shape, compute)
+            _block_grads(
+                setup, blocks, tensors, kv_tensors, dq, _unpack(dkv, k.shape, v.shape, work)
+            )
         if step > 0:
             wait(dkv_works)  # the shares of the ranks before this one, for the same owner
             dkv = incoming + dkv
@@ -160,7 +164,6 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, setup: Setup):
         with kernel_threads(setup.procs):
             out, lse = ring_forward(setup, q, k, v)
-        out, lse = torch.from_numpy(out), torch.from_numpy(lse)
         ctx.setup = setup
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mark_non_differentiable(lse)
@@ -171,7 +174,5 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         with kernel_threads(ctx.setup.procs):
             grads = ring_backward(ctx.setup, q, k, v, out, lse, dout)
-        dq, dk, dv = (
-            torch.from_numpy(g).to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True)
-        )
+        dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
         return dq, dk, dv, None

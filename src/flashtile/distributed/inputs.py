@@ -1,4 +1,4 @@
-"""Input checks shared by the distributed entry points, and torch <-> NumPy views."""
+"""Input checks shared by the distributed entry points."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import flashtile
 
 from .threads import kernel_threads
 
-#: Input dtypes accepted; 16-bit floats travel as they are and compute in float32.
+#: Input dtypes accepted; 16-bit floats travel as they are (see :mod:`.kernels` for the
+#: dtype each device computes in).
 ACCEPTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_qkv(q, k, v, enable_gqa: bool, what: str) -> None:
-    """``q (B, Hq, T_local, d)``, ``k``/``v (B, Hkv, T_local, d / dv)`` CPU tensors."""
+    """``q (B, Hq, T_local, d)``, ``k``/``v (B, Hkv, T_local, d / dv)`` tensors."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what}: {name} is a {type(t).__name__}, not a torch.Tensor")
@@ -45,23 +46,11 @@ def check_qkv(q, k, v, enable_gqa: bool, what: str) -> None:
         raise ValueError(f"{what}: enable_gqa needs Hq divisible by Hkv, got Hq={hq}, Hkv={hk}")
 
 
-def work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype partial results are computed and merged in."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def as_work(t: torch.Tensor, work: torch.dtype) -> np.ndarray:
-    """A NumPy view of ``t`` in ``work`` (no copy when it already is contiguous ``work``)."""
-    return t.detach().to(work).contiguous().numpy()
-
-
 def slopes_array(alibi_slopes):
     """ALiBi slopes as a float64 NumPy array (None stays None); a tensor's values, detached
     (flashtile computes no gradient for them)."""
     if isinstance(alibi_slopes, torch.Tensor):
-        if alibi_slopes.device.type != "cpu":
-            raise ValueError(f"alibi_slopes is on {alibi_slopes.device}: pass a CPU tensor")
-        return alibi_slopes.detach().double().numpy()
+        return alibi_slopes.detach().double().cpu().numpy()
     return alibi_slopes
 
 

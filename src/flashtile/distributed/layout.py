@@ -152,7 +152,8 @@ def gather_sequence(x_local, *, group=None, layout: str = "zigzag", dim: int = -
     """The whole sequence on every rank, in sequence order (the inverse of sharding).
 
     Args:
-        x_local: this rank's shard (CPU tensor); every rank's has the same shape.
+        x_local: this rank's shard (a CPU tensor with gloo, CUDA with NCCL); every
+            rank's has the same shape.
         group: the process group (default: the whole world).
         layout, dim: as passed to :func:`shard_sequence`.
 
@@ -166,7 +167,7 @@ def gather_sequence(x_local, *, group=None, layout: str = "zigzag", dim: int = -
     from .comm import ring_of
 
     check_layout(layout)
-    ring = ring_of(group, x_local)
+    ring, _ = ring_of(group, x_local)
     dim = _axis(x_local, dim)
     x_local = x_local.detach().contiguous()
     parts = [torch.empty_like(x_local) for _ in range(ring.size)]

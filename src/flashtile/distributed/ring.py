@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import kernels
 from .blocks import band, plan_blocks
 from .comm import ring_of
 from .engine import RingAttention, Setup
@@ -44,11 +45,12 @@ def ring_attention(
     the whole sequence with :func:`flashtile.attention`, up to rounding.
 
     Args:
-        q: ``(B, Hq, T_local, d)`` CPU tensor, this rank's queries.
+        q: ``(B, Hq, T_local, d)``, this rank's queries: a CPU tensor (flashtile's
+            CPU kernels) or a CUDA tensor (its Triton kernels, float16/bfloat16/float32).
         k, v: ``(B, Hkv, T_local, d)`` and ``(B, Hkv, T_local, dv)``, this
             rank's keys and values. Every rank passes the same shapes.
         group: a ``torch.distributed`` process group (default: the world);
-            gloo, CPU tensors.
+            gloo for CPU tensors, NCCL for CUDA tensors.
         causal: each query sees the keys at or before its *global* position.
         layout: ``"zigzag"`` (default; the sequence length ``T = P * T_local``
             must be a multiple of ``2P``) or ``"contiguous"`` (a multiple of ``P``);
@@ -76,7 +78,7 @@ def ring_attention(
     """
     check_layout(layout)
     check_qkv(q, k, v, enable_gqa, "ring_attention")
-    ring = ring_of(group, q, k, v)
+    ring, device = ring_of(group, q, k, v)
     if alibi_slopes is not None and ring.size > 1:
         raise ValueError(
             "ring_attention does not support alibi_slopes over more than one rank: the ALiBi "
@@ -87,5 +89,7 @@ def ring_attention(
     alibi_slopes = slopes_array(alibi_slopes)
     check_variants(q, scale, softcap, alibi_slopes, ring.size)
     keywords = {"scale": scale, "softcap": softcap, "alibi_slopes": alibi_slopes}
-    out, lse = RingAttention.apply(q, k, v, Setup(ring, steps, keywords, procs=ring.size))
+    out, lse = RingAttention.apply(
+        q, k, v, Setup(ring, steps, keywords, kernels.for_device(device), procs=ring.size)
+    )
     return (out, lse) if return_lse else out

@@ -2,6 +2,8 @@
 
 * :func:`attention` / :func:`varlen_attention`: differentiable, the keywords
   of :func:`flashtile.torch.attention` (no ``mask``), plus ``kv_lengths``;
+  :func:`attention_backward`: the gradients from a kept ``(out, lse)``, as
+  :func:`flashtile.attention_backward`;
 * :func:`decode_attention`: split-KV decoding against a contiguous or paged
   cache, as :func:`flashtile.decode_attention`;
 * :func:`compile_report`: every kernel compiled ahead of time for sm_80 and
@@ -24,6 +26,7 @@ import importlib
 
 _EXPORTS = {
     "attention": "api",
+    "attention_backward": "api",
     "varlen_attention": "api",
     "decode_attention": "api",
     "compile_report": "compile",

@@ -91,6 +91,17 @@ def attention(
     Returns:
         ``out (B, Hq, Tq, dv)`` in the input dtype, and ``lse`` if asked.
     """
+    q, k, v, unbatched, variants = _prepare(
+        q, k, v, causal, scale, window, alibi_slopes, softcap, kv_lengths, mask, enable_gqa
+    )
+    out, lse = torch.ops.flashtile.triton_attention_fwd(q, k, v, *variants)
+    if unbatched:
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_lse else out
+
+
+def _prepare(q, k, v, causal, scale, window, alibi_slopes, softcap, kv_lengths, mask, enable_gqa):
+    """Checked 4-D ``q, k, v``, whether they were 3-D, and the ops' variant arguments."""
     if mask is not None:
         raise ValueError(
             "flashtile.triton.attention takes no mask: express it with causal, window or "
@@ -110,12 +121,47 @@ def attention(
             raise ValueError("kv_lengths needs 4-D (B, H, T, d) inputs, one length per batch entry")
         lengths = checks.int_tensor(kv_lengths, "kv_lengths", (batch,), q.device)
         checks.check_range(lengths, "kv_lengths", 0, k.shape[2], f"Tk = {k.shape[2]}")
-    out, lse = torch.ops.flashtile.triton_attention_fwd(
-        q, k, v, alibi, lengths, None, None, 0, 0, scale, left, right, cap
+    return q, k, v, unbatched, (alibi, lengths, None, None, 0, 0, scale, left, right, cap)
+
+
+def attention_backward(
+    q, k, v, out, lse, dout, *, causal=False, scale=None, window=None, alibi_slopes=None,
+    softcap=None, kv_lengths=None, enable_gqa=False,
+):  # fmt: skip
+    """Gradients ``(dq, dk, dv)`` of :func:`attention` from its ``out`` and ``lse``.
+
+    The Triton counterpart of :func:`flashtile.attention_backward`, for callers
+    that keep ``(out, lse)`` themselves (ring attention merges partial results
+    and differentiates each block against the merged ``out`` and ``lse``).
+
+    Args:
+        q, k, v and the keywords: exactly as passed to :func:`attention`.
+        out: ``(B, Hq, Tq, dv)`` the output, in q's dtype; lse: ``(B, Hq, Tq)``
+            float32 (``return_lse=True``). dout: the gradient w.r.t. ``out``.
+
+    Returns:
+        ``dq, dk, dv`` with the shapes and dtype of ``q, k, v`` (GQA: summed
+        over each group). Probabilities are recomputed from ``lse``;
+        deterministic (no atomics).
+    """
+    q, k, v, unbatched, variants = _prepare(
+        q, k, v, causal, scale, window, alibi_slopes, softcap, kv_lengths, None, enable_gqa
     )
-    if unbatched:
-        out, lse = out[0], lse[0]
-    return (out, lse) if return_lse else out
+    lead = (1,) if unbatched else ()
+    want = (*q.shape[:3], v.shape[3])
+    out, lse, dout = (
+        checks.check_tensor(t, name).reshape(lead + tuple(t.shape))
+        for t, name in ((out, "out"), (lse, "lse"), (dout, "dout"))
+    )
+    if out.shape != want or dout.shape != want or lse.shape != want[:3]:
+        raise ValueError(
+            f"out {tuple(out.shape)}, dout {tuple(dout.shape)}, lse {tuple(lse.shape)}: expected "
+            f"out and dout {want} and lse {want[:3]} (the forward's, return_lse=True)"
+        )
+    grads = torch.ops.flashtile.triton_attention_bwd(
+        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.float(), *variants
+    )
+    return tuple(g[0] for g in grads) if unbatched else grads
 
 
 def varlen_attention(

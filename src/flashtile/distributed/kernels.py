@@ -1,0 +1,112 @@
+"""The kernels a rank runs on its own blocks: flashtile's CPU kernels or its Triton kernels.
+
+The ring engine (:mod:`.engine`), Ulysses and :func:`.decode.context_parallel_decode`
+reach the local kernels only through a :class:`LocalKernels`, chosen once per
+call by the tensors' device (:func:`for_device`):
+
+* CPU tensors (gloo): :func:`flashtile.attention`, :func:`flashtile.attention_backward`
+  and :func:`flashtile.decode_attention` on zero-copy NumPy views; blocks are
+  computed in float32 (float64 for float64 inputs);
+* CUDA tensors (NCCL): :mod:`flashtile.triton`'s kernels, computing in the
+  input dtype (float16/bfloat16 on the tensor cores, float32 accumulation).
+
+Either way partial results are merged, and gradients accumulated, in float32
+(float64 for float64 inputs) by :func:`flashtile.merge.merge_partials`, the
+arithmetic of :func:`flashtile.merge_states`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import flashtile
+import flashtile.triton
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial results are merged and gradients summed in."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class LocalKernels:
+    """One device's kernels, on torch tensors.
+
+    ``compute(dtype)`` is the dtype blocks are computed in for inputs of
+    ``dtype``; ``attend(q, k, v, **kw) -> (out, lse)`` and ``grads(q, k, v,
+    out, lse, dout, **kw) -> (dq, dk, dv)`` take the keywords of
+    :func:`flashtile.attention` (``causal``, ``window``, ``scale``,
+    ``softcap``, ``alibi_slopes`` as a NumPy array or None; GQA whenever the
+    head counts differ); ``decode(q, k_cache, v_cache, **kw) -> (out, lse)``
+    those of :func:`flashtile.decode_attention`.
+    """
+
+    name: str
+    compute: Callable
+    attend: Callable
+    grads: Callable
+    decode: Callable
+
+
+def _numpy(x):
+    """A tensor argument as NumPy (bfloat16, which NumPy lacks, widened to float32)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.dtype == torch.bfloat16:
+        x = x.float()
+    return x.detach().contiguous().numpy()
+
+
+def _cpu_attend(q, k, v, **kw):
+    out, lse = flashtile.attention(q.numpy(), k.numpy(), v.numpy(), return_lse=True, **kw)
+    return torch.from_numpy(out), torch.from_numpy(lse)
+
+
+def _cpu_grads(q, k, v, out, lse, dout, **kw):
+    arrays = (t.numpy() for t in (q, k, v, out, lse, dout))
+    return tuple(torch.from_numpy(g) for g in flashtile.attention_backward(*arrays, **kw))
+
+
+def _cpu_decode(q, k_cache, v_cache, **kw):
+    kw = {key: _numpy(val) for key, val in kw.items()}
+    arrays = (_numpy(t) for t in (q, k_cache, v_cache))
+    out, lse = flashtile.decode_attention(*arrays, return_lse=True, **kw)
+    return torch.from_numpy(np.ascontiguousarray(out)), torch.from_numpy(lse)
+
+
+CPU = LocalKernels("cpu", work_dtype, _cpu_attend, _cpu_grads, _cpu_decode)
+
+
+def _gpu_keywords(q, k, kw: dict) -> dict:
+    """flashtile's keywords as :mod:`flashtile.triton` takes them (slopes as a tensor)."""
+    kw = dict(kw, enable_gqa=q.shape[1] != k.shape[1])
+    if kw.get("alibi_slopes") is not None:
+        kw["alibi_slopes"] = torch.as_tensor(kw["alibi_slopes"], dtype=torch.float32).to(q.device)
+    return kw
+
+
+def _gpu_attend(q, k, v, **kw):
+    with torch.no_grad():
+        return flashtile.triton.attention(q, k, v, return_lse=True, **_gpu_keywords(q, k, kw))
+
+
+def _gpu_grads(q, k, v, out, lse, dout, **kw):
+    return flashtile.triton.attention_backward(
+        q, k, v, out, lse.float(), dout, **_gpu_keywords(q, k, kw)
+    )
+
+
+def _gpu_decode(q, k_cache, v_cache, **kw):
+    return flashtile.triton.decode_attention(q, k_cache, v_cache, return_lse=True, **kw)
+
+
+GPU = LocalKernels("triton", lambda dtype: dtype, _gpu_attend, _gpu_grads, _gpu_decode)
+
+
+def for_device(device: torch.device) -> LocalKernels:
+    """The kernels for tensors on ``device``: :data:`GPU` for CUDA, :data:`CPU` otherwise."""
+    return GPU if device.type == "cuda" else CPU
