@@ -6,7 +6,9 @@ take the command line down with it. It imports FILE, runs every case of the
 exercise NAME and writes one JSON object per line (``ready`` once its own
 imports are done, then ``start``, ``result``, ``load_error``, ``done``) to its
 original stdout; anything the learner prints goes to stderr so it cannot
-corrupt that protocol.
+corrupt that protocol. Before any learner code runs, :func:`isolate` caps the
+files the process writes (its output included) and takes the checker's token,
+which marks every event, out of the environment.
 """
 
 from __future__ import annotations
@@ -25,7 +27,16 @@ import numpy as np
 from .cases import CASES, Case, ShapeProblem
 from .probe import Probe, instrumented_builtins, keep_tracked, plain, track
 
+try:
+    import resource
+except ImportError:  # not POSIX: output is not capped
+    resource = None
+
 RTOL, ATOL = 1e-6, 1e-9
+#: Environment variable through which the checker hands the grader its token.
+TOKEN_VARIABLE = "FLASHTILE_GRADE_TOKEN"
+#: The most a solution may print (bytes); a write past it raises OSError.
+OUTPUT_LIMIT = 16 * 2**20
 
 
 def learner_traceback(exc: BaseException, path: Path) -> str:
@@ -168,6 +179,23 @@ def run_case(case: Case, module, path: Path) -> dict:
     return {"ok": True} if problem is None else {"ok": False, **problem}
 
 
+def isolate() -> str | None:
+    """Cap output and take the checker's token; call before any learner code.
+
+    No file this process (or a child) writes may grow past :data:`OUTPUT_LIMIT`:
+    a write beyond fails with ``OSError: File too large`` (Python ignores
+    SIGXFSZ), reported like any exception of the learner. The soft and the
+    hard limit are both set, so the learner's code cannot raise them again.
+    Returns the token (None when run by hand); it leaves the environment, so
+    the learner's code and its children do not see it there.
+    """
+    if resource is not None:
+        _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        cap = OUTPUT_LIMIT if hard == resource.RLIM_INFINITY else min(hard, OUTPUT_LIMIT)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (cap, cap))
+    return os.environ.pop(TOKEN_VARIABLE, None)
+
+
 def main(argv: list[str]) -> int:
     """Grade ``FILE`` against exercise ``NAME``; the verdict is in the JSON lines."""
     name, file = argv
@@ -175,8 +203,11 @@ def main(argv: list[str]) -> int:
     # Our protocol keeps the real stdout; fd 1 (print, C extensions) becomes stderr.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
+    token = isolate()
 
     def emit(**event) -> None:
+        if token:  # only lines carrying it count: a solution cannot forge a verdict by accident
+            event["token"] = token
         proto.write(json.dumps(event) + "\n")
         proto.flush()
 

@@ -6,12 +6,22 @@ the case that hung, and the cases after it are listed as not run. The limit
 counts the learner's code only: it starts at the grader's ``ready`` event,
 after the interpreter has started and imported NumPy and flashtile (seconds
 on a busy machine), which get :data:`STARTUP_LIMIT` of their own.
+
+What a check isolates (a teaching tool, not a sandbox; docs/reliability.md):
+the grader runs with ``python -P`` (modules in the caller's folder do not
+replace real ones), in a session of its own that is killed when it ends or
+times out (no process the solution forked outlives the check), with its
+output capped (:data:`~flashtile.learn.grade.OUTPUT_LIMIT`), and only events
+carrying a per-run token count.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,59 +30,70 @@ from pathlib import Path
 from typing import TextIO
 
 from .cases import CASES
+from .grade import TOKEN_VARIABLE
 
 _INDENT = " " * 8
 #: Seconds the grader may take to start and import, before the learner's limit.
 STARTUP_LIMIT = 120.0
 _POLL = 0.02
+#: POSIX sessions: the grader and every process it starts can be killed at once.
+_SESSIONS = hasattr(os, "killpg")
 
 
-def _grader_env() -> dict[str, str]:
-    """The environment of the grader: this flashtile first on its import path."""
+def _grader_env(token: str) -> dict[str, str]:
+    """The environment of the grader: this flashtile first on its import path,
+    and the token that marks the grader's own events."""
     env = os.environ.copy()
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    env[TOKEN_VARIABLE] = token
     return env
 
 
 def run_grader(name: str, path: Path, timeout: float) -> tuple[list[dict], bool, int, str]:
     """Run the grader; return ``(events, timed_out, exit code, stderr tail)``.
 
-    ``timeout`` seconds start at the grader's ``ready`` event; before it, the
-    grader has :data:`STARTUP_LIMIT` seconds to start.
+    ``timeout`` seconds (``inf``: no limit) start at the grader's ``ready``
+    event; before it, the grader has :data:`STARTUP_LIMIT` seconds to start.
     """
-    cmd = [sys.executable, "-m", "flashtile.learn.grade", name, str(path)]
+    # -P: the caller's folder does not join sys.path, so a json.py or numpy.py
+    # there cannot stand in for the real module.
+    cmd = [sys.executable, "-P", "-m", "flashtile.learn.grade", name, str(path)]
+    token = secrets.token_hex(16)
     # Both streams go to files, not pipes: a print loop cannot fill memory or
-    # block the child on a full pipe, and the events can be read while it runs.
-    # The events file is in append mode: the child shares its offset, so our
-    # seek to read it must not move where the child writes.
+    # block the child on a full pipe, a child the solution forks cannot hold
+    # the check by holding a pipe open, and the events can be read while it
+    # runs. The events file is in append mode: the child shares its offset,
+    # so our seek to read it must not move where the child writes.
     with (
         tempfile.TemporaryFile("a+", encoding="utf-8", errors="replace") as out,
         tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as err,
     ):
         proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True, env=_grader_env()
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            text=True,
+            env=_grader_env(token),
+            start_new_session=_SESSIONS,
         )
-        timed_out = _wait(proc, out, timeout)
+        try:
+            timed_out = _wait(proc, out, timeout)
+        finally:  # on Ctrl-C too: the grader's session is not the terminal's
+            _kill_session(proc)
+            proc.wait()
         out.seek(0)
         stdout = out.read()
         err.seek(0, os.SEEK_END)
         err.seek(max(0, err.tell() - 4000))
         tail = err.read()
-    events = []
-    for line in stdout.splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # not ours (a partial last line of a killed grader)
-    return events, timed_out, proc.returncode, tail
+    return _own_events(stdout, token), timed_out, proc.returncode, tail
 
 
 def _wait(proc: subprocess.Popen, out, timeout: float) -> bool:
-    """Wait for ``proc``; kill it ``timeout`` s after its ``ready`` line in ``out``.
-
-    True when it was killed.
-    """
+    """Wait for ``proc`` to end, at most ``timeout`` s after its ``ready`` line
+    in ``out``; True when the time ran out (the caller kills it)."""
     deadline = time.monotonic() + STARTUP_LIMIT
     ready = False
     while proc.poll() is None:
@@ -80,13 +101,40 @@ def _wait(proc: subprocess.Popen, out, timeout: float) -> bool:
             out.seek(0)
             if '"ready"' in out.readline():
                 ready = True
-                deadline = time.monotonic() + timeout
+                deadline = time.monotonic() + timeout  # inf stays inf: no limit
         if time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
             return True
         time.sleep(_POLL)
     return False
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL the grader's session: the grader and every process it started.
+
+    The session's id is the grader's pid, which Linux does not hand out again
+    while a process of the session lives, even once the grader is reaped. A
+    child that called ``setsid()`` has left and is not killed.
+    """
+    if not _SESSIONS:  # not POSIX: the grader only
+        if proc.poll() is None:
+            proc.kill()
+        return
+    with contextlib.suppress(ProcessLookupError):  # every one has exited already
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _own_events(text: str, token: str) -> list[dict]:
+    """The grader's events in ``text``: the JSON lines carrying ``token``
+    (taken out); lines the solution wrote to the channel do not count."""
+    events = []
+    for line in text.splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # not ours (a partial last line of a killed grader)
+        if isinstance(event, dict) and event.pop("token", None) == token:
+            events.append(event)
+    return events
 
 
 def _indent(text: str) -> str:
