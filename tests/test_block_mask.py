@@ -90,12 +90,15 @@ def test_block_mask_gives_the_same_answer_as_the_raw_mask(rng, mdims, causal, dt
     kw = {"causal": causal, **TILES}
     out_bm, lse_bm = ft.attention(q, k, v, mask=bm, return_lse=True, **kw)
     out_raw, lse_raw = ft.attention(q, k, v, mask=mask, return_lse=True, **kw)
-    np.testing.assert_array_equal(out_bm, out_raw)
-    np.testing.assert_array_equal(lse_bm, lse_raw)
+    # Equal up to the last bits only: oneMKL's gemm may pick another code path
+    # for buffers of another alignment (seen once under load, 1 ulp).
+    same = {"rtol": 8 * np.finfo(dtype).eps, "atol": 8 * np.finfo(dtype).eps}
+    np.testing.assert_allclose(out_bm, out_raw, **same)
+    np.testing.assert_allclose(lse_bm, lse_raw, **same)
     grads_bm = ft.attention_backward(q, k, v, out_bm, lse_bm, dout, mask=bm, **kw)
     grads_raw = ft.attention_backward(q, k, v, out_raw, lse_raw, dout, mask=mask, **kw)
     for a, b in zip(grads_bm, grads_raw, strict=True):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, b, **same)
     tol, gtol = (1e-5, 1e-5) if dtype == np.float32 else (1e-12, 1e-10)
     want_out, want_lse = dense_variant_attention(*f64(q, k, v), causal, mask=mask)
     assert rel_err(out_bm, want_out) < tol
