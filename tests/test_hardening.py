@@ -300,3 +300,17 @@ def test_nan_row_does_not_disable_the_float64_scores():
         assert np.isnan(out[0, 1]).all()
         out[0, 1] = want[0, 1] = 0
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "sizes", [(2**64 - 1, 2**64 - 1, 2**64, 6), (1, 1, 2**62, 2**62), (2**40, 2**20, 8, 8)]
+)
+def test_kv_cache_too_large_to_allocate(sizes):
+    """Sizes past what NumPy can address raised 'Maximum allowed dimension exceeded'
+    (no argument named) or a MemoryError; a huge paged pool tried to build a list
+    of 2**40 free pages (found by the fuzz test)."""
+    batch, kv_heads, head_dim, capacity = (np.uint64(s) if s == 2**64 - 1 else s for s in sizes)
+    with pytest.raises(ValueError, match=r"KVCache of batch=.* GiB.*lower batch, kv_heads"):
+        ft.KVCache(batch, kv_heads, head_dim, capacity)
+    with pytest.raises(ValueError, match=r"KVCache of batch=.* GiB.*lower batch, kv_heads"):
+        ft.KVCache(1, 1, 1, 2**40, page_size=1)
