@@ -162,6 +162,8 @@ def test_fuzz_kv_cache(session):
         for i, seq in enumerate(range(b) if rows is None else rows):
             with np.errstate(over="ignore", invalid="ignore"):
                 stored = [a[i].astype(cache.dtype).astype(np.float64) for a in (k, v)]
+            for a, kept in zip((k, v), stored, strict=True):  # a finite value never turns inf
+                assert (np.isfinite(kept) == np.isfinite(as64(a[i]))).all(), "stored as inf"
             history[seq] = [
                 np.concatenate([h, s], axis=1) for h, s in zip(history[seq], stored, strict=True)
             ]

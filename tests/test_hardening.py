@@ -314,3 +314,17 @@ def test_kv_cache_too_large_to_allocate(sizes):
         ft.KVCache(batch, kv_heads, head_dim, capacity)
     with pytest.raises(ValueError, match=r"KVCache of batch=.* GiB.*lower batch, kv_heads"):
         ft.KVCache(1, 1, 1, 2**40, page_size=1)
+
+
+def test_float32_kv_cache_refuses_float64_values_past_its_range():
+    """float64 values past float32's range were stored as inf in a float32
+    KVCache (a RuntimeWarning only), so attention gave NaN for finite inputs;
+    the float16 storage already refused them (found by the fuzz test)."""
+    cache = ft.KVCache(1, 1, 2, 4)
+    big = np.ones((1, 1, 1, 2))
+    big[0, 0, 0, 1] = 1e300
+    with pytest.raises(ValueError, match=r"v holds 1e\+300, beyond float32's range"):
+        cache.append(np.ones((1, 1, 1, 2)), big)
+    assert cache.lengths.tolist() == [0]  # nothing written
+    cache.append(np.ones((1, 1, 1, 2)), np.full((1, 1, 1, 2), 3e38))  # fits float32
+    np.testing.assert_allclose(cache.attend(np.ones((1, 1, 1, 2))), np.float32(3e38))

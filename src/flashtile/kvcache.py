@@ -139,7 +139,8 @@ class KVCache:
 
         ``batch_index`` picks the ``n`` sequences (default: all ``B``, in
         order). Values are cast to the storage dtype; finite values beyond
-        float16's range are refused rather than stored as inf (NaN and inf
+        its range (float16's or float32's) are refused rather than stored as
+        inf (NaN and inf
         are stored as given: attention then returns NaN for the queries that
         see them). If any sequence would pass its capacity, or the page pool
         would run dry, nothing is written and a ``ValueError`` says by how
@@ -155,16 +156,19 @@ class KVCache:
             raise ValueError(f"v has shape {v.shape}; expected {k.shape[:3] + (dv,)}")
         if k.dtype.kind != "f" or v.dtype.kind != "f":
             raise TypeError(f"k and v must be floating point, got {k.dtype} and {v.dtype}")
-        if self.k.dtype == np.float16:
-            for name, a in (("k", k), ("v", v)):
-                with np.errstate(over="ignore"):
-                    over = np.isfinite(a) & np.isinf(a.astype(np.float16))
-                if over.any():
-                    raise ValueError(
-                        f"{name} holds {np.abs(a[over]).max():.6g}, beyond float16's range "
-                        f"(+-65504): it would be stored as inf and poison attention; "
-                        f"nothing was written. Use float32 storage (dtype=np.float32)"
-                    )
+        for name, a in (("k", k), ("v", v)):
+            if a.dtype.itemsize <= self.dtype.itemsize:  # the cast is exact
+                continue
+            with np.errstate(over="ignore"):
+                over = np.isfinite(a) & np.isinf(a.astype(self.dtype))
+            if over.any():
+                wider = "float32" if self.dtype == np.float16 else "float64"
+                raise ValueError(
+                    f"{name} holds {np.abs(a[over]).max():.6g}, beyond {self.dtype}'s range "
+                    f"(+-{float(np.finfo(self.dtype).max):.6g}): it would be stored as inf and "
+                    f"poison attention; nothing was written. Use {wider} storage "
+                    f"(dtype=np.{wider})"
+                )
         t = k.shape[2]
         new = self.lengths[rows] + t
         if new.max(initial=0) > self.capacity:
