@@ -230,7 +230,7 @@ def check_rows(out, ref, free, cond: float, value_scale: float, out_dtype, what:
     assert np.isfinite(got).all(), f"{what}: NaN/inf where the NaN policy allows none"
     big = max(value_scale, 1e-300)
     if cond < 1e-2:
-        rounding = 4 * np.finfo(out_dtype).eps if np.dtype(out_dtype).kind == "f" else 0
+        rounding = 4 * float(np.finfo(out_dtype).eps) if np.dtype(out_dtype).kind == "f" else 0
         np.testing.assert_allclose(got, want, rtol=0, atol=(cond + rounding) * big, err_msg=what)
     else:
         assert (np.abs(got) <= big * (1 + 1e-3)).all(), f"{what}: outside the values' range"
