@@ -139,12 +139,11 @@ class KVCache:
 
         ``batch_index`` picks the ``n`` sequences (default: all ``B``, in
         order). Values are cast to the storage dtype; finite values beyond
-        its range (float16's or float32's) are refused rather than stored as
-        inf (NaN and inf
-        are stored as given: attention then returns NaN for the queries that
-        see them). If any sequence would pass its capacity, or the page pool
-        would run dry, nothing is written and a ``ValueError`` says by how
-        much.
+        its range (float16's, or float32's for float64 input) are refused
+        rather than stored as inf (NaN and inf are stored as given: attention
+        then returns NaN for the queries that see them). If any sequence would
+        pass its capacity, or the page pool would run dry, nothing is written
+        and a ``ValueError`` says by how much.
         """
         rows = self._rows(batch_index)
         k, v = np.asarray(k), np.asarray(v)
