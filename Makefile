@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test fuzz lint bench clean
 
 # The stamps re-run the install whenever pyproject.toml changes.
 $(BIN)/python:
@@ -29,6 +29,10 @@ test: $(VENV)/.dev-installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
+
+# The fuzz tests with the long budget (a few minutes; `make test` runs a small one).
+fuzz: $(VENV)/.dev-installed
+	FLASHTILE_FUZZ=long $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_fuzz.py tests/test_fuzz_decode.py tests/test_fuzz_torch.py
 
 bench: $(VENV)/.bench-installed
 	$(BIN)/flashtile bench

@@ -234,3 +234,97 @@ def test_float16_mask_does_not_warn(rng):
     np.testing.assert_allclose(out, ft.naive_attention(q, k, v, mask=mask.astype(float))[0])
     with pytest.raises(ValueError, match=r"float mask .* not NaN, \+inf"):
         ft.attention(q, k, v, mask=np.full((3, 3), np.inf, dtype=np.float16))
+
+
+@pytest.mark.parametrize(
+    ("scale", "magnitude"), [(1e38, 1.0), (1e300, 1.0), (1.0, 1e19), (1e-30, 1e35)]
+)
+def test_float32_scores_past_float32_range(rng, scale, magnitude):
+    """float32 with a huge scale (1e38) returned all NaN; float64 was fine.
+
+    (Gradients at such scores are ill-posed for any stored lse, whose rounding
+    error |lse| * eps enters exp(s - lse).)"""
+    q, k, v = (a * np.float32(magnitude) for a in qkv(rng, 2, 6, 4, dtype=np.float32))
+    q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
+    want, want_lse = ft.attention(q64, k64, v64, scale=scale, causal=True, return_lse=True)
+    assert np.isfinite(want).all()
+    out, lse = ft.attention(q, k, v, scale=scale, causal=True, return_lse=True)
+    assert out.dtype == lse.dtype == np.float32
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * magnitude)
+    with np.errstate(over="ignore"):  # an lse past float32's range is inf
+        np.testing.assert_allclose(lse, want_lse.astype(np.float32), rtol=1e-5)
+    cu = [0, 2, 6]
+    var = ft.varlen_attention(q, k, v, cu, cu, scale=scale)
+    want_var = ft.varlen_attention(q64, k64, v64, cu, cu, scale=scale)
+    np.testing.assert_allclose(var, want_var, rtol=1e-5, atol=1e-5 * magnitude)
+
+
+@pytest.mark.parametrize("slope", [3e38, 1e300])
+def test_float32_huge_alibi_slopes(rng, slope):
+    """ALiBi slopes past float32's range (in log2 units) gave NaN rows."""
+    q, k, v = qkv(rng, 2, 5, 3, dtype=np.float32)
+    slopes = np.array([slope, 0.5])
+    want = ft.attention(*(a.astype(np.float64) for a in (q, k, v)), alibi_slopes=slopes)
+    out = ft.attention(q, k, v, alibi_slopes=slopes)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("scale", [1e38, 1e300])
+def test_decode_scores_past_float32_range(rng, cache_dtype, scale):
+    """decode_attention returned NaN for float32 scores past float32's range."""
+    q = rng.standard_normal((2, 2, 1, 4))
+    k, v = (rng.standard_normal((2, 2, 8, 4)).astype(cache_dtype) for _ in range(2))
+    lengths = np.array([8, 0])
+    out, lse = ft.decode_attention(q, k, v, cache_seqlens=lengths, scale=scale, return_lse=True)
+    want = ft.decode_attention(
+        q, k.astype(np.float64), v.astype(np.float64), cache_seqlens=lengths, scale=scale
+    )
+    assert lse.dtype == np.float32 and np.isneginf(lse[1]).all()
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+
+
+def test_nan_row_does_not_disable_the_float64_scores():
+    """A NaN in one query row made the score bound NaN, so float32 scores past
+    float32's range (+inf and -inf in one row) gave NaN in other rows (found by
+    the fuzz test)."""
+    q = np.array([[[0.36, 0.29], [np.nan, 0.6]], [[-2.71, -1.89], [0.21, 0.22]]], np.float32)
+    k = np.array([[[1.3e38, 9.47e37], [-7.04e37, -1.27e38]]], np.float32)
+    v = np.array([[[0.1], [-0.54]]], np.float32)
+    wide = [a.astype(np.float64) for a in (q, k, v)]
+    cu = [0, 1, 2]
+    for out, want in (
+        (ft.attention(q, k, v), ft.attention(*wide)),
+        (ft.varlen_attention(q, k, v, cu, cu), ft.varlen_attention(*wide, cu, cu)),
+    ):
+        assert np.isnan(out[0, 1]).all()
+        out[0, 1] = want[0, 1] = 0
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "sizes", [(2**64 - 1, 2**64 - 1, 2**64, 6), (1, 1, 2**62, 2**62), (2**40, 2**20, 8, 8)]
+)
+def test_kv_cache_too_large_to_allocate(sizes):
+    """Sizes past what NumPy can address raised 'Maximum allowed dimension exceeded'
+    (no argument named) or a MemoryError; a huge paged pool tried to build a list
+    of 2**40 free pages (found by the fuzz test)."""
+    batch, kv_heads, head_dim, capacity = (np.uint64(s) if s == 2**64 - 1 else s for s in sizes)
+    with pytest.raises(ValueError, match=r"KVCache of batch=.* GiB.*lower batch, kv_heads"):
+        ft.KVCache(batch, kv_heads, head_dim, capacity)
+    with pytest.raises(ValueError, match=r"KVCache of batch=.* GiB.*lower batch, kv_heads"):
+        ft.KVCache(1, 1, 1, 2**40, page_size=1)
+
+
+def test_float32_kv_cache_refuses_float64_values_past_its_range():
+    """float64 values past float32's range were stored as inf in a float32
+    KVCache (a RuntimeWarning only), so attention gave NaN for finite inputs;
+    the float16 storage already refused them (found by the fuzz test)."""
+    cache = ft.KVCache(1, 1, 2, 4)
+    big = np.ones((1, 1, 1, 2))
+    big[0, 0, 0, 1] = 1e300
+    with pytest.raises(ValueError, match=r"v holds 1e\+300, beyond float32's range"):
+        cache.append(np.ones((1, 1, 1, 2)), big)
+    assert cache.lengths.tolist() == [0]  # nothing written
+    cache.append(np.ones((1, 1, 1, 2)), np.full((1, 1, 1, 2), 3e38))  # fits float32
+    np.testing.assert_allclose(cache.attend(np.ones((1, 1, 1, 2))), np.float32(3e38))

@@ -322,10 +322,15 @@ def test_errors_are_clear():
 
 def test_flags_are_bools_and_masks_plain_tensors():
     q, k, v = _qkv(1, 2, 2, 5, 7, 3, grad=False)
-    wrong = (("causal", 1), ("causal", torch.tensor(True)), ("enable_gqa", "no"), ("return_lse", 0))
+    wrong = (
+        *(("causal", 1), ("causal", torch.tensor(True)), ("causal", None)),
+        *(("enable_gqa", "no"), ("enable_gqa", 0), ("return_lse", 0), ("return_lse", "no")),
+    )
     for flag, value in wrong:
         with pytest.raises(TypeError, match=f"{flag} must be True or False"):
             ftt.attention(q, k, v, **{flag: value})
+    for flag in ("causal", "enable_gqa", "return_lse"):  # NumPy bools are bools
+        assert ftt.attention(q, k, v, **{flag: np.bool_(True)}) is not None
     from torch.nn.attention.bias import causal_lower_right
 
     # Its values live in __torch_function__, not in the storage the kernels read.

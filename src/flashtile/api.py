@@ -16,8 +16,11 @@ right)``, ``alibi_slopes``, ``softcap``, ``kv_lengths`` or
 
 dtypes: float32 and float64 run natively (the running state accumulates in
 the input dtype). float16 inputs are upcast to float32, computed, and the
-outputs cast back to float16; ``lse`` stays float32. bfloat16 has no NumPy
-dtype: convert it to float32 first.
+outputs cast back to float16; ``lse`` stays float32. float32 and float16
+inputs whose scores could pass float32's range (a ``scale`` of 1e38, values
+near 1e19, huge ALiBi slopes) are computed in float64 and cast back
+(:mod:`flashtile.precision`). bfloat16 has no NumPy dtype: convert it to
+float32 first.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ._validate import (
 )
 from .cpu.launch import run_backward, run_forward
 from .planning import Call, plan_backward, plan_forward
+from .precision import narrow_lse
 from .variants import clear_padded_keys, resolve_variants
 
 
@@ -72,9 +76,10 @@ def _check_gradient_inputs(call, out, lse, dout):
 
 
 def _forward_results(plan, out, lse, return_lse):
-    """The kernel's ``out``/``lse`` in the caller's layout and dtype."""
+    """The kernel's ``out``/``lse`` in the caller's layout and dtype (``lse`` in
+    the compute dtype, also where float64 was needed)."""
     out = out.reshape(plan.out_shape + out.shape[-1:]).astype(plan.dtype, copy=False)
-    return (out, lse.reshape(plan.out_shape)) if return_lse else out
+    return (out, narrow_lse(lse.reshape(plan.out_shape), plan.dtype)) if return_lse else out
 
 
 def _gradient_results(plan, call, grads):

@@ -15,10 +15,15 @@ the split planning: :func:`flashtile.planning.plan_decode`; the kernel:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
+
 from ._validate import check_flag, check_num_splits, resolve_scale
 from .cpu.launch import run_decode
 from .kvlayout import check_cache, decode_variants
 from .planning import plan_decode
+from .precision import decode_overflowed, narrow_lse, score_bound
 
 
 def decode_attention(
@@ -65,7 +70,9 @@ def decode_attention(
         and ``lse = -inf``.
 
     The compute dtype is float64 when the cache is float64, else float32;
-    ``q`` is cast to it.
+    ``q`` is cast to it. Where float32 scores passed float32's range (a huge
+    ``scale`` or huge values), the step is computed again in float64
+    (:mod:`flashtile.precision`; ``lse`` stays float32).
     """
     num_splits = check_num_splits(num_splits)
     return_lse = check_flag(return_lse, "return_lse")
@@ -75,5 +82,12 @@ def decode_attention(
     )
     scale = resolve_scale(scale, q.shape[3])
     out, lse = run_decode(plan_decode(q, layout, variants, scale, num_splits))
+    capacity = layout.table.shape[1] * layout.page
+    if decode_overflowed(
+        lse, layout.seqlens, lambda: score_bound(scale, q, layout.k, variants, q.shape[2], capacity)
+    ):
+        wide = replace(layout, k=layout.k.astype(np.float64), v=layout.v.astype(np.float64))
+        out, lse = run_decode(plan_decode(q, wide, variants, scale, num_splits))
+        lse = narrow_lse(lse, layout.k.dtype)
     out = out.astype(q.dtype, copy=False)
     return (out, lse) if return_lse else out

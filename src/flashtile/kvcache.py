@@ -13,7 +13,9 @@ sequence's ``block_table`` row lists its pages in order, -1 beyond them.
 
 from __future__ import annotations
 
+import math
 import numbers
+import os
 
 import numpy as np
 
@@ -24,6 +26,32 @@ def _positive(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def _check_fits(batch, shape, dims, table_entries, pool, dtype: np.dtype) -> None:
+    """Refuse a cache larger than this machine's memory, before allocating any of it.
+
+    Counts K and V, the lengths, the block table and the free-page list
+    (about 40 bytes a page as a Python list). Past the memory NumPy fails
+    with a message that names no argument, or allocates lazily and the
+    first appends swap.
+    """
+    need = math.prod(shape) * sum(dims) * dtype.itemsize + 8 * (batch + table_entries) + 40 * pool
+    if need > _physical_memory():
+        raise ValueError(
+            f"a KVCache of batch={batch}, {shape[1]} kv_heads, dims {dims} and shape "
+            f"{shape} ({dtype}) needs {need / 2**30:.3g} GiB, more than this machine's "
+            f"memory: lower batch, kv_heads, capacity or head_dim, or use a paged cache "
+            f"(page_size, num_pages) or float16 storage"
+        )
+
+
+def _physical_memory() -> int:
+    """Bytes of RAM (the largest NumPy size where the OS cannot tell)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not POSIX: NumPy decides
+        return np.iinfo(np.intp).max
 
 
 class KVCache:
@@ -41,6 +69,9 @@ class KVCache:
             pool with a ``block_table (B, ceil(capacity / page_size))``.
         num_pages: pages in the pool (default: enough for every sequence
             at full capacity; fewer saves memory when sequences vary).
+
+    Sizes whose arrays would not fit this machine's memory raise a
+    ``ValueError`` naming them, before anything is allocated.
     """
 
     def __init__(
@@ -64,20 +95,22 @@ class KVCache:
         if self.dtype not in (np.float16, np.float32, np.float64):
             raise TypeError(f"dtype must be float16, float32 or float64, got {self.dtype}")
         self.capacity = capacity
-        self.lengths = np.zeros(batch, dtype=np.int64)
         if page_size is None:
             if num_pages is not None:
                 raise ValueError("num_pages needs page_size (it sizes a paged pool)")
             self.page_size = None
-            self.block_table = None
-            shape = (batch, kv_heads, capacity)
+            shape, per_seq, pool = (batch, kv_heads, capacity), 0, 0
         else:
             self.page_size = _positive(page_size, "page_size")
             per_seq = -(-capacity // self.page_size)
             pool = batch * per_seq if num_pages is None else _positive(num_pages, "num_pages")
+            shape = (pool, kv_heads, self.page_size)
+        _check_fits(batch, shape, (head_dim, value_dim), batch * per_seq, pool, self.dtype)
+        self.lengths = np.zeros(batch, dtype=np.int64)
+        self.block_table = None
+        if self.paged:
             self.block_table = np.full((batch, per_seq), -1, dtype=np.int64)
             self._free = list(range(pool - 1, -1, -1))  # a stack: lowest page on top
-            shape = (pool, kv_heads, self.page_size)
         self.k = np.zeros((*shape, head_dim), dtype=self.dtype)
         self.v = np.zeros((*shape, value_dim), dtype=self.dtype)
 
@@ -106,11 +139,11 @@ class KVCache:
 
         ``batch_index`` picks the ``n`` sequences (default: all ``B``, in
         order). Values are cast to the storage dtype; finite values beyond
-        float16's range are refused rather than stored as inf (NaN and inf
-        are stored as given: attention then returns NaN for the queries that
-        see them). If any sequence would pass its capacity, or the page pool
-        would run dry, nothing is written and a ``ValueError`` says by how
-        much.
+        its range (float16's, or float32's for float64 input) are refused
+        rather than stored as inf (NaN and inf are stored as given: attention
+        then returns NaN for the queries that see them). If any sequence would
+        pass its capacity, or the page pool would run dry, nothing is written
+        and a ``ValueError`` says by how much.
         """
         rows = self._rows(batch_index)
         k, v = np.asarray(k), np.asarray(v)
@@ -122,16 +155,19 @@ class KVCache:
             raise ValueError(f"v has shape {v.shape}; expected {k.shape[:3] + (dv,)}")
         if k.dtype.kind != "f" or v.dtype.kind != "f":
             raise TypeError(f"k and v must be floating point, got {k.dtype} and {v.dtype}")
-        if self.k.dtype == np.float16:
-            for name, a in (("k", k), ("v", v)):
-                with np.errstate(over="ignore"):
-                    over = np.isfinite(a) & np.isinf(a.astype(np.float16))
-                if over.any():
-                    raise ValueError(
-                        f"{name} holds {np.abs(a[over]).max():.6g}, beyond float16's range "
-                        f"(+-65504): it would be stored as inf and poison attention; "
-                        f"nothing was written. Use float32 storage (dtype=np.float32)"
-                    )
+        for name, a in (("k", k), ("v", v)):
+            if a.dtype.itemsize <= self.dtype.itemsize:  # the cast is exact
+                continue
+            with np.errstate(over="ignore"):
+                over = np.isfinite(a) & np.isinf(a.astype(self.dtype))
+            if over.any():
+                wider = "float32" if self.dtype == np.float16 else "float64"
+                raise ValueError(
+                    f"{name} holds {np.abs(a[over]).max():.6g}, beyond {self.dtype}'s range "
+                    f"(+-{float(np.finfo(self.dtype).max):.6g}): it would be stored as inf and "
+                    f"poison attention; nothing was written. Use {wider} storage "
+                    f"(dtype=np.{wider})"
+                )
         t = k.shape[2]
         new = self.lengths[rows] + t
         if new.max(initial=0) > self.capacity:

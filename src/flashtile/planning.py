@@ -41,6 +41,7 @@ from .cpu.tiles import (
 )
 from .kvlayout import CacheLayout
 from .masks import TILE_EMPTY, block_key_range, block_mask
+from .precision import score_bound, work_dtype
 from .variants import Variants
 
 #: Default tile sizes (query rows per item x keys), picked by sweeps on the
@@ -168,8 +169,11 @@ def _as4d(a, work):
 def lay_out(call: Call):
     """``(q4, k4, v4, seqs)``: the arrays as 4-D contiguous blocks in the work
     dtype and the sequence table, one row per batch entry, or per packed
-    sequence with queries (varlen)."""
-    work = compute_dtype(call.q.dtype)
+    sequence with queries (varlen). The work dtype is float64 also for float32
+    inputs whose scores could pass float32's range (:mod:`flashtile.precision`)."""
+    shapes = call.shapes
+    bound = score_bound(call.scale, call.q, call.k, call.variants, shapes.tq, shapes.tk)
+    work = work_dtype(call.q.dtype, bound)
     q4, k4, v4 = (_as4d(a, work) for a in (call.q, call.k, call.v))
     if call.cu_seqlens is None:
         n = q4.shape[0]

@@ -1,0 +1,94 @@
+"""Which dtype a call computes in: float32 scores must stay inside float32's range.
+
+float16 and float32 inputs are computed in float32 (:func:`compute_dtype`).
+The kernels work in log2 units: they scale the query tile by ``scale *
+log2(e)``, compare scores with a reference above the row's max and add the
+ALiBi and float-mask terms. A score past float32's range there becomes inf
+and its row NaN, while float64 would be exact (a ``scale`` of 1e38, values
+near 1e19, huge ALiBi slopes). Such calls are computed in float64 instead;
+the results are cast back (an ``lse`` past float32's range becomes inf).
+
+The rule is one bound on the magnitude of every score (:func:`score_bound`).
+Batched calls check it before planning (one pass over ``q`` and ``k``);
+decoding, whose cost is reading the cache once, checks it only when a row
+that sees keys got a non-finite ``lse`` (:func:`decode_overflowed`), and
+then computes the step again in float64. NaN and inf entries are left out of
+the bound: the NaN policy covers the rows they reach, and the other rows
+still need the right dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._validate import compute_dtype
+from .variants import Variants
+
+LOG2E = math.log2(math.e)
+#: A bound on float32 scores in log2 units: 8x below float32's largest value
+#: leaves room for the sums and differences the online softmax forms.
+FLOAT32_SCORE_LIMIT = float(np.finfo(np.float32).max) / 8
+#: float16's largest value: a float16 input is bounded by its dtype (no pass over it).
+FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
+def finite_max_abs(a: np.ndarray) -> float:
+    """``max |a|`` over the finite entries of ``a``, as a Python float (0 if none)."""
+    if a.size == 0:
+        return 0.0
+    hi, lo = float(a.max()), float(a.min())
+    if math.isfinite(hi) and math.isfinite(lo):  # the common case: two fast passes
+        return max(hi, -lo)
+    return float(np.max(np.abs(a), where=np.isfinite(a), initial=0.0))
+
+
+def additive_bound(va: Variants, tq: int, tk: int) -> float:
+    """A bound on ``|ALiBi bias| + |float mask|`` over the visible entries."""
+    bound = 0.0
+    if va.alibi is not None:  # |p - j| < max(Tq, Tk); counted once even for Tq = Tk = 1
+        bound += finite_max_abs(va.alibi) * max(tq, tk, 1)
+    if va.mask_add is not None:  # -inf entries are hidden, not added
+        bound += finite_max_abs(va.mask_add)
+    return bound
+
+
+def score_bound(scale: float, q: np.ndarray, k: np.ndarray, va: Variants, tq: int, tk: int):
+    """A bound on every score and on the scaled query tile, in log2 units.
+
+    ``|scale| max(1, max|q|) max(1, d max|k|) + additive_bound``, times
+    ``log2(e)``: it covers ``|scale q . k|``, the query tile ``scale *
+    log2(e) * q`` and the multiplier itself. ``q (..., d)`` and ``k``: the
+    call's arrays (float16 ones are bounded by their dtype).
+    """
+    big_q, big_k = (FLOAT16_MAX if a.dtype == np.float16 else finite_max_abs(a) for a in (q, k))
+    product = abs(scale) * max(1.0, big_q) * max(1.0, q.shape[-1] * big_k)
+    return LOG2E * (product + additive_bound(va, tq, tk))
+
+
+def work_dtype(dtype: np.dtype, bound: float) -> np.dtype:
+    """The dtype to compute inputs of ``dtype`` in, given :func:`score_bound`:
+    :func:`compute_dtype`, or float64 where float32 scores could overflow."""
+    work = compute_dtype(dtype)
+    return np.dtype(np.float64) if bound >= FLOAT32_SCORE_LIMIT else work
+
+
+def decode_overflowed(lse: np.ndarray, seqlens: np.ndarray, bound) -> bool:
+    """Whether a float32 decode step must be computed again in float64.
+
+    Only a row of a non-empty sequence with a non-finite ``lse (B, Hq, Tq)``
+    raises the question (a cheap test); then ``bound()``, the call's
+    :func:`score_bound` (a pass over the cache), answers it.
+    """
+    if lse.dtype == np.float64:
+        return False
+    odd = ~np.isfinite(lse) & ~(np.isneginf(lse) & (seqlens == 0)[:, None, None])
+    return bool(odd.any()) and bound() >= FLOAT32_SCORE_LIMIT
+
+
+def narrow_lse(lse: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``lse`` in the compute dtype of inputs of ``dtype`` (float32 for float16
+    and float32 inputs also when float64 was needed); past float32's range: inf."""
+    with np.errstate(over="ignore"):
+        return lse.astype(compute_dtype(dtype), copy=False)
