@@ -4,33 +4,26 @@ One rule decides (``flashtile.torch._support.refusal``): a call whose q, k, v
 are all CUDA tensors runs on ``flashtile.triton`` when the operator accepts
 it, and the router passes it to SDPA with the operator's message otherwise.
 Without a GPU the device test (``_support.is_cuda_call``) is forced to True
-for CPU tensors and the kernels run in Triton's interpreter (set before
-``flashtile.triton`` is imported, as in the other test_triton_* files); with
-``TRITON_INTERPRET=0`` on a GPU machine the same tests run on CUDA tensors.
+for CPU tensors and the kernels run in Triton's interpreter; with
+``TRITON_INTERPRET=0`` on a GPU machine the same tests run on CUDA tensors
+(tests/triton_device.py).
 The entry points are wrapped to record which kernel ran; the results are
 checked against the NumPy reference. Shapes are tiny: the interpreter is slow.
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
+# First: sets the device, skips this module without torch or triton.
+from triton_device import DEVICE, ft, torch
 
-import flashtile  # noqa: E402
-import flashtile.torch as ftt  # noqa: E402
-import flashtile.torch._support as support  # noqa: E402
-import flashtile.triton as ft  # noqa: E402
-import flashtile.triton.api as triton_api  # noqa: E402
-from flashtile.torch.hf import tiled_attention_forward  # noqa: E402
+# isort: split
+import flashtile
+import flashtile.torch as ftt
+import flashtile.torch._support as support
+import flashtile.triton.api as triton_api
+from flashtile.torch.hf import tiled_attention_forward
 
-DEVICE = "cpu" if ft.INTERPRET else "cuda"
-if DEVICE == "cuda" and not torch.cuda.is_available():
-    pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
 F = torch.nn.functional
 
 
