@@ -46,9 +46,9 @@ else
     TEST_GROUPS=(
         "plain|$A|plain or rows_without or three_dim"
         "gqa|$A|tq_above or tq_below or one_query"
-        "fp16|$A|float16"
+        "fp16|$A|float16 and not bfloat16"
         "bf16|$A|bfloat16_softcap"
-        "bf16-window-varlen|$A|bfloat16_window or varlen"
+        "bf16-window-varlen|$A|bfloat16_window or varlen_matches"
         "variants|$A|mqa or window_both or kv_lengths"
         "ops|$A|compile or round or fake or bad"
         "decode|$D|"

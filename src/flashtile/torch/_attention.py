@@ -94,6 +94,8 @@ def attention(
             ``enable_gqa`` and ``return_lse`` must be bools. Bad values inside
             an accepted mask, slopes or softcap raise ValueError from the kernels'
             own checks.
+        ImportError: CUDA tensors on a machine where Triton cannot be imported
+            (also a :class:`~._support.Refusal`).
     """
     refused = refusal(
         q,
