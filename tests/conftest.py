@@ -1,9 +1,17 @@
-"""Shared fixtures; puts tests/ on ``sys.path`` so tests can ``from dense import ...``."""
+"""Shared fixtures; puts tests/ on ``sys.path`` so tests can ``from dense import ...``.
+
+Also runs flashtile's Triton kernels in Triton's interpreter unless
+``TRITON_INTERPRET`` is set (``triton.jit`` reads it when the kernels are
+defined, so before any test module loads; see tests/triton_device.py).
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np
 import pytest

@@ -1,10 +1,8 @@
 """flashtile.triton.attention / varlen_attention against the NumPy reference.
 
-Without a GPU the kernels run in Triton's interpreter on CPU tensors: the
-variable below must be set before ``flashtile.triton`` is imported, because
-``triton.jit`` reads it when it decorates the kernels. With
+Without a GPU the kernels run in Triton's interpreter on CPU tensors; with
 ``TRITON_INTERPRET=0`` on a machine with a GPU the same tests run the
-compiled kernels on CUDA tensors.
+compiled kernels on CUDA tensors (tests/triton_device.py).
 
 The interpreter runs every tile op in NumPy, so the shapes are tiny but
 awkward: lengths that no tile size divides, Tq above and below Tk, padded head
@@ -15,28 +13,21 @@ precision makes (3x for float32, as in the rest of flashtile; 2x for float16
 and bfloat16).
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import math
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
+# First: sets the device, skips this module without torch or triton.
+from triton_device import DEVICE, ft, torch, triton
 
-import flashtile  # noqa: E402
-import flashtile.triton as ft  # noqa: E402
-from dense import rel_err  # noqa: E402
-from flashtile.masks import normalize_window, visible  # noqa: E402
-from flashtile.triton.tiles import round_bf16  # noqa: E402
+# isort: split
+import flashtile
+from dense import rel_err
+from flashtile.masks import normalize_window, visible
+from flashtile.triton.tiles import round_bf16
 
-DEVICE = "cpu" if ft.INTERPRET else "cuda"
-if DEVICE == "cuda" and not torch.cuda.is_available():
-    pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
+tl = triton.language
 FACTOR = {torch.float32: 3.0, torch.float16: 2.0, torch.bfloat16: 2.0}
 
 

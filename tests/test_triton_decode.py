@@ -5,23 +5,15 @@ Runs in Triton's interpreter on CPU tensors unless ``TRITON_INTERPRET=0`` is
 set on a machine with a GPU (see tests/test_triton_attention.py).
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
+# First: sets the device, skips this module without torch or triton.
+from triton_device import DEVICE, ft, torch
 
-import flashtile.triton as ft  # noqa: E402
-from dense import rel_err  # noqa: E402
-from flashtile.reference import decode_attention as reference_decode  # noqa: E402
-
-DEVICE = "cpu" if ft.INTERPRET else "cuda"
-if DEVICE == "cuda" and not torch.cuda.is_available():
-    pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
+# isort: split
+from dense import rel_err
+from flashtile.reference import decode_attention as reference_decode
 
 
 def f64(t):

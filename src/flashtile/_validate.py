@@ -139,6 +139,74 @@ def check_qkv(q, k, v) -> tuple[np.ndarray, np.ndarray, np.ndarray, AttentionSha
     return q, k, v, AttentionShapes(batch, tq, tk, d, dv, group)
 
 
+def check_softcap(softcap) -> float | None:
+    """None, or a finite positive real number (``bool`` is refused) as a float."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, np.ndarray) and softcap.ndim == 0:
+        softcap = softcap.item()
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a positive number or None, got {softcap!r}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be finite and > 0 (e.g. 50.0), got {softcap}")
+    return float(softcap)
+
+
+#: The layout of :func:`check_sdpa_layout` in its messages, by accepted ranks.
+SDPA_LAYOUT = "(B, H, T, d) tensors as SDPA does (or (H, T, d))"
+
+
+def check_sdpa_layout(
+    q, k, v, *, enable_gqa: bool, ranks=(3, 4), layout=SDPA_LAYOUT, who="flashtile.torch.attention"
+) -> None:
+    """SDPA's layout without broadcasting: ``q (B, Hq, Tq, d)``, ``k (B, Hkv, Tk, d)``,
+    ``v (B, Hkv, Tk, dv)`` (or without ``B``), one rank from ``ranks`` for all three.
+
+    ``Hkv != Hq`` needs ``enable_gqa`` and ``Hq % Hkv == 0``; Tq, Tk, d, dv
+    must not be 0 (an empty batch is fine). Reads only ``.ndim`` and
+    ``.shape``, so it checks NumPy arrays and torch tensors (any device)
+    alike; raises ValueError naming the shapes and the fix (``who`` is the
+    function named in the message about ranks).
+    """
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if not (q.ndim == k.ndim == v.ndim and q.ndim in ranks):
+        raise ValueError(f"{shapes}: {who} takes {layout}, all with the same rank")
+    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    if hk == 0 or hq == 0:
+        raise ValueError(f"q has {hq} heads and k {hk}: attention needs at least one head each")
+    if hk != hv:
+        raise ValueError(f"k has {hk} heads but v has {hv}: they must have the same")
+    if hq != hk and not enable_gqa:
+        raise ValueError(
+            f"q has {hq} heads but k and v have {hk}: pass enable_gqa=True for grouped-query "
+            f"attention (as torch SDPA requires), or repeat k and v to {hq} heads"
+        )
+    if hq % hk:
+        raise ValueError(f"enable_gqa needs Hq divisible by Hkv, got Hq={hq} and Hkv={hk}")
+    if not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
+        raise ValueError(
+            f"batch dims differ ({shapes}): they are not broadcast (SDPA does); expand the "
+            f"smaller ones, e.g. k.expand(B, -1, -1, -1)"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k have head dims {q.shape[-1]} and {k.shape[-1]} ({shapes}): "
+            f"queries and keys must have the same last dimension"
+        )
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"k has {k.shape[-2]} keys but v has {v.shape[-2]} values ({shapes}): "
+            f"every key needs exactly one value row"
+        )
+    sizes = (("Tq", q.shape[-2]), ("Tk", k.shape[-2]), ("d", q.shape[-1]), ("dv", v.shape[-1]))
+    for label, size in sizes:
+        if size == 0:
+            raise ValueError(
+                f"{label} is 0 ({shapes}): empty sequences and zero-width heads are not "
+                f"supported (an empty batch is)"
+            )
+
+
 def check_same_shape(arr, name: str, expected: tuple[int, ...], hint: str) -> np.ndarray:
     """``arr`` as a float array of exactly ``expected`` shape."""
     arr = as_float_array(arr, name)

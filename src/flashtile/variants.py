@@ -18,12 +18,11 @@ Visibility by position (causal, window, padding) is :mod:`flashtile.masks`.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
-from ._validate import AttentionShapes, check_flag
+from ._validate import AttentionShapes, check_flag, check_softcap
 from .masks import BlockMask, normalize_window
 
 #: Float mask values below ``-MASK_LIMIT`` count as ``-inf`` (hidden), and
@@ -89,18 +88,6 @@ def _check_alibi(alibi_slopes, shapes: AttentionShapes) -> np.ndarray:
         f"alibi_slopes has shape {slopes.shape}; expected (Hq,) = ({heads},){per_batch}, "
         f"one slope per query head"
     )
-
-
-def _check_softcap(softcap) -> float | None:
-    if softcap is None:
-        return None
-    if isinstance(softcap, np.ndarray) and softcap.ndim == 0:
-        softcap = softcap.item()
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a positive number or None, got {softcap!r}")
-    if not (math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be finite and > 0 (e.g. 50.0), got {softcap}")
-    return float(softcap)
 
 
 def _check_padding(kv_lengths, key_padding_mask, shapes: AttentionShapes):
@@ -207,7 +194,7 @@ def resolve_variants(
         left=left,
         right=right,
         alibi=alibi,
-        softcap=_check_softcap(softcap),
+        softcap=check_softcap(softcap),
         kv_lengths=lengths,
         mask_bool=mask_bool,
         mask_add=mask_add,

@@ -12,7 +12,10 @@ from __future__ import annotations
 import torch
 
 from ..masks import normalize_window
-from . import _ops  # noqa: F401  (registers torch.ops.flashtile.*)
+from . import (
+    _ops,  # noqa: F401  (registers torch.ops.flashtile.*)
+    _support,
+)
 from ._support import as_constant, refusal
 
 
@@ -70,10 +73,14 @@ def attention(
     float32. A float mask is cast to the compute dtype.
 
     Devices: CPU tensors run the Numba kernels; CUDA tensors (q, k and v all
-    on CUDA) run the Triton kernels of :func:`flashtile.triton.attention`, with
-    the same semantics (no ``mask`` there: it raises). Other devices (meta,
-    ...) and mixed devices raise a ValueError naming the alternative; there is
-    no silent fallback.
+    on CUDA, one GPU) run the Triton kernels (:mod:`flashtile.triton`) with the
+    same semantics: :func:`flashtile.triton.attention`, or for a decoding
+    step without gradients (at most 8 queries) the split-KV
+    :func:`flashtile.triton.decode_attention`. There ``mask`` and float64 are
+    refused (ValueError, TypeError), head dims go up to 256, and without
+    Triton installed an ImportError names the extra to install. Other
+    devices (meta, ...) and mixed devices raise a ValueError naming the
+    alternative; there is no silent fallback.
 
     Gradients: none for ``mask`` and ``alibi_slopes``; passing either with
     ``requires_grad=True`` (a learned bias) while grad mode is on raises a
@@ -87,12 +94,9 @@ def attention(
             ``enable_gqa`` and ``return_lse`` must be bools. Bad values inside
             an accepted mask, slopes or softcap raise ValueError from the kernels'
             own checks.
+        ImportError: CUDA tensors on a machine where Triton cannot be imported
+            (also a :class:`~._support.Refusal`).
     """
-    if _all_cuda(q, k, v):
-        return _on_gpu(
-            q, k, v, causal=causal, scale=scale, window=window, alibi_slopes=alibi_slopes,
-            softcap=softcap, mask=mask, enable_gqa=enable_gqa, return_lse=return_lse,
-        )  # fmt: skip
     refused = refusal(
         q,
         k,
@@ -108,6 +112,11 @@ def attention(
     )
     if refused is not None:
         raise refused.exception()
+    if _support.is_cuda_call(q, k, v):
+        return _on_gpu(
+            q, k, v, causal=causal, scale=scale, window=window, alibi_slopes=alibi_slopes,
+            softcap=softcap, enable_gqa=enable_gqa, return_lse=return_lse,
+        )  # fmt: skip
     in_dtype = q.dtype
     if in_dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
@@ -131,12 +140,24 @@ def attention(
     return (out, lse) if return_lse else out
 
 
-def _all_cuda(q, k, v) -> bool:
-    return all(isinstance(t, torch.Tensor) and t.is_cuda for t in (q, k, v))
+#: The longest query block sent to the decoding kernel rather than the forward's.
+DECODE_MAX_TQ = 8
 
 
 def _on_gpu(q, k, v, **keywords):
-    """CUDA tensors: the Triton kernels (imported on first use: they need triton)."""
-    from ..triton import attention as triton_attention
+    """CUDA tensors (accepted by :func:`~._support.refusal`): the Triton kernels.
 
-    return triton_attention(q, k, v, **keywords)
+    A decoding step (4-D, at most :data:`DECODE_MAX_TQ` queries, no gradient
+    wanted) goes to :func:`flashtile.triton.decode_attention`, whose split-KV
+    schedule keeps the GPU busy over a long cache where the forward would run
+    one program per (head, sequence); the whole of ``k``/``v`` is the cache
+    and the semantics are the same. Everything else goes to the
+    differentiable :func:`flashtile.triton.attention`.
+    """
+    from .. import triton as gpu  # imported on first use: it needs triton
+
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if q.ndim == 4 and q.shape[-2] <= DECODE_MAX_TQ and not wants_grad:
+        keywords.pop("enable_gqa")  # checked by the refusal; decoding always groups
+        return gpu.decode_attention(q, k, v, **keywords)
+    return gpu.attention(q, k, v, **keywords)

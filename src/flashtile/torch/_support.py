@@ -8,7 +8,12 @@ this one function, so they cannot disagree about what flashtile supports.
 
 The rule covers what the torch layer decides: types, devices, dtypes, ranks,
 heads, sizes, flags, ``scale``, ``window``, the kind of the mask and slopes
-(plain CPU tensors, no gradient wanted) and the mask's broadcasting. The
+(plain tensors, no gradient wanted) and the mask's broadcasting. A call whose
+q, k and v are all CUDA tensors (:func:`is_cuda_call`) is the Triton kernels'
+(:mod:`flashtile.triton`): for it the rule adds their own metadata checks
+(:func:`flashtile.triton.checks.check_gpu_call`: no float64, head dims up to
+256, no ``mask``, one device) and refuses it when Triton cannot be imported.
+Anything else off the CPU (a CPU/CUDA mix, meta tensors) is refused. The
 kernels' own validation still refuses bad values inside an accepted argument
 (NaN in a float mask, slopes of the wrong length, a negative ``softcap``) with
 a ValueError; the router never passes slopes or softcap, and reading a mask's
@@ -17,6 +22,7 @@ values here would cost a pass over it.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import NamedTuple
@@ -24,6 +30,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .._validate import check_sdpa_layout
 from ..masks import normalize_window
 
 #: Input dtypes accepted; 16-bit floats are computed in float32.
@@ -33,7 +40,7 @@ ACCEPTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class Refusal(NamedTuple):
     """Why flashtile cannot run a call: what the operator raises."""
 
-    error: type[Exception]  # ValueError or TypeError
+    error: type[Exception]  # ValueError or TypeError; ImportError for a GPU without Triton
     message: str
 
     def exception(self) -> Exception:
@@ -65,8 +72,8 @@ def _device(t: torch.Tensor, name: str) -> Refusal | None:
     )
 
 
-def _tensors(q, k, v) -> Refusal | None:
-    """q, k, v: CPU tensors of one accepted dtype and one rank, 3 or 4."""
+def _tensors(q, k, v, gpu: bool) -> Refusal | None:
+    """q, k, v: tensors of one accepted dtype, on the CPU unless ``gpu`` (all on CUDA)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             return Refusal(
@@ -74,7 +81,7 @@ def _tensors(q, k, v) -> Refusal | None:
                 f"{name} is a {type(t).__name__}, not a torch.Tensor: flashtile.torch.attention "
                 f"takes tensors (use flashtile.attention for NumPy arrays)",
             )
-        if refused := _device(t, name):
+        if not gpu and (refused := _device(t, name)):
             return refused
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in ACCEPTED_DTYPES:
         return Refusal(
@@ -82,66 +89,48 @@ def _tensors(q, k, v) -> Refusal | None:
             f"q, k, v must share one floating dtype (float16, bfloat16, float32 or float64), "
             f"got {q.dtype}, {k.dtype}, {v.dtype}",
         )
-    if not (q.ndim == k.ndim == v.ndim and q.ndim in (3, 4)):
-        return Refusal(
-            ValueError,
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
-            f"flashtile.torch.attention takes (B, H, T, d) tensors as SDPA does (or (H, T, d)), "
-            f"all with the same rank",
-        )
     return None
 
 
-def _heads(q, k, v, enable_gqa: bool) -> Refusal | None:
-    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
-    if hk == 0 or hq == 0:
-        return Refusal(
-            ValueError, f"q has {hq} heads and k {hk}: attention needs at least one head each"
-        )
-    if hk != hv:
-        return Refusal(ValueError, f"k has {hk} heads but v has {hv}: they must have the same")
-    if hq != hk and not enable_gqa:
-        return Refusal(
-            ValueError,
-            f"q has {hq} heads but k and v have {hk}: pass enable_gqa=True for grouped-query "
-            f"attention (as torch SDPA requires), or repeat k and v to {hq} heads",
-        )
-    if hq % hk:
-        return Refusal(
-            ValueError, f"enable_gqa needs Hq divisible by Hkv, got Hq={hq} and Hkv={hk}"
-        )
+def _layout(q, k, v, enable_gqa: bool) -> Refusal | None:
+    """Ranks, heads (GQA only when asked for) and sizes: :func:`check_sdpa_layout`."""
+    try:
+        check_sdpa_layout(q, k, v, enable_gqa=enable_gqa)
+    except ValueError as exc:
+        return Refusal(ValueError, str(exc))
     return None
 
 
-def _sizes(q, k, v) -> Refusal | None:
-    """One batch for all three, matching head dims and key/value lengths, nothing empty but B."""
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    if not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
+def is_cuda_call(q, k, v) -> bool:
+    """q, k and v all CUDA tensors: a call for the Triton kernels (the one device test)."""
+    return all(isinstance(t, torch.Tensor) and t.is_cuda for t in (q, k, v))
+
+
+@functools.cache
+def _triton_missing() -> str | None:
+    """Why ``flashtile.triton`` cannot be imported here, or None (asked once per process)."""
+    try:
+        from ..triton import checks  # noqa: F401  (imports torch and triton)
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+def _gpu(q, k, v, mask) -> Refusal | None:
+    """What the Triton kernels add to the rule for CUDA calls (their own checks)."""
+    if missing := _triton_missing():
         return Refusal(
-            ValueError,
-            f"batch dims differ ({shapes}): flashtile.torch.attention does not broadcast them "
-            f"(SDPA does); expand the smaller ones, e.g. k.expand(B, -1, -1, -1)",
+            ImportError,
+            f"q, k, v are CUDA tensors, which run on flashtile's Triton kernels, but Triton "
+            f"cannot be imported ({missing}): pip install 'flashtile[gpu]' (PyTorch's CUDA "
+            f"wheels include Triton)",
         )
-    if q.shape[-1] != k.shape[-1]:
-        return Refusal(
-            ValueError,
-            f"q and k have head dims {q.shape[-1]} and {k.shape[-1]} ({shapes}): "
-            f"queries and keys must have the same last dimension",
-        )
-    if k.shape[-2] != v.shape[-2]:
-        return Refusal(
-            ValueError,
-            f"k has {k.shape[-2]} keys but v has {v.shape[-2]} values ({shapes}): "
-            f"every key needs exactly one value row",
-        )
-    sizes = (("Tq", q.shape[-2]), ("Tk", k.shape[-2]), ("d", q.shape[-1]), ("dv", v.shape[-1]))
-    for label, size in sizes:
-        if size == 0:
-            return Refusal(
-                ValueError,
-                f"{label} is 0 ({shapes}): empty sequences and zero-width heads are not "
-                f"supported (an empty batch is)",
-            )
+    from ..triton import checks
+
+    try:
+        checks.check_gpu_call(q, k, v, mask)
+    except (TypeError, ValueError) as exc:
+        return Refusal(type(exc), str(exc))
     return None
 
 
@@ -170,8 +159,9 @@ def _window(window) -> Refusal | None:
     return None
 
 
-def _constant(t, name: str, floating_only: bool) -> Refusal | None:
-    """A mask or slopes argument: convertible, CPU, bool or floating, no gradient wanted."""
+def _constant(t, name: str, floating_only: bool, gpu: bool) -> Refusal | None:
+    """A mask or slopes argument: convertible, CPU (or CUDA on the GPU path), bool or
+    floating, no gradient wanted."""
     if t is None:
         return None
     try:
@@ -187,7 +177,7 @@ def _constant(t, name: str, floating_only: bool) -> Refusal | None:
             f"__torch_function__: pass a plain tensor (for a causal bias, causal=True is "
             f"causal_lower_right; causal_upper_left is SDPA's is_causal)",
         )
-    if refused := _device(t, name):
+    if not (gpu and t.is_cuda) and (refused := _device(t, name)):
         return refused
     if t.requires_grad and torch.is_grad_enabled():
         return Refusal(
@@ -241,19 +231,23 @@ def refusal(
     """Why :func:`flashtile.torch.attention` refuses this call, or None when it runs it.
 
     Takes the operator's arguments (see there). The first problem found is
-    returned, in the order the arguments are read: q/k/v, flags, heads and
-    sizes, then the constants (mask, slopes), then the numbers and the window.
+    returned, in the order the arguments are read: q/k/v, flags, the layout
+    (:func:`flashtile._validate.check_sdpa_layout`), for a CUDA call
+    (:func:`is_cuda_call`) the Triton kernels' own limits
+    (:func:`flashtile.triton.checks.check_gpu_call`, or a missing Triton),
+    then the constants (mask, slopes), then the numbers and the window.
     """
+    gpu = is_cuda_call(q, k, v)
     return (
-        _tensors(q, k, v)
+        _tensors(q, k, v, gpu)
         or _flag(causal, "causal")
         or _flag(enable_gqa, "enable_gqa")
         or _flag(return_lse, "return_lse")
-        or _heads(q, k, v, enable_gqa)
-        or _sizes(q, k, v)
-        or _constant(mask, "mask", floating_only=False)
+        or _layout(q, k, v, enable_gqa)
+        or (gpu and _gpu(q, k, v, mask))
+        or _constant(mask, "mask", floating_only=False, gpu=gpu)
         or (mask is not None and _mask_shape(mask, q, k))
-        or _constant(alibi_slopes, "alibi_slopes", floating_only=True)
+        or _constant(alibi_slopes, "alibi_slopes", floating_only=True, gpu=gpu)
         or _number(scale, "scale")
         or _number(softcap, "softcap")
         or _window(window)

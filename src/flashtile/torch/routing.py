@@ -21,6 +21,13 @@ the router and the operator cannot disagree. The second part is SDPA's:
 float32 or the query's, and no unknown keyword. Everything else passes
 through, including calls SDPA itself rejects, so SDPA raises its own error.
 
+Devices follow the operator too: CPU tensors run flashtile's CPU kernels, and
+a call whose ``query``, ``key`` and ``value`` are all CUDA tensors runs on the
+Triton kernels (:mod:`flashtile.triton`) when the operator accepts it. What
+those kernels do not take (an ``attn_mask``, float64, head dims above 256,
+tensors on two GPUs, a machine without Triton) is part of the same rule, so
+such calls pass to SDPA with the operator's message, as do CPU/CUDA mixes.
+
 Tensors whose class defines ``__torch_function__`` (such as the masks of
 ``torch.nn.attention.bias.causal_upper_left`` / ``causal_lower_right``) are
 handed to it first, with the function now in ``torch.nn.functional`` as

@@ -10,46 +10,34 @@ from __future__ import annotations
 
 import torch
 
-from flashtile._validate import check_flag, resolve_scale
+from flashtile._validate import (
+    check_flag,
+    check_num_splits,
+    check_sdpa_layout,
+    check_softcap,
+    resolve_scale,
+)
 from flashtile.masks import normalize_window
 
 from . import checks, ops  # noqa: F401  (ops registers torch.ops.flashtile.triton_*)
 from .launch import auto_splits, cdiv, decode_rows_block
 
 
-def _qkv(q, k, v, enable_gqa: bool, ranks: tuple[int, ...], layout: str):
+def _qkv(q, k, v, enable_gqa: bool, mask=None, varlen=False):
+    """q, k, v checked by the shared layout rule and the kernels' limits, last dim unit-stride."""
     q, k, v = (checks.check_tensor(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v are on {q.device}, {k.device}, {v.device}: move them to one")
-    if not (q.ndim == k.ndim == v.ndim and q.ndim in ranks):
-        raise ValueError(
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected {layout}, "
-            f"all with the same rank"
-        )
-    if q.shape[:-3] != k.shape[:-3] or k.shape[:-3] != v.shape[:-3]:
-        raise ValueError(
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: they must share the "
-            f"batch size"
-        )
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"k has {k.shape[-2]} keys but v has {v.shape[-2]}: they must match")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q has head dim {q.shape[-1]} but k has {k.shape[-1]}: they must match")
-    checks.check_heads(q.shape[-3], k.shape[-3], v.shape[-3], enable_gqa)
-    checks.check_head_dims(q.shape[-1], v.shape[-1])
-    if q.shape[-2] == 0 or k.shape[-2] == 0:
-        raise ValueError(
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}: empty sequences are not supported (as on "
-            f"the CPU path); packed batches may hold empty ones (varlen_attention)"
-        )
+    if varlen:
+        layout, who = "packed (H, total, d) tensors", "flashtile.triton.varlen_attention"
+        check_sdpa_layout(q, k, v, enable_gqa=True, ranks=(3,), layout=layout, who=who)
+    else:
+        check_sdpa_layout(q, k, v, enable_gqa=enable_gqa, who="flashtile.triton.attention")
+    checks.check_gpu_call(q, k, v, mask)
     return q, k, v
 
 
 def _scalars(causal, scale, window, softcap, d):
     left, right = normalize_window(window, check_flag(causal, "causal"))
-    return resolve_scale(scale, d), left, right, checks.check_softcap(softcap)
+    return resolve_scale(scale, d), left, right, check_softcap(softcap)
 
 
 def attention(
@@ -102,13 +90,7 @@ def attention(
 
 def _prepare(q, k, v, causal, scale, window, alibi_slopes, softcap, kv_lengths, mask, enable_gqa):
     """Checked 4-D ``q, k, v``, whether they were 3-D, and the ops' variant arguments."""
-    if mask is not None:
-        raise ValueError(
-            "flashtile.triton.attention takes no mask: express it with causal, window or "
-            "kv_lengths, or run the CPU path (flashtile.torch.attention) or "
-            "torch.nn.functional.scaled_dot_product_attention for an arbitrary mask"
-        )
-    q, k, v = _qkv(q, k, v, enable_gqa, (3, 4), "(B, H, T, d) tensors (or (H, T, d))")
+    q, k, v = _qkv(q, k, v, enable_gqa, mask)
     unbatched = q.ndim == 3
     if unbatched:
         q, k, v = q[None], k[None], v[None]
@@ -185,7 +167,7 @@ def varlen_attention(
     Returns:
         ``out (Hq, total_q, dv)`` and, if asked, ``lse (Hq, total_q)`` float32.
     """
-    q, k, v = _qkv(q, k, v, True, (3,), "packed (H, total, d) tensors")
+    q, k, v = _qkv(q, k, v, True, varlen=True)
     cu_q, cu_k = (
         checks.int_tensor(c, n, (torch.as_tensor(c).numel(),), q.device)
         for c, n in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"))
@@ -220,16 +202,7 @@ def _cache(q, k_cache, v_cache, block_table):
             f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}: expected "
             f"(B, Hkv, T_max, d / dv), or (num_pages, Hkv, page_size, d / dv) with block_table"
         )
-    if not (q.device == k_cache.device == v_cache.device):
-        raise ValueError(
-            f"q, k_cache, v_cache are on {q.device}, {k_cache.device}, {v_cache.device}: "
-            f"move them to one"
-        )
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise TypeError(
-            f"q is {q.dtype} but the cache is {k_cache.dtype} / {v_cache.dtype}: the Triton "
-            f"kernels take one dtype (cast q to the cache's)"
-        )
+    checks.check_gpu_call(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
     batch, hq, _, d = q.shape
     hk = k_cache.shape[1]
     if k_cache.shape[3] != d:
@@ -239,7 +212,6 @@ def _cache(q, k_cache, v_cache, block_table):
             f"Hq={hq} query heads and Hkv={hk} cache heads of {k_cache.shape[2]} rows: Hkv must "
             f"divide Hq (GQA/MQA) and the cache needs rows"
         )
-    checks.check_head_dims(d, v_cache.shape[3])
     if block_table is None:
         if k_cache.shape[0] != batch:
             raise ValueError(
@@ -317,12 +289,11 @@ def decode_attention(
     pages, hk, page_size = k_cache.shape[:3]
     capacity = page_size if table is None else page_size * table.shape[1]
     seqlens = _seqlens(cache_seqlens, table, batch, capacity, pages, q.device)
+    num_splits = check_num_splits(num_splits)
     if num_splits is None:
-        longest = int(seqlens.max()) if batch else 0
+        longest = capacity if cache_seqlens is None or not batch else int(seqlens.max())
         row_blocks = cdiv(heads // hk * tq, decode_rows_block(heads // hk * tq))
         num_splits = auto_splits(batch, hk, row_blocks, longest, q.device)
-    elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits must be a positive integer or None, got {num_splits!r}")
     scale, left, right, cap = _scalars(causal, scale, window, softcap, d)
     alibi = checks.slopes(alibi_slopes, batch, heads, q.device, per_batch_ok=True)
     out, lse = torch.ops.flashtile.triton_decode(

@@ -22,21 +22,21 @@ Rows that saw no key (``lse = -inf``) read ``lse = +inf``, so every
 import triton
 import triton.language as tl
 
-from .forward import sequence
 from .tiles import (
     LOG2E,
     device_fn,
     dot,
-    load_tile,
-    mma_in,
+    load_rows,
     operand_like,
     phase_block,
     phase_count,
     phase_ends,
+    program_tile,
     query_block_keys,
     row_bounds,
+    row_slopes,
     scores,
-    store_tile,
+    store_rows,
 )
 
 
@@ -46,24 +46,16 @@ def attn_bwd_delta(
     HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr,
 ):  # fmt: skip
     """``Delta (B, Hq, Tq)`` float32 ``= rowsum(dO * O)`` (``dO`` strides ``sd_*``)."""
-    seq = tl.program_id(1) // heads
-    h = tl.program_id(1) % heads
-    start_m = tl.program_id(0) * BLOCK_M
-    b, q0, _, tq, _, _ = sequence(seq, CuQ, CuQ, CuQ, seqlen_q, seqlen_q, False, VARLEN)
+    start_m, h, b, q0, _, tq, _, _ = program_tile(
+        heads, CuQ, CuQ, CuQ, seqlen_q, seqlen_q, BLOCK_M, False, VARLEN
+    )
     if start_m >= tq:
         return
-    b = b.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    rows = (q0 + offs_m[:, None]).to(tl.int64)
+    rows = (q0 + offs_m).to(tl.int64)
     m_ok = offs_m < tq
-    cols = offs_dv < HEAD_DV
-    o = load_tile(
-        Out + b * so_b + h * so_h + rows * so_t + offs_dv[None, :], m_ok, cols, True, True
-    )
-    do = load_tile(
-        DOut + b * sd_b + h * sd_h + rows * sd_t + offs_dv[None, :], m_ok, cols, True, True
-    )
+    o = load_rows(Out + b * so_b + h * so_h + rows * so_t, m_ok, HEAD_DV, BLOCK_DV, True, False)
+    do = load_rows(DOut + b * sd_b + h * sd_h + rows * sd_t, m_ok, HEAD_DV, BLOCK_DV, True, False)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + b * st_b + h * st_h + q0 + offs_m, delta, mask=m_ok)
 
@@ -99,6 +91,23 @@ def _row_state(Lse, Delta, offs_m, m_ok, row_base):
 
 
 @device_fn
+def _probs_and_dscores(
+    q, k, v, do, lse2, delta, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """``(P, dS)`` of one tile: ``P = exp2(S - lse)`` recomputed, ``dS = P * (dP - D)``
+    with ``dP = dO V^T`` (times ``1 - tanh^2`` under softcap), both float32."""
+    s, t = scores(q, k, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
+                  SOFTCAP, ALIBI, MASKED, IEEE)  # fmt: skip
+    p = tl.exp2(s - lse2[:, None])
+    dp = dot(do, tl.trans(v), tl.zeros([q.shape[0], k.shape[0]], tl.float32), IEEE)
+    ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return p, ds
+
+
+@device_fn
 def _dkdv_range(
     dk, dv, k, v, q_base, do_base, stride_q, stride_do, Lse, Delta, row_base, lo, s1, s2, hi,
     offs_n, tq, shift, kv_len, left, right, slope2, qk_scale, cap_in, cap_out,
@@ -109,32 +118,21 @@ def _dkdv_range(
 ):  # fmt: skip
     """Accumulate the key block's ``dk`` (unscaled) and ``dv`` over the query blocks of
     one phase (see :func:`~.tiles.phase_count`)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     blocks, head = phase_count(lo, s1, s2, hi, BLOCK_M, MASKED)
     for i in range(blocks):
-        start_m, end = phase_block(i, head, lo, s1, s2, hi, BLOCK_M, MASKED)
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < end
-        rows = offs_m[:, None].to(tl.int64)
-        q = load_tile(q_base + rows * stride_q + offs_d[None, :], m_ok, offs_d < HEAD_D,
-                      MASKED, BLOCK_D != HEAD_D)  # fmt: skip
-        do = load_tile(do_base + rows * stride_do + offs_dv[None, :], m_ok, offs_dv < HEAD_DV,
-                       MASKED, BLOCK_DV != HEAD_DV)  # fmt: skip
-        q = mma_in(q, EMULATE_BF16)
-        do = mma_in(do, EMULATE_BF16)
+        offs_m, m_ok = phase_block(i, head, lo, s1, s2, hi, BLOCK_M, MASKED)
+        rows = offs_m.to(tl.int64)
+        q = load_rows(q_base + rows * stride_q, m_ok, HEAD_D, BLOCK_D, MASKED, EMULATE_BF16)
+        do = load_rows(do_base + rows * stride_do, m_ok, HEAD_DV, BLOCK_DV, MASKED, EMULATE_BF16)
         lse2, delta = _row_state(Lse, Delta, offs_m, m_ok, row_base)
         pos = offs_m + shift
         lo_r, hi_r = row_bounds(pos, kv_len, left, right, HAS_LEFT, HAS_RIGHT)
         hi_r = tl.where(m_ok, hi_r, 0)
-        s, t = scores(q, k, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
-                      SOFTCAP, ALIBI, MASKED, IEEE)  # fmt: skip
-        p = tl.exp2(s - lse2[:, None])
+        p, ds = _probs_and_dscores(
+            q, k, v, do, lse2, delta, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
+            SOFTCAP, ALIBI, MASKED, IEEE,
+        )  # fmt: skip
         dv = dot(tl.trans(operand_like(p, do, EMULATE_BF16)), do, dv, IEEE)
-        dp = dot(do, tl.trans(v), tl.zeros([BLOCK_M, k.shape[0]], tl.float32), IEEE)
-        ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            ds = ds * (1.0 - t * t)
         dk = dot(tl.trans(operand_like(ds, q, EMULATE_BF16)), q, dk, IEEE)
     return dk, dv
 
@@ -151,22 +149,18 @@ def attn_bwd_dkdv(
     KV_LENS: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
     """``DK``, ``DV`` (shaped like ``K``, ``V``) for key block ``program_id(0)`` of one kv head."""
-    seq = tl.program_id(1) // heads_kv
-    hk = tl.program_id(1) % heads_kv
-    start_n = tl.program_id(0) * BLOCK_N
-    b, q0, k0, tq, tk, kv_len = sequence(seq, CuQ, CuK, KvLens, seqlen_q, seqlen_k, KV_LENS, VARLEN)
+    start_n, hk, b, q0, k0, tq, tk, kv_len = program_tile(
+        heads_kv, CuQ, CuK, KvLens, seqlen_q, seqlen_k, BLOCK_N, KV_LENS, VARLEN
+    )
     if start_n >= tk:
         return
-    b = b.to(tl.int64)
+    hk = hk.to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     n_ok = offs_n < tk
-    keys = (k0 + offs_n[:, None]).to(tl.int64)
-    k_ptrs = K + b * sk_b + hk * sk_h + keys * sk_t + offs_d[None, :]
-    v_ptrs = V + b * sv_b + hk * sv_h + keys * sv_t + offs_dv[None, :]
-    k = mma_in(load_tile(k_ptrs, n_ok, offs_d < HEAD_D, True, BLOCK_D != HEAD_D), EMULATE_BF16)
-    v = mma_in(load_tile(v_ptrs, n_ok, offs_dv < HEAD_DV, True, BLOCK_DV != HEAD_DV), EMULATE_BF16)
+    keys = (k0 + offs_n).to(tl.int64)
+    k = load_rows(K + b * sk_b + hk * sk_h + keys * sk_t, n_ok, HEAD_D, BLOCK_D, True, EMULATE_BF16)
+    v = load_rows(V + b * sv_b + hk * sv_h + keys * sv_t, n_ok, HEAD_DV, BLOCK_DV, True,
+                  EMULATE_BF16)  # fmt: skip
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     i_lo, i_hi, a, z = query_range(
@@ -175,9 +169,7 @@ def attn_bwd_dkdv(
     s1, s2 = phase_ends(i_lo, i_hi, a, z, BLOCK_M)
     for g in range(group):  # the GQA group's sum, in a fixed order
         h = (hk * group + g).to(tl.int64)
-        slope2 = tl.zeros([BLOCK_M], tl.float32)
-        if ALIBI:
-            slope2 += tl.load(Slopes + b * ss_b + h) * LOG2E
+        slope2 = row_slopes(Slopes + b * ss_b + h, True, BLOCK_M, ALIBI)
         q_base = Q + b * sq_b + h * sq_h + q0.to(tl.int64) * sq_t
         do_base = DOut + b * sd_b + h * sd_h + q0.to(tl.int64) * sd_t
         row_base = b * sl_b + h * sl_h + q0
@@ -189,11 +181,11 @@ def attn_bwd_dkdv(
                 HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT,
                 SOFTCAP, ALIBI, phase == 0, IEEE, EMULATE_BF16,
             )  # fmt: skip
-    out_mask = n_ok[:, None]
-    dk_ptrs = DK + b * sdk_b + hk * sdk_h + keys * sdk_t + offs_d[None, :]
-    dv_ptrs = DV + b * sdv_b + hk * sdv_h + keys * sdv_t + offs_dv[None, :]
-    store_tile(dk_ptrs, dk * scale, out_mask & (offs_d[None, :] < HEAD_D), EMULATE_BF16)
-    store_tile(dv_ptrs, dv, out_mask & (offs_dv[None, :] < HEAD_DV), EMULATE_BF16)
+    dk_rows = DK + b * sdk_b + hk * sdk_h + keys * sdk_t
+    store_rows(dk_rows, dk * scale, n_ok, HEAD_D, BLOCK_D, EMULATE_BF16)
+    store_rows(
+        DV + b * sdv_b + hk * sdv_h + keys * sdv_t, dv, n_ok, HEAD_DV, BLOCK_DV, EMULATE_BF16
+    )
 
 
 @device_fn
@@ -205,27 +197,16 @@ def _dq_range(
     IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
     """Accumulate the query block's ``dq`` (unscaled) over the key blocks of one phase."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     blocks, head = phase_count(lo, s1, s2, hi, BLOCK_N, MASKED)
     for i in range(blocks):
-        start_n, end = phase_block(i, head, lo, s1, s2, hi, BLOCK_N, MASKED)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < end
-        keys = offs_n[:, None].to(tl.int64)
-        k = load_tile(k_base + keys * stride_k + offs_d[None, :], n_ok, offs_d < HEAD_D,
-                      MASKED, BLOCK_D != HEAD_D)  # fmt: skip
-        v = load_tile(v_base + keys * stride_v + offs_dv[None, :], n_ok, offs_dv < HEAD_DV,
-                      MASKED, BLOCK_DV != HEAD_DV)  # fmt: skip
-        k = mma_in(k, EMULATE_BF16)
-        v = mma_in(v, EMULATE_BF16)
-        s, t = scores(q, k, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
-                      SOFTCAP, ALIBI, MASKED, IEEE)  # fmt: skip
-        p = tl.exp2(s - lse2[:, None])
-        dp = dot(do, tl.trans(v), tl.zeros([q.shape[0], BLOCK_N], tl.float32), IEEE)
-        ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            ds = ds * (1.0 - t * t)
+        offs_n, n_ok = phase_block(i, head, lo, s1, s2, hi, BLOCK_N, MASKED)
+        keys = offs_n.to(tl.int64)
+        k = load_rows(k_base + keys * stride_k, n_ok, HEAD_D, BLOCK_D, MASKED, EMULATE_BF16)
+        v = load_rows(v_base + keys * stride_v, n_ok, HEAD_DV, BLOCK_DV, MASKED, EMULATE_BF16)
+        _, ds = _probs_and_dscores(
+            q, k, v, do, lse2, delta, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
+            SOFTCAP, ALIBI, MASKED, IEEE,
+        )  # fmt: skip
         dq = dot(operand_like(ds, k, EMULATE_BF16), k, dq, IEEE)
     return dq
 
@@ -242,31 +223,23 @@ def attn_bwd_dq(
     KV_LENS: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
     """``DQ`` (shaped like ``Q``) for query block ``program_id(0)`` of one head."""
-    seq = tl.program_id(1) // heads
-    h = tl.program_id(1) % heads
-    start_m = tl.program_id(0) * BLOCK_M
-    b, q0, k0, tq, tk, kv_len = sequence(seq, CuQ, CuK, KvLens, seqlen_q, seqlen_k, KV_LENS, VARLEN)
+    start_m, h, b, q0, k0, tq, tk, kv_len = program_tile(
+        heads, CuQ, CuK, KvLens, seqlen_q, seqlen_k, BLOCK_M, KV_LENS, VARLEN
+    )
     if start_m >= tq:
         return
-    b = b.to(tl.int64)
     hk = (h // group).to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < tq
-    rows = (q0 + offs_m[:, None]).to(tl.int64)
-    q_ptrs = Q + b * sq_b + h * sq_h + rows * sq_t + offs_d[None, :]
-    do_ptrs = DOut + b * sd_b + h * sd_h + rows * sd_t + offs_dv[None, :]
-    q = mma_in(load_tile(q_ptrs, m_ok, offs_d < HEAD_D, True, BLOCK_D != HEAD_D), EMULATE_BF16)
-    do = load_tile(do_ptrs, m_ok, offs_dv < HEAD_DV, True, BLOCK_DV != HEAD_DV)
-    do = mma_in(do, EMULATE_BF16)
+    rows = (q0 + offs_m).to(tl.int64)
+    q = load_rows(Q + b * sq_b + h * sq_h + rows * sq_t, m_ok, HEAD_D, BLOCK_D, True, EMULATE_BF16)
+    do = load_rows(DOut + b * sd_b + h * sd_h + rows * sd_t, m_ok, HEAD_DV, BLOCK_DV, True,
+                   EMULATE_BF16)  # fmt: skip
     lse2, delta = _row_state(Lse, Delta, offs_m, m_ok, b * sl_b + h * sl_h + q0)
     pos, lo_r, hi_r, lo, s1, s2, hi = query_block_keys(
         start_m, tq, tk, kv_len, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT
     )
-    slope2 = tl.zeros([BLOCK_M], tl.float32)
-    if ALIBI:
-        slope2 += tl.load(Slopes + b * ss_b + h) * LOG2E
+    slope2 = row_slopes(Slopes + b * ss_b + h, m_ok, BLOCK_M, ALIBI)
     k_base = K + b * sk_b + hk * sk_h + k0.to(tl.int64) * sk_t
     v_base = V + b * sv_b + hk * sv_h + k0.to(tl.int64) * sv_t
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -277,5 +250,5 @@ def attn_bwd_dq(
             HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP, ALIBI, phase == 0, IEEE,
             EMULATE_BF16,
         )  # fmt: skip
-    dq_ptrs = DQ + b * sdq_b + h * sdq_h + rows * sdq_t + offs_d[None, :]
-    store_tile(dq_ptrs, dq * scale, m_ok[:, None] & (offs_d[None, :] < HEAD_D), EMULATE_BF16)
+    store_rows(DQ + b * sdq_b + h * sdq_h + rows * sdq_t, dq * scale, m_ok, HEAD_D, BLOCK_D,
+               EMULATE_BF16)  # fmt: skip

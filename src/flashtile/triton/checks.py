@@ -8,10 +8,10 @@ tensors on the host once per call.
 
 from __future__ import annotations
 
-import math
-import numbers
-
+import numpy as np
 import torch
+
+from flashtile import _validate
 
 from .tiles import INTERPRET
 
@@ -39,8 +39,8 @@ def check_device(t: torch.Tensor, name: str) -> None:
     )
 
 
-def check_tensor(t, name: str) -> torch.Tensor:
-    """A float16/bfloat16/float32 tensor on the kernels' device, unit stride on the last dim."""
+def check_kind(t, name: str) -> None:
+    """A float16/bfloat16/float32 tensor on the kernels' device."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} is a {type(t).__name__}, not a torch.Tensor")
     check_device(t, name)
@@ -50,6 +50,11 @@ def check_tensor(t, name: str) -> torch.Tensor:
             f"{name} has dtype {t.dtype}; the Triton kernels take float16, bfloat16 or float32"
             + (hint if t.dtype == torch.float64 else "")
         )
+
+
+def check_tensor(t, name: str) -> torch.Tensor:
+    """:func:`check_kind`, and ``t`` with unit stride on the last dim."""
+    check_kind(t, name)
     if t.ndim and t.stride(-1) != 1 and t.shape[-1] > 1:
         t = t.contiguous()  # the kernels address the head dim with unit stride
     return t
@@ -64,28 +69,34 @@ def check_head_dims(d: int, dv: int) -> None:
             )
 
 
-def check_heads(hq: int, hk: int, hv: int, enable_gqa: bool) -> None:
-    if hq == 0 or hk == 0:
-        raise ValueError(f"q has {hq} heads and k {hk}: attention needs at least one head each")
-    if hk != hv:
-        raise ValueError(f"k has {hk} heads but v has {hv}: they must have the same")
-    if hq != hk and not enable_gqa:
-        raise ValueError(
-            f"q has {hq} heads but k and v have {hk}: pass enable_gqa=True for grouped-query "
-            f"attention (as torch SDPA requires), or repeat k and v to {hq} heads"
+def check_gpu_call(q, k, v, mask=None, names=("q", "k", "v")) -> None:
+    """The kernels' limits on an attention call, beyond the shared layout rule
+    (:func:`flashtile._validate.check_sdpa_layout`): each of q, k, v a float16,
+    bfloat16 or float32 tensor on the kernels' device, one dtype and one
+    device for all three, head dims 1 to 256, and no ``mask``.
+
+    Reads metadata only. :func:`flashtile.torch._support.refusal` calls it
+    for CUDA calls, so the operator and the SDPA router refuse what these
+    kernels refuse, with the same message.
+    """
+    listed = ", ".join(names)
+    for t, name in zip((q, k, v), names, strict=True):
+        check_kind(t, name)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"{listed} have dtypes {q.dtype}, {k.dtype}, {v.dtype}: the Triton kernels take one "
+            f"dtype (cast q to the others', e.g. q.to({names[1]}.dtype), or all three to one)"
         )
-    if hq % hk:
-        raise ValueError(f"grouped-query attention needs Hq divisible by Hkv, got {hq} and {hk}")
-
-
-def check_softcap(softcap) -> float | None:
-    if softcap is None:
-        return None
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a positive number or None, got {softcap!r}")
-    if not (math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be finite and > 0 (e.g. 50.0), got {softcap}")
-    return float(softcap)
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{listed} are on {q.device}, {k.device}, {v.device}: move them to one")
+    check_head_dims(q.shape[-1], v.shape[-1])
+    if mask is not None:
+        raise ValueError(
+            "flashtile's Triton kernels take no mask: express it with causal, window or "
+            "kv_lengths (flashtile.triton.attention), or run the CPU path "
+            "(flashtile.torch.attention on CPU tensors) or "
+            "torch.nn.functional.scaled_dot_product_attention for an arbitrary mask"
+        )
 
 
 def slopes(alibi_slopes, batch: int, heads: int, device, per_batch_ok: bool):
@@ -132,12 +143,7 @@ def check_range(t: torch.Tensor, name: str, low: int, high: int, why: str) -> No
 
 
 def check_cu_seqlens(cu: torch.Tensor, name: str, total: int) -> int:
-    """Offsets that start at 0, never decrease and end at ``total``; returns the longest."""
-    host = cu.cpu()
-    if host.numel() < 2 or host[0] != 0 or host[-1] != total or bool((host.diff() < 0).any()):
-        shown = host.tolist()[:8]
-        raise ValueError(
-            f"{name} = {shown}{'...' if host.numel() > 8 else ''} must start at 0, never "
-            f"decrease, and end at the packed length {total}"
-        )
-    return int(host.diff().max())
+    """Offsets that start at 0, never decrease and end at ``total``
+    (:func:`flashtile._validate.check_cu_seqlens`, on a host copy); returns the longest."""
+    host = _validate.check_cu_seqlens(cu.cpu().numpy(), name, total)
+    return int(np.diff(host).max())

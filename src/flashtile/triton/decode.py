@@ -23,66 +23,15 @@ import triton.language as tl
 from .tiles import (
     LN2,
     LOG2E,
+    attend_range,
     device_fn,
     finish_rows,
-    load_tile,
-    mma_in,
-    online_block,
-    phase_block,
-    phase_count,
+    load_rows,
     phase_ends,
     row_bounds,
-    scores,
-    store_tile,
+    row_slopes,
+    store_rows,
 )
-
-
-@device_fn
-def _cache_rows(base, table_row, offs_n, n_ok, stride_page, stride_t, page_size,
-                MASKED: tl.constexpr, PAGED: tl.constexpr):  # fmt: skip
-    """Pointers to the cache rows of keys ``offs_n`` of one sequence and kv head."""
-    if PAGED:
-        if MASKED:
-            page = tl.load(table_row + offs_n // page_size, mask=n_ok, other=0)
-        else:
-            page = tl.load(table_row + offs_n // page_size)
-        rows = page.to(tl.int64) * stride_page + (offs_n % page_size).to(tl.int64) * stride_t
-    else:
-        rows = offs_n.to(tl.int64) * stride_t
-    return base + rows[:, None]
-
-
-@device_fn
-def _decode_range(
-    acc, l_i, m_i, q, k_base, v_base, table_row, sk_page, sk_t, sv_page, sv_t, page_size,
-    lo, s1, s2, hi, pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
-    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
-    PAGED: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
-):  # fmt: skip
-    """Fold the cache's key blocks of one phase (see :func:`~.tiles.phase_count`) in."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    blocks, head = phase_count(lo, s1, s2, hi, BLOCK_N, MASKED)
-    for i in range(blocks):
-        start_n, end = phase_block(i, head, lo, s1, s2, hi, BLOCK_N, MASKED)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < end
-        k_rows = _cache_rows(k_base, table_row, offs_n, n_ok, sk_page, sk_t, page_size,
-                             MASKED, PAGED)  # fmt: skip
-        k = load_tile(k_rows + offs_d[None, :], n_ok, offs_d < HEAD_D, MASKED, BLOCK_D != HEAD_D)
-        s, _ = scores(
-            q, mma_in(k, EMULATE_BF16), pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in,
-            cap_out, SOFTCAP, ALIBI, MASKED, IEEE,
-        )  # fmt: skip
-        v_rows = _cache_rows(v_base, table_row, offs_n, n_ok, sv_page, sv_t, page_size,
-                             MASKED, PAGED)  # fmt: skip
-        v = load_tile(v_rows + offs_dv[None, :], n_ok, offs_dv < HEAD_DV, MASKED,
-                      BLOCK_DV != HEAD_DV)  # fmt: skip
-        acc, l_i, m_i = online_block(
-            acc, l_i, m_i, s, mma_in(v, EMULATE_BF16), MASKED, IEEE, EMULATE_BF16
-        )
-    return acc, l_i, m_i
 
 
 @device_fn
@@ -122,14 +71,9 @@ def decode_split(
     r_ok = r < group * tq
     pos = seqlen - tq + r % tq
     lo_r, hi_r = row_bounds(pos, seqlen, left, right, HAS_LEFT, HAS_RIGHT)
-    slope2 = tl.zeros([BLOCK_M], tl.float32)
-    if ALIBI:
-        slope2 += tl.load(Slopes + b * ss_b + hk * group + r // tq, mask=r_ok, other=0.0) * LOG2E
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    slope2 = row_slopes(Slopes + b * ss_b + hk * group + r // tq, r_ok, BLOCK_M, ALIBI)
     rows = (hk * group * tq + r).to(tl.int64)  # the row in the (Hq * Tq) axis
-    q_ptrs = Q + b * sq_b + rows[:, None] * HEAD_D + offs_d[None, :]
-    q = mma_in(load_tile(q_ptrs, r_ok, offs_d < HEAD_D, True, BLOCK_D != HEAD_D), EMULATE_BF16)
+    q = load_rows(Q + b * sq_b + rows * HEAD_D, r_ok, HEAD_D, BLOCK_D, True, EMULATE_BF16)
     if PAGED:  # pages carry no batch index: the table does
         k_base = K + hk * sk_h
         v_base = V + hk * sv_h
@@ -142,15 +86,15 @@ def decode_split(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for phase in tl.static_range(2):  # the masked edges, then the unmasked interior
-        acc, l_i, m_i = _decode_range(
+        acc, l_i, m_i = attend_range(
             acc, l_i, m_i, q, k_base, v_base, Table + b * st_b, sk_b, sk_t, sv_b, sv_t,
             page_size, start, s1, s2, end, pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
             HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP, ALIBI, phase == 0, PAGED,
             IEEE, EMULATE_BF16,
         )  # fmt: skip
     out, lse = finish_rows(acc, l_i, m_i)
-    o_ptrs = Out + b * so_b + rows[:, None] * so_r + split * so_s + offs_dv[None, :]
-    store_tile(o_ptrs, out, r_ok[:, None] & (offs_dv[None, :] < HEAD_DV), EMULATE_BF16)
+    store_rows(Out + b * so_b + rows * so_r + split * so_s, out, r_ok, HEAD_DV, BLOCK_DV,
+               EMULATE_BF16)  # fmt: skip
     tl.store(Lse + b * sl_b + rows * sl_r + split * sl_s, lse, mask=r_ok)
 
 
@@ -183,5 +127,5 @@ def decode_merge(
     empty = weight == 0.0
     out = acc / tl.where(empty, 1.0, weight)[:, None]
     lse = tl.where(empty, float("-inf"), m_base + tl.log2(tl.where(empty, 1.0, weight)) * LN2)
-    store_tile(Out + r[:, None] * HEAD_DV + offs_dv[None, :], out, mask, EMULATE_BF16)
+    store_rows(Out + r * HEAD_DV, out, r_ok, HEAD_DV, BLOCK_DV, EMULATE_BF16)
     tl.store(Lse + r, lse, mask=r_ok)

@@ -15,79 +15,22 @@ Variants: ``HAS_LEFT``/``HAS_RIGHT`` (sliding window; causal is ``right =
 ``Tk``), ``VARLEN`` (packed sequences from ``cu_seqlens``; then the tensors
 are ``(1, H, total, d)`` and each sequence aligns bottom-right on its own).
 GQA/MQA: query head ``h`` reads kv head ``h // group``; K/V are never copied.
+The key loop is :func:`~flashtile.triton.tiles.attend_range`, which the
+decoding kernel runs too (there over a paged or contiguous cache).
 """
 
 import triton
 import triton.language as tl
 
 from .tiles import (
-    LOG2E,
-    device_fn,
+    attend_range,
     finish_rows,
-    load_tile,
-    mma_in,
-    online_block,
-    phase_block,
-    phase_count,
+    load_rows,
+    program_tile,
     query_block_keys,
-    scores,
-    store_tile,
+    row_slopes,
+    store_rows,
 )
-
-
-@device_fn
-def sequence(
-    seq, CuQ, CuK, KvLens, seqlen_q, seqlen_k, KV_LENS: tl.constexpr, VARLEN: tl.constexpr
-):
-    """``(batch index, first query, first key, Tq, Tk, valid keys)`` of sequence ``seq``."""
-    if VARLEN:
-        q0 = tl.load(CuQ + seq)
-        k0 = tl.load(CuK + seq)
-        tq = tl.load(CuQ + seq + 1) - q0
-        tk = tl.load(CuK + seq + 1) - k0
-        b = seq * 0
-    else:
-        q0 = seq * 0
-        k0 = seq * 0
-        tq = seq * 0 + seqlen_q
-        tk = seq * 0 + seqlen_k
-        b = seq
-    kv_len = tk
-    if KV_LENS:
-        kv_len = tl.load(KvLens + seq)
-    return b, q0, k0, tq, tk, kv_len
-
-
-@device_fn
-def _fwd_range(
-    acc, l_i, m_i, q, k_base, v_base, stride_k, stride_v, lo, s1, s2, hi,
-    pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
-    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
-    IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
-):  # fmt: skip
-    """Fold the key blocks of one phase (see :func:`~.tiles.phase_count`) into the state."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    blocks, head = phase_count(lo, s1, s2, hi, BLOCK_N, MASKED)
-    for i in range(blocks):
-        start_n, end = phase_block(i, head, lo, s1, s2, hi, BLOCK_N, MASKED)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < end
-        k_ptrs = k_base + offs_n[:, None].to(tl.int64) * stride_k + offs_d[None, :]
-        k = mma_in(
-            load_tile(k_ptrs, n_ok, offs_d < HEAD_D, MASKED, BLOCK_D != HEAD_D), EMULATE_BF16
-        )
-        s, _ = scores(
-            q, k, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
-            SOFTCAP, ALIBI, MASKED, IEEE,
-        )  # fmt: skip
-        v_ptrs = v_base + offs_n[:, None].to(tl.int64) * stride_v + offs_dv[None, :]
-        v = load_tile(v_ptrs, n_ok, offs_dv < HEAD_DV, MASKED, BLOCK_DV != HEAD_DV)
-        acc, l_i, m_i = online_block(
-            acc, l_i, m_i, s, mma_in(v, EMULATE_BF16), MASKED, IEEE, EMULATE_BF16
-        )
-    return acc, l_i, m_i
 
 
 @triton.jit
@@ -101,41 +44,32 @@ def attn_fwd(
     KV_LENS: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
     """``Out (B, Hq, Tq, dv)`` and ``Lse (B, Hq, Tq)`` float32 (see the module docstring)."""
-    seq = tl.program_id(1) // heads
-    h = tl.program_id(1) % heads
-    start_m = tl.program_id(0) * BLOCK_M
-    b, q0, k0, tq, tk, kv_len = sequence(seq, CuQ, CuK, KvLens, seqlen_q, seqlen_k, KV_LENS, VARLEN)
+    start_m, h, b, q0, k0, tq, tk, kv_len = program_tile(
+        heads, CuQ, CuK, KvLens, seqlen_q, seqlen_k, BLOCK_M, KV_LENS, VARLEN
+    )
     if start_m >= tq:
         return
-    b = b.to(tl.int64)
     hk = (h // group).to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < tq
+    rows = (q0 + offs_m).to(tl.int64)
     pos, lo_r, hi_r, lo, s1, s2, hi = query_block_keys(
         start_m, tq, tk, kv_len, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT
     )
-    slope2 = tl.zeros([BLOCK_M], tl.float32)
-    if ALIBI:
-        slope2 += tl.load(Slopes + b * ss_b + h) * LOG2E
-    q_ptrs = Q + b * sq_b + h * sq_h + (q0 + offs_m[:, None]).to(tl.int64) * sq_t + offs_d[None, :]
-    q = mma_in(load_tile(q_ptrs, m_ok, offs_d < HEAD_D, True, BLOCK_D != HEAD_D), EMULATE_BF16)
+    slope2 = row_slopes(Slopes + b * ss_b + h, m_ok, BLOCK_M, ALIBI)
+    q = load_rows(Q + b * sq_b + h * sq_h + rows * sq_t, m_ok, HEAD_D, BLOCK_D, True, EMULATE_BF16)
     k_base = K + b * sk_b + hk * sk_h + k0.to(tl.int64) * sk_t
     v_base = V + b * sv_b + hk * sv_h + k0.to(tl.int64) * sv_t
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for phase in tl.static_range(2):  # the masked edges, then the unmasked interior
-        acc, l_i, m_i = _fwd_range(
-            acc, l_i, m_i, q, k_base, v_base, sk_t, sv_t, lo, s1, s2, hi,
+        acc, l_i, m_i = attend_range(
+            acc, l_i, m_i, q, k_base, v_base, K, 0, sk_t, 0, sv_t, 1, lo, s1, s2, hi,
             pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
-            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP, ALIBI, phase == 0, IEEE,
-            EMULATE_BF16,
+            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP, ALIBI, phase == 0, False,
+            IEEE, EMULATE_BF16,
         )  # fmt: skip
     out, lse = finish_rows(acc, l_i, m_i)
-    o_ptrs = (
-        Out + b * so_b + h * so_h + (q0 + offs_m[:, None]).to(tl.int64) * so_t + offs_dv[None, :]
-    )
-    store_tile(o_ptrs, out, m_ok[:, None] & (offs_dv[None, :] < HEAD_DV), EMULATE_BF16)
+    store_rows(Out + b * so_b + h * so_h + rows * so_t, out, m_ok, HEAD_DV, BLOCK_DV, EMULATE_BF16)
     tl.store(Lse + b * sl_b + h * sl_h + q0 + offs_m, lse, mask=m_ok)

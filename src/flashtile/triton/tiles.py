@@ -101,8 +101,8 @@ def phase_count(lo, s1, s2, hi, BLOCK: tl.constexpr, MASKED: tl.constexpr):
 
 @device_fn
 def phase_block(i, head, lo, s1, s2, hi, BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    """``(start, end)`` of block ``i`` of a phase: it covers ``[start, start + BLOCK)``
-    and nothing from ``end`` on belongs to its part of the range."""
+    """``(offs, ok)`` of block ``i`` of a phase: its ``BLOCK`` row (or key) indices and
+    which of them belong to its part of the range."""
     if MASKED:
         before = i < head
         start = tl.where(before, lo + i * BLOCK, s2 + (i - head) * BLOCK)
@@ -110,7 +110,76 @@ def phase_block(i, head, lo, s1, s2, hi, BLOCK: tl.constexpr, MASKED: tl.constex
     else:
         start = s1 + i * BLOCK
         end = s2
-    return start, end
+    offs = start + tl.arange(0, BLOCK)
+    return offs, offs < end
+
+
+@device_fn
+def sequence(
+    seq, CuQ, CuK, KvLens, seqlen_q, seqlen_k, KV_LENS: tl.constexpr, VARLEN: tl.constexpr
+):
+    """``(batch index, first query, first key, Tq, Tk, valid keys)`` of sequence ``seq``."""
+    if VARLEN:
+        q0 = tl.load(CuQ + seq)
+        k0 = tl.load(CuK + seq)
+        tq = tl.load(CuQ + seq + 1) - q0
+        tk = tl.load(CuK + seq + 1) - k0
+        b = seq * 0
+    else:
+        q0 = seq * 0
+        k0 = seq * 0
+        tq = seq * 0 + seqlen_q
+        tk = seq * 0 + seqlen_k
+        b = seq
+    kv_len = tk
+    if KV_LENS:
+        kv_len = tl.load(KvLens + seq)
+    return b, q0, k0, tq, tk, kv_len
+
+
+@device_fn
+def program_tile(heads, CuQ, CuK, KvLens, seqlen_q, seqlen_k,
+                 BLOCK: tl.constexpr, KV_LENS: tl.constexpr, VARLEN: tl.constexpr):  # fmt: skip
+    """What a program of the grid ``(blocks of BLOCK rows, sequences * heads)`` owns:
+    ``(start, h, b, q0, k0, tq, tk, kv_len)``: its first row, its head, and its
+    sequence (:func:`sequence`; ``b`` as int64, for addressing)."""
+    seq = tl.program_id(1) // heads
+    h = tl.program_id(1) % heads
+    start = tl.program_id(0) * BLOCK
+    b, q0, k0, tq, tk, kv_len = sequence(seq, CuQ, CuK, KvLens, seqlen_q, seqlen_k, KV_LENS, VARLEN)
+    return start, h, b.to(tl.int64), q0, k0, tq, tk, kv_len
+
+
+@device_fn
+def row_slopes(ptrs, ok, BLOCK_M: tl.constexpr, ALIBI: tl.constexpr):
+    """ALiBi slopes times ``log2(e)`` for ``BLOCK_M`` rows read at ``ptrs`` (one pointer,
+    or one per row); zeros without ALiBi."""
+    slope2 = tl.zeros([BLOCK_M], tl.float32)
+    if ALIBI:
+        slope2 += tl.load(ptrs + tl.zeros([BLOCK_M], tl.int32), mask=ok, other=0.0) * LOG2E
+    return slope2
+
+
+@device_fn
+def load_rows(row_ptrs, row_ok, HEAD: tl.constexpr, BLOCK: tl.constexpr,
+              MASK_ROWS: tl.constexpr, EMULATE_BF16: tl.constexpr):  # fmt: skip
+    """A ``tl.dot`` operand: the rows starting at ``row_ptrs`` (one pointer per row,
+    unit stride along the row), ``HEAD`` columns padded with zeros to ``BLOCK``;
+    rows masked by ``row_ok`` only where ``MASK_ROWS``."""
+    cols = tl.arange(0, BLOCK)
+    tile = load_tile(row_ptrs[:, None] + cols[None, :], row_ok, cols < HEAD, MASK_ROWS,
+                     BLOCK != HEAD)  # fmt: skip
+    return mma_in(tile, EMULATE_BF16)
+
+
+@device_fn
+def store_rows(row_ptrs, x, row_ok, HEAD: tl.constexpr, BLOCK: tl.constexpr,
+               EMULATE_BF16: tl.constexpr):  # fmt: skip
+    """Store the first ``HEAD`` columns of the float32 tile ``x`` in the rows starting at
+    ``row_ptrs`` where ``row_ok``, rounded to the pointers' dtype."""
+    cols = tl.arange(0, BLOCK)
+    mask = row_ok[:, None] & (cols[None, :] < HEAD)
+    store_tile(row_ptrs[:, None] + cols[None, :], x, mask, EMULATE_BF16)
 
 
 @device_fn
@@ -266,3 +335,46 @@ def finish_rows(acc, l_i, m_i):
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
     return out, lse
+
+
+@device_fn
+def key_rows(offs_n, n_ok, table_row, stride_page, stride_t, page_size,
+             MASKED: tl.constexpr, PAGED: tl.constexpr):  # fmt: skip
+    """Element offsets of the rows of keys ``offs_n`` from their sequence's and head's
+    base: ``offs_n * stride_t``, or with ``PAGED`` row ``j % page_size`` of page
+    ``table_row[j // page_size]`` (:mod:`flashtile.kvlayout`'s rule)."""
+    if PAGED:
+        if MASKED:
+            page = tl.load(table_row + offs_n // page_size, mask=n_ok, other=0)
+        else:
+            page = tl.load(table_row + offs_n // page_size)
+        rows = page.to(tl.int64) * stride_page + (offs_n % page_size).to(tl.int64) * stride_t
+    else:
+        rows = offs_n.to(tl.int64) * stride_t
+    return rows
+
+
+@device_fn
+def attend_range(
+    acc, l_i, m_i, q, k_base, v_base, table_row, sk_page, sk_t, sv_page, sv_t, page_size,
+    lo, s1, s2, hi, pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
+    PAGED: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):  # fmt: skip
+    """Fold the key blocks of one phase (see :func:`phase_count`) into the running state
+    ``(acc, l_i, m_i)`` of the query tile ``q``: the loop of the forward and of the
+    decoding kernel (contiguous keys, or a paged cache with ``PAGED``)."""
+    blocks, head = phase_count(lo, s1, s2, hi, BLOCK_N, MASKED)
+    for i in range(blocks):
+        offs_n, n_ok = phase_block(i, head, lo, s1, s2, hi, BLOCK_N, MASKED)
+        k_rows = key_rows(offs_n, n_ok, table_row, sk_page, sk_t, page_size, MASKED, PAGED)
+        k = load_rows(k_base + k_rows, n_ok, HEAD_D, BLOCK_D, MASKED, EMULATE_BF16)
+        s, _ = scores(
+            q, k, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
+            SOFTCAP, ALIBI, MASKED, IEEE,
+        )  # fmt: skip
+        v_rows = key_rows(offs_n, n_ok, table_row, sv_page, sv_t, page_size, MASKED, PAGED)
+        v = load_rows(v_base + v_rows, n_ok, HEAD_DV, BLOCK_DV, MASKED, EMULATE_BF16)
+        acc, l_i, m_i = online_block(acc, l_i, m_i, s, v, MASKED, IEEE, EMULATE_BF16)
+    return acc, l_i, m_i
