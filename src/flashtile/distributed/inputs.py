@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 import flashtile
+from flashtile._validate import check_sdpa_layout
 
 from .threads import kernel_threads
 
@@ -24,26 +25,13 @@ def check_qkv(q, k, v, enable_gqa: bool, what: str) -> None:
             f"{what}: q, k, v must share one floating dtype (float16, bfloat16, float32 or "
             f"float64), got {q.dtype}, {k.dtype}, {v.dtype}"
         )
-    if not q.ndim == k.ndim == v.ndim == 4:
+    layout = "(B, H, T_local, d) tensors, each rank its shard of the sequence"
+    check_sdpa_layout(q, k, v, enable_gqa=enable_gqa, ranks=(4,), layout=layout, who=what)
+    if not q.shape[2] == k.shape[2]:
         raise ValueError(
-            f"{what}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: pass "
-            f"(B, H, T_local, d) tensors, each rank its shard of the sequence"
+            f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} must share T_local "
+            f"(self-attention over one sharded sequence)"
         )
-    (b, hq, t, d), (bk, hk, tk, dk), (bv, hv, tv, _) = q.shape, k.shape, v.shape
-    if not (b == bk == bv and t == tk == tv and d == dk):
-        raise ValueError(
-            f"{what}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must share "
-            f"B and T_local (self-attention over one sharded sequence), and q and k the head dim"
-        )
-    if hk != hv or hk == 0 or hq == 0:
-        raise ValueError(f"{what}: k has {hk} heads and v {hv}: they must be equal and > 0")
-    if hq != hk and not enable_gqa:
-        raise ValueError(
-            f"{what}: q has {hq} heads but k and v have {hk}: pass enable_gqa=True for "
-            f"grouped-query attention, or repeat k and v to {hq} heads"
-        )
-    if hq % hk:
-        raise ValueError(f"{what}: enable_gqa needs Hq divisible by Hkv, got Hq={hq}, Hkv={hk}")
 
 
 def slopes_array(alibi_slopes):
