@@ -12,22 +12,31 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._validate import BFLOAT16, compute_dtype
+
 
 def run_forward(plan) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(out (NB, Hq, TQ, dv), lse (NB, Hq, TQ), tiles computed)`` of a forward plan."""
+    """``(out (NB, Hq, TQ, dv), lse (NB, Hq, TQ), tiles computed)`` of a forward plan.
+
+    ``out`` has the dtype of ``plan.q4`` (bfloat16 too: the kernel reads and
+    writes its bits as ``uint16``, :mod:`.half`); ``lse`` the work dtype.
+    """
     from .blas import gemm_for, single_threaded_blas
     from .forward import forward_kernel
 
-    q4, v4 = plan.q4, plan.v4
+    q4, k4, v4 = plan.q4, plan.k4, plan.v4
     out = np.empty(q4.shape[:-1] + (v4.shape[-1],), dtype=q4.dtype)
-    lse = np.empty(q4.shape[:-1], dtype=q4.dtype)
+    lse = np.empty(q4.shape[:-1], dtype=compute_dtype(q4.dtype))
     visited = np.empty(len(plan.items), dtype=np.int64)
     if q4.size == 0:  # B = 0 or H = 0: nothing to compute (the kernel divides by H)
         return out, lse, 0
     gemm_fn = gemm_for(q4.dtype)
+    bits = (q4, k4, v4, out)
+    if q4.dtype == BFLOAT16:  # Numba has no bf16: the same memory as uint16
+        bits = tuple(a.view(np.uint16) for a in bits)
     with single_threaded_blas(gemm_fn):
         forward_kernel(
-            q4, plan.k4, v4, out, lse, visited, plan.seqs, plan.items, plan.scale, plan.variants,
+            *bits, lse, visited, plan.seqs, plan.items, plan.scale, plan.variants,
             plan.block_q, plan.block_k, gemm_fn,
         )  # fmt: skip
     return out, lse, int(visited.sum())
@@ -84,6 +93,8 @@ def run_decode(plan) -> tuple[np.ndarray, np.ndarray]:
     lse = np.empty((batch, hq, tq), dtype=q.dtype)
     # Numba has no float16: the kernel widens the bit patterns itself.
     k, v = layout.k, layout.v
+    if k.dtype == BFLOAT16:  # widened here until the decode kernel reads bf16 itself
+        k, v = k.astype(np.float32), v.astype(np.float32)
     if k.dtype == np.float16:
         k, v = k.view(np.uint16), v.view(np.uint16)
     gemm_fn = gemm_for(q.dtype, rows=rows)

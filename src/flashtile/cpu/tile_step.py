@@ -28,7 +28,8 @@ from numba import njit
 
 from ..masks import TILE_FULL, TILE_PARTIAL
 from . import FASTMATH
-from .blas import gemm
+from .blas import gemm, gemm_scaled
+from .half import narrow, prob_operand, widen
 from .memory import prefetch_rows
 from .rowops import exp2_shifted, row_max
 from .tiles import (
@@ -93,8 +94,8 @@ def prepare_row(row, r, segs, tile, variants, full):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def rebase_row(row, r, lo, hi, q_row, k_rows, segs, tile, variants, full):
-    """Recompute row ``r``'s scores ``k_rows[lo:hi] @ q_row`` with every variant,
+def rebase_row(row, r, lo, hi, q_row, k_rows, s_mult, segs, tile, variants, full):
+    """Recompute row ``r``'s scores ``s_mult * k_rows[lo:hi] @ q_row`` with every variant,
     exponentiate against a new reference ``max + HEADROOM``; return
     ``(reference, row sum)``.
 
@@ -104,8 +105,8 @@ def rebase_row(row, r, lo, hi, q_row, k_rows, segs, tile, variants, full):
     for c in range(lo, hi):
         acc = row.dtype.type(0.0)
         for t in range(q_row.shape[0]):
-            acc += q_row[t] * k_rows[c, t]
-        row[c] = acc
+            acc += widen(q_row[t]) * widen(k_rows[c, t])
+        row[c] = acc * s_mult
     prepare_row(row, r, segs, tile, variants, full)
     seg = row[lo:hi]
     m_new = row_max(seg, hi - lo) + HEADROOM
@@ -113,7 +114,7 @@ def rebase_row(row, r, lo, hi, q_row, k_rows, segs, tile, variants, full):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def softmax_tile(s, m, ell, alpha, q_tile, k_tile, segs, tile, variants, full):
+def softmax_tile(s, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, variants, full):
     """Online-softmax update of one stacked score tile ``s (rows, n)`` in place.
 
     ``tile`` (a :class:`.tiles.QueryTile`) places the rows; ``segs`` (see
@@ -132,7 +133,8 @@ def softmax_tile(s, m, ell, alpha, q_tile, k_tile, segs, tile, variants, full):
     and no rescale, which is exact for any reference. Only when a score rises
     above the reference (some ``P > 1``, which a row sum ``<= 1`` rules out
     cheaply) is that row's score recomputed from ``q_tile`` and ``k_tile``
-    and the reference raised, as in the textbook update.
+    (times ``s_mult``, see :func:`score_product`) and the reference raised,
+    as in the textbook update.
     """
     rows = s.shape[0]
     plain = full and not changes_scores(variants)
@@ -161,7 +163,7 @@ def softmax_tile(s, m, ell, alpha, q_tile, k_tile, segs, tile, variants, full):
             if total > 1.0 and row_max(seg, n) > 1.0:
                 # A score passed the reference: rebuild this row and raise it.
                 m_new, total = rebase_row(
-                    row, r, lo, hi, q_tile[r], k_tile, segs, tile, variants, full
+                    row, r, lo, hi, q_tile[r], k_tile, s_mult, segs, tile, variants, full
                 )
             alpha[r] = 1.0 if m_new == m[r] else math.exp2(m[r] - m_new)
         row[:lo] = 0.0
@@ -171,22 +173,38 @@ def softmax_tile(s, m, ell, alpha, q_tile, k_tile, segs, tile, variants, full):
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def score_product(gemm_fn, q_tile, k_tile, s, top, top_w):
-    """``s = q_tile k_tile^T``; with a diagonal split (``top > 0``) the first
-    ``top`` rows get only the first ``top_w`` columns (the rest is left
-    unwritten: the caller hides it)."""
+def score_product(gemm_fn, q_tile, k_tile, s, top, top_w, s_mult=1.0):
+    """``s = s_mult * q_tile k_tile^T``; with a diagonal split (``top > 0``)
+    the first ``top`` rows get only the first ``top_w`` columns (the rest is
+    left unwritten: the caller hides it). ``s_mult`` is 1 when the query
+    tile is already scaled (float tiles), the score scale for bf16 operands
+    (:func:`.half.split_scale`)."""
     if top > 0:
         if top_w > 0:
-            gemm(gemm_fn, q_tile[:top], k_tile[:top_w], s[:top, :top_w], False, True, 0.0)
-        gemm(gemm_fn, q_tile[top:], k_tile, s[top:], False, True, 0.0)
+            gemm_scaled(
+                gemm_fn, q_tile[:top], k_tile[:top_w], s[:top, :top_w], False, True, s_mult, 0.0
+            )
+        gemm_scaled(gemm_fn, q_tile[top:], k_tile, s[top:], False, True, s_mult, 0.0)
     else:
-        gemm(gemm_fn, q_tile, k_tile, s, False, True, 0.0)
+        gemm_scaled(gemm_fn, q_tile, k_tile, s, False, True, s_mult, 0.0)
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def attend_tile(
     gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, variants, full, top,
     top_w, k_next, v_next,
+):  # fmt: skip
+    """:func:`fold_key_tile` for float tiles: a scaled query tile, ``P`` used in place."""
+    fold_key_tile(
+        gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, variants, full, top,
+        top_w, k_next, v_next, s[0, :0], 1.0,
+    )  # fmt: skip
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def fold_key_tile(
+    gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, variants, full, top,
+    top_w, k_next, v_next, p_buf, s_mult,
 ):  # fmt: skip
     """Fold one key tile into the rows' state ``(m, ell, acc)``: the tile step.
 
@@ -196,32 +214,39 @@ def attend_tile(
     decoding tile).
 
     Args:
-        q_tile: ``(rows, d)`` stacked queries, scaled by ``scale * log2(e)``.
+        q_tile: ``(rows, d)`` stacked queries, scaled by ``scale * log2(e) /
+            s_mult``.
         k_tile, v_tile: ``(n, d)``, ``(n, dv)``: the keys and values of the
             tile's columns (described by ``segs``, columns ``SEG_*``).
-        s: ``(rows, n)`` C-contiguous score buffer; alpha: ``(rows,)`` scratch.
-        m, ell, acc: ``(rows,)``, ``(rows,)``, ``(rows, dv)``: the state.
+        s: ``(rows, n)`` C-contiguous float score buffer; alpha: ``(rows,)`` scratch.
+        m, ell, acc: ``(rows,)``, ``(rows,)``, ``(rows, dv)``: the state, in
+            the dtype of ``s``.
         tile, variants: :class:`.tiles.QueryTile`, :class:`.tiles.KernelVariants`.
         full: every row sees every column (no per-row limits, no mask reads).
         top, top_w: the diagonal split (:func:`.tiles.diagonal_split`; ``top
             = 0`` for none).
         k_next, v_next: rows of the next tile to prefetch while this one is
             finished (zero rows for none).
+        p_buf: bf16 operands (``uint16``): at least ``rows * n`` elements for
+            ``P`` rounded to bf16 (:func:`.half.prob_buffer`); float
+            operands: empty, ``P`` is used in place.
+        s_mult: the scale the score product applies (:func:`.half.split_scale`).
     """
-    score_product(gemm_fn, q_tile, k_tile, s, top, top_w)
+    score_product(gemm_fn, q_tile, k_tile, s, top, top_w, s_mult)
     prefetch_rows(k_next, 0, k_next.shape[0])
     prefetch_rows(v_next, 0, v_next.shape[0])
     # Hidden columns (the top rows' unwritten ones too) come back as zeros.
-    softmax_tile(s, m, ell, alpha, q_tile, k_tile, segs, tile, variants, full)
+    softmax_tile(s, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, variants, full)
     for r in range(s.shape[0]):
         if alpha[r] != 1.0:  # most rows keep their reference: nothing to rescale
             acc[r] *= alpha[r]
+    p = prob_operand(s, p_buf)
     if top > 0:
         if top_w > 0:
-            gemm(gemm_fn, s[:top, :top_w], v_tile[:top_w], acc[:top], False, False, 1.0)
-        gemm(gemm_fn, s[top:], v_tile, acc[top:], False, False, 1.0)
+            gemm(gemm_fn, p[:top, :top_w], v_tile[:top_w], acc[:top], False, False, 1.0)
+        gemm(gemm_fn, p[top:], v_tile, acc[top:], False, False, 1.0)
     else:
-        gemm(gemm_fn, s, v_tile, acc, False, False, 1.0)
+        gemm(gemm_fn, p, v_tile, acc, False, False, 1.0)
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -229,17 +254,18 @@ def finish_rows(acc, m, ell, out, lse, h0, i_first, br):
     """The epilogue: normalise the rows once and write ``out`` and ``lse``.
 
     Row ``r`` goes to ``out[h0 + r // br, i_first + r % br]`` of ``out (H, T,
-    dv)`` and ``lse (H, T)`` (natural log). A row that saw no key gets zeros
+    dv)`` (float, or bf16 bits as uint16: rounded) and ``lse (H, T)``
+    (natural log). A row that saw no key gets zeros
     and ``lse = -inf`` (a NaN row is not caught here: it stays NaN).
     """
     for r in range(acc.shape[0]):
         h = h0 + r // br
         i = i_first + r % br
         if ell[r] == 0.0:
-            out[h, i, :] = 0.0
+            out[h, i, :] = 0
             lse[h, i] = -np.inf
         else:
             inv = 1.0 / ell[r]
             for c in range(out.shape[2]):
-                out[h, i, c] = acc[r, c] * inv
+                out[h, i, c] = narrow(acc[r, c] * inv, out)
             lse[h, i] = (m[r] + math.log2(ell[r])) * LN2
