@@ -18,16 +18,16 @@ source serves float32, float64 and bf16 storage:
 * :func:`split_scale`: where the score scale goes (into the float query
   tile, or, for bf16 operands, into the ``gemm``'s ``alpha`` so the queries
   are not rounded a second time);
-* :func:`prob_buffer` / :func:`prob_operand`: the value product's ``P``
-  operand (rounded to bf16 into its own buffer, as FlashAttention does on
-  GPUs, or the float32 scores tile itself).
+* :func:`prob_buffer` / :func:`prob_tile`: where the softmax writes ``P``,
+  the value product's operand (rounded to bf16 into its own buffer as it is
+  computed, as FlashAttention does on GPUs, or in place over float scores).
 """
 
 from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic, overload
 
 from . import FASTMATH
@@ -124,27 +124,16 @@ def _prob_buffer(q, n):
     return lambda q, n: np.empty(0, dtype=q.dtype)
 
 
-@njit(fastmath=FASTMATH, cache=True)
-def round_tile(s, p_buf):
-    """``s (rows, n)`` float32 rounded to bf16 into ``p_buf``; returns the
-    ``(rows, n)`` C-contiguous view that holds them."""
-    rows, n = s.shape
-    p = p_buf[: rows * n].reshape((rows, n))
-    for r in range(rows):
-        src, dst = s[r], p[r]
-        for c in range(n):
-            dst[c] = bf16_bits(src[c])
-    return p
+def prob_tile(s, p_buf):
+    """Where the softmax writes the probabilities of the scores ``s (rows, n)``:
+    a C-contiguous ``(rows, n)`` view of ``p_buf`` for bf16 (``uint16``, from
+    :func:`prob_buffer`; rounded as they are computed, the scores kept), else
+    ``s`` itself (in place)."""
+    raise NotImplementedError("prob_tile is only available inside Numba kernels")
 
 
-def prob_operand(s, p_buf):
-    """The value product's left operand for the probabilities ``s``: the
-    rounded bf16 copy (``p_buf`` uint16, from :func:`prob_buffer`) or ``s``."""
-    raise NotImplementedError("prob_operand is only available inside Numba kernels")
-
-
-@overload(prob_operand, fastmath=FASTMATH)
-def _prob_operand(s, p_buf):
+@overload(prob_tile, fastmath=FASTMATH, inline="always")
+def _prob_tile(s, p_buf):
     if p_buf.dtype == types.uint16:
-        return lambda s, p_buf: round_tile(s, p_buf)
+        return lambda s, p_buf: p_buf[: s.shape[0] * s.shape[1]].reshape(s.shape)
     return lambda s, p_buf: s

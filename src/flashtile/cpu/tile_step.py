@@ -29,9 +29,9 @@ from numba import njit
 from ..masks import TILE_FULL, TILE_PARTIAL
 from . import FASTMATH
 from .blas import gemm, gemm_scaled
-from .half import narrow, prob_operand, widen
+from .half import narrow, prob_tile, widen
 from .memory import prefetch_rows
-from .rowops import exp2_shifted, row_max
+from .rowops import exp2_into, row_max
 from .tiles import (
     LN2,
     SEG_COLUMNS,
@@ -94,10 +94,10 @@ def prepare_row(row, r, segs, tile, variants, full):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def rebase_row(row, r, lo, hi, q_row, k_rows, s_mult, segs, tile, variants, full):
+def rebase_row(row, p_row, r, lo, hi, q_row, k_rows, s_mult, segs, tile, variants, full):
     """Recompute row ``r``'s scores ``s_mult * k_rows[lo:hi] @ q_row`` with every variant,
-    exponentiate against a new reference ``max + HEADROOM``; return
-    ``(reference, row sum)``.
+    exponentiate them into ``p_row`` (may be ``row``) against a new reference
+    ``max + HEADROOM``; return ``(reference, row sum)``.
 
     The rare path of :func:`softmax_tile`; kept out of line so that the hot
     loops stay small.
@@ -110,12 +110,12 @@ def rebase_row(row, r, lo, hi, q_row, k_rows, s_mult, segs, tile, variants, full
     prepare_row(row, r, segs, tile, variants, full)
     seg = row[lo:hi]
     m_new = row_max(seg, hi - lo) + HEADROOM
-    return m_new, exp2_shifted(seg, m_new, hi - lo)
+    return m_new, exp2_into(seg, p_row[lo:hi], m_new, hi - lo)
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def softmax_tile(s, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, variants, full):
-    """Online-softmax update of one stacked score tile ``s (rows, n)`` in place.
+def softmax_tile(s, p, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, variants, full):
+    """Online-softmax update of one stacked score tile ``s (rows, n)`` into ``p``.
 
     ``tile`` (a :class:`.tiles.QueryTile`) places the rows; ``segs`` (see
     :func:`prepare_row`) says which key each column holds; ``k_tile`` holds
@@ -124,50 +124,55 @@ def softmax_tile(s, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, variants,
     map, in fully kept blocks. A full tile without score-changing variants
     goes straight to the exponential, row by row.
 
-    On return ``s`` holds ``P = 2**(S - m_new)`` (exact zeros where hidden),
-    ``m``/``ell`` the updated state and ``alpha`` the per-row rescale.
+    On return ``p`` holds ``P = 2**(S - m_new)`` (exact zeros where hidden),
+    ``m``/``ell`` the updated state and ``alpha`` the per-row rescale. ``p``
+    is ``s`` itself (in place) or, for bf16 operands, a ``uint16`` tile that
+    receives ``P`` rounded to bf16 (:func:`.half.prob_tile`); ``s`` keeps
+    the scores then, the variants applied.
 
     ``m`` is a *reference* at or above the running max, not the max itself:
     a row's first visible tile sets it to ``max + HEADROOM``. Later tiles are
     exponentiated against the old reference straight away, with no max pass
     and no rescale, which is exact for any reference. Only when a score rises
     above the reference (some ``P > 1``, which a row sum ``<= 1`` rules out
-    cheaply) is that row's score recomputed from ``q_tile`` and ``k_tile``
+    cheaply; a bf16 ``P`` in ``(1, 1.004)`` rounds to 1 and is let pass, it is
+    harmless) is that row's score recomputed from ``q_tile`` and ``k_tile``
     (times ``s_mult``, see :func:`score_product`) and the reference raised,
     as in the textbook update.
     """
     rows = s.shape[0]
     plain = full and not changes_scores(variants)
     for r in range(rows):
-        row = s[r]
+        row, p_row = s[r], p[r]
         if plain:
             lo, hi = 0, s.shape[1]
         else:
             lo, hi = prepare_row(row, r, segs, tile, variants, full)
         alpha[r] = 1.0
         if hi <= lo:
-            row[:] = 0.0
+            p_row[:] = 0
             continue
-        seg = row[lo:hi]
+        seg, p_seg = row[lo:hi], p_row[lo:hi]
         n = hi - lo
         m_new = m[r]
         if m_new == -np.inf:  # first visible tile: set the reference
             mx = row_max(seg, n)
             if mx == -np.inf:  # every score hidden by a mask: still empty
-                row[:] = 0.0
+                p_row[:] = 0
                 continue
             m_new = mx + HEADROOM
-            total = exp2_shifted(seg, m_new, n)
+            total = exp2_into(seg, p_seg, m_new, n)
         else:
-            total = exp2_shifted(seg, m_new, n)
-            if total > 1.0 and row_max(seg, n) > 1.0:
+            total = exp2_into(seg, p_seg, m_new, n)
+            # (bf16 bits of P >= 0 order as their values: the max works on them)
+            if total > 1.0 and row_max(p_seg, n) > narrow(1.0, p_seg):
                 # A score passed the reference: rebuild this row and raise it.
                 m_new, total = rebase_row(
-                    row, r, lo, hi, q_tile[r], k_tile, s_mult, segs, tile, variants, full
+                    row, p_row, r, lo, hi, q_tile[r], k_tile, s_mult, segs, tile, variants, full
                 )
             alpha[r] = 1.0 if m_new == m[r] else math.exp2(m[r] - m_new)
-        row[:lo] = 0.0
-        row[hi:] = 0.0
+        p_row[:lo] = 0
+        p_row[hi:] = 0
         ell[r] = ell[r] * alpha[r] + total
         m[r] = m_new
 
@@ -229,18 +234,18 @@ def fold_key_tile(
             finished (zero rows for none).
         p_buf: bf16 operands (``uint16``): at least ``rows * n`` elements for
             ``P`` rounded to bf16 (:func:`.half.prob_buffer`); float
-            operands: empty, ``P`` is used in place.
+            operands: empty, ``P`` overwrites the scores in ``s``.
         s_mult: the scale the score product applies (:func:`.half.split_scale`).
     """
     score_product(gemm_fn, q_tile, k_tile, s, top, top_w, s_mult)
     prefetch_rows(k_next, 0, k_next.shape[0])
     prefetch_rows(v_next, 0, v_next.shape[0])
     # Hidden columns (the top rows' unwritten ones too) come back as zeros.
-    softmax_tile(s, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, variants, full)
+    p = prob_tile(s, p_buf)
+    softmax_tile(s, p, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, variants, full)
     for r in range(s.shape[0]):
         if alpha[r] != 1.0:  # most rows keep their reference: nothing to rescale
             acc[r] *= alpha[r]
-    p = prob_operand(s, p_buf)
     if top > 0:
         if top_w > 0:
             gemm(gemm_fn, p[:top, :top_w], v_tile[:top_w], acc[:top], False, False, 1.0)
