@@ -159,3 +159,31 @@ def test_bf16_bit_conversions_match_ml_dtypes(rng):
     nan_bits = np.empty(1, np.uint16)
     _round_trip(np.array([np.nan], np.float32), nan_bits, np.empty(1, np.float32))
     assert np.isnan(nan_bits.view(BF16).astype(np.float32)[0])
+
+
+def test_torch_bf16_reaches_the_kernels_without_a_copy(rng, monkeypatch):
+    import flashtile.torch as ftt
+    from flashtile.torch import _ops
+
+    seen = []
+    real = _ops.flashtile.attention
+
+    def spy(q, *args, **kw):
+        seen.append(q)
+        return real(q, *args, **kw)
+
+    monkeypatch.setattr(_ops.flashtile, "attention", spy)
+    q, k, v = (
+        torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        for a in bf16_qkv(rng, 1, 4, 2, 33, 40, 16)
+    )
+    q.requires_grad_()
+    out, lse = ftt.attention(q, k, v, causal=True, enable_gqa=True, return_lse=True)
+    assert seen[0].dtype == BF16 and seen[0].ctypes.data == q.data_ptr()
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    ref = torch_bf16_math(
+        *(t.detach().view(torch.int16).numpy().view(BF16) for t in (q, k, v)), True
+    )
+    assert rel_err(out.detach().float().numpy(), ref) < 2e-2
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.bfloat16 and torch.isfinite(q.grad.float()).all()
