@@ -118,7 +118,7 @@ def test_json_has_the_numbers_and_the_machine(tmp_path, capsys):
         "tolerance",
         "results",
     } <= set(doc)
-    assert {"cpu", "logical_cores", "isa", "numpy", "numba", "kernel_blas", "torch"} <= set(
+    assert {"cpu", "isa", "numpy", "numba", "kernel_blas", "bf16_path", "torch"} <= set(
         doc["machine"]
     )
     assert doc["config"]["preset"] == "quick"
