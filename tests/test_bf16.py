@@ -16,7 +16,7 @@ from numba import njit
 
 import flashtile as ft
 import flashtile.cpu.blas as blas
-from dense import dense_attention, rel_err
+from dense import dense_attention, dense_attention_backward, rel_err
 from flashtile.cpu.half import bf16_bits, bf16_value
 
 torch = pytest.importorskip("torch")
@@ -52,19 +52,27 @@ def bf16_qkv(rng, b, hq, hkv, tq, tk, d):
     return make(hq, tq), make(hkv, tk), make(hkv, tk)
 
 
-def torch_bf16_math(q, k, v, causal):
+def torch_bf16_math(q, k, v, causal, dout=None):
     """The same attention done in bf16 by PyTorch: scores and ``P @ V`` in
-    bf16, the softmax in float32, ``P`` cast to bf16."""
-    tq_, tk_, tv_ = (torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) for a in (q, k, v))
+    bf16, the softmax in float32, ``P`` cast to bf16. With ``dout``, the
+    gradients of ``sum(out * dout)`` through that same math (autograd)."""
+    tq_, tk_, tv_ = (as_torch(a).requires_grad_() for a in (q, k, v))
     group = q.shape[1] // k.shape[1]
-    tk_, tv_ = tk_.repeat_interleave(group, 1), tv_.repeat_interleave(group, 1)
-    s = (tq_ @ tk_.transpose(-1, -2)) * (1.0 / np.sqrt(q.shape[-1]))
+    s = (tq_ @ tk_.repeat_interleave(group, 1).transpose(-1, -2)) * (1.0 / np.sqrt(q.shape[-1]))
     tq, tk = q.shape[2], k.shape[2]
     if causal:
         hidden = torch.ones(tq, tk, dtype=torch.bool).triu(tk - tq + 1)
         s = s.masked_fill(hidden, float("-inf"))
     p = torch.softmax(s.float(), dim=-1).nan_to_num(0.0).to(torch.bfloat16)
-    return (p @ tv_).float().numpy()
+    out = p @ tv_.repeat_interleave(group, 1)
+    if dout is None:
+        return out.detach().float().numpy()
+    out.backward(as_torch(dout))
+    return [t.grad.float().numpy() for t in (tq_, tk_, tv_)]
+
+
+def as_torch(a):
+    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
 
 
 def float64_reference(q, k, v, causal):
@@ -123,14 +131,34 @@ def test_scores_that_climb_rebase_exactly(rng, path):
     assert rel_err(out, ref) < 1e-2
 
 
-def test_backward_takes_bf16(rng, path):
-    """The backward widens bf16 to float32 (for now): gradients in bf16."""
-    q, k, v = bf16_qkv(rng, 1, 2, 1, 40, 60, 16)
-    out, lse = ft.attention(q, k, v, causal=True, return_lse=True)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES[1:3], ids=lambda s: "x".join(map(str, s)))
+def test_gradient_accuracy_rule(rng, path, shape, causal):
+    q, k, v = bf16_qkv(rng, *shape)
+    out, lse = ft.attention(q, k, v, causal=causal, return_lse=True)
     dout = rng.standard_normal(out.shape).astype(BF16)
-    grads = ft.attention_backward(q, k, v, out, lse, dout, causal=True)
+    grads = ft.attention_backward(q, k, v, out, lse, dout, causal=causal)
+    group = q.shape[1] // k.shape[1]
+    k64, v64 = (np.repeat(a.astype(np.float64), group, axis=1) for a in (k, v))
+    refs = list(dense_attention_backward(q, k64, v64, dout, causal=causal))
+    for i in (1, 2):  # sum the GQA group's query heads back onto their kv head
+        refs[i] = refs[i].reshape(k.shape[:2] + (group,) + refs[i].shape[2:]).sum(2)
+    torch_grads = torch_bf16_math(q, k, v, causal, dout)
+    for g, t, r in zip(grads, torch_grads, refs, strict=True):
+        assert g.dtype == BF16
+        assert rel_err(g, r) <= 2 * rel_err(t, r) + rel_err(r.astype(BF16), r)
+
+
+def test_backward_with_softcap_and_parts(rng, path):
+    """bf16 gradients against the float32 kernel: softcap's chain factor, and
+    one kv head split into parts (B = Hkv = 1)."""
+    q, k, v = bf16_qkv(rng, 1, 2, 1, 40, 60, 16)
+    out, lse = ft.attention(q, k, v, causal=True, softcap=3.0, return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(BF16)
+    grads = ft.attention_backward(q, k, v, out, lse, dout, causal=True, softcap=3.0)
     f32 = [a.astype(np.float32) for a in (q, k, v, out, lse, dout)]
-    for g, r in zip(grads, ft.attention_backward(*f32, causal=True), strict=True):
+    f32_grads = ft.attention_backward(*f32, causal=True, softcap=3.0)
+    for g, r in zip(grads, f32_grads, strict=True):
         assert g.dtype == BF16
         assert rel_err(g, r) < 1e-2
 
@@ -173,10 +201,7 @@ def test_torch_bf16_reaches_the_kernels_without_a_copy(rng, monkeypatch):
         return real(q, *args, **kw)
 
     monkeypatch.setattr(_ops.flashtile, "attention", spy)
-    q, k, v = (
-        torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-        for a in bf16_qkv(rng, 1, 4, 2, 33, 40, 16)
-    )
+    q, k, v = (as_torch(a) for a in bf16_qkv(rng, 1, 4, 2, 33, 40, 16))
     q.requires_grad_()
     out, lse = ftt.attention(q, k, v, causal=True, enable_gqa=True, return_lse=True)
     assert seen[0].dtype == BF16 and seen[0].ctypes.data == q.data_ptr()

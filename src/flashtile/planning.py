@@ -141,7 +141,7 @@ def plan_backward(call: Call, block_q=None, block_k=None) -> KernelPlan:
 
 
 def _plan(call, block_q, block_k, backward):
-    q4, k4, v4, seqs = lay_out(call, keep_bf16=not backward and bf16_products(call.q.dtype))
+    q4, k4, v4, seqs = lay_out(call, keep_bf16=bf16_products(call.q.dtype))
     n_kv = k4.shape[1]
     group = head_group(q4.shape[1], n_kv)  # MQA too (Hkv = 1)
     va = call.variants
