@@ -212,3 +212,20 @@ def test_torch_bf16_reaches_the_kernels_without_a_copy(rng, monkeypatch):
     assert rel_err(out.detach().float().numpy(), ref) < 2e-2
     out.float().sum().backward()
     assert q.grad.dtype == torch.bfloat16 and torch.isfinite(q.grad.float()).all()
+
+
+def test_varlen_and_decode_take_bf16(rng, path):
+    """Packed sequences run the same kernel; a bf16 KV cache is decoded
+    correctly (widened to float32 for now)."""
+    cu = np.array([0, 50, 130])
+    q, k = (rng.standard_normal((h, 130, 32)).astype(BF16) for h in (4, 2))
+    out = ft.varlen_attention(q, k, k, cu, cu, causal=True)
+    ref = ft.varlen_attention(*(a.astype(np.float32) for a in (q, k, k)), cu, cu, causal=True)
+    assert out.dtype == BF16 and rel_err(out, ref) < 1e-2
+    q = rng.standard_normal((2, 8, 1, 64)).astype(BF16)
+    kc, vc = (rng.standard_normal((2, 2, 300, 64)).astype(BF16) for _ in range(2))
+    lengths = np.array([300, 123])
+    out = ft.decode_attention(q, kc, vc, cache_seqlens=lengths)
+    f32 = (a.astype(np.float32) for a in (q, kc, vc))
+    assert out.dtype == BF16
+    assert rel_err(out, ft.decode_attention(*f32, cache_seqlens=lengths)) < 1e-2
