@@ -15,8 +15,8 @@ right)``, ``alibi_slopes``, ``softcap``, ``kv_lengths`` or
 :class:`~flashtile.masks.BlockMask`).
 
 dtypes: float32 and float64 run natively (the running state accumulates in
-the input dtype). ``ml_dtypes.bfloat16`` inputs run the forward's tile
-products in bf16 where the CPU has bf16 instructions and the BLAS is oneMKL
+the input dtype). ``ml_dtypes.bfloat16`` inputs run the tile products of
+the forward and the backward in bf16 where the CPU has bf16 instructions and the BLAS is oneMKL
 (:func:`flashtile.cpu.blas.half_path`), else they are widened like float16:
 float16 inputs are upcast to float32, computed, and the outputs cast back;
 ``lse`` is float32 for 16-bit inputs.
