@@ -229,3 +229,15 @@ def test_varlen_and_decode_take_bf16(rng, path):
     f32 = (a.astype(np.float32) for a in (q, kc, vc))
     assert out.dtype == BF16
     assert rel_err(out, ft.decode_attention(*f32, cache_seqlens=lengths)) < 1e-2
+
+
+def test_path_follows_cpu_features(rng, monkeypatch):
+    """Without bf16 instructions bf16 inputs take the widening path (said in
+    the bench header line), and the results stay bf16."""
+    monkeypatch.setattr(blas, "bf16_features", lambda: ())
+    assert not blas.bf16_products()
+    assert blas.half_path() == "bf16 widened to float32 (no bf16 instructions)"
+    q, k, v = bf16_qkv(rng, 1, 2, 2, 20, 30, 8)
+    out = ft.attention(q, k, v, causal=True)
+    ref, _ = float64_reference(q, k, v, True)
+    assert out.dtype == BF16 and rel_err(out, ref) < 2 * rel_err(ref.astype(BF16), ref)
