@@ -118,7 +118,7 @@ def test_json_has_the_numbers_and_the_machine(tmp_path, capsys):
         "tolerance",
         "results",
     } <= set(doc)
-    assert {"cpu", "logical_cores", "isa", "numpy", "numba", "kernel_blas", "torch"} <= set(
+    assert {"cpu", "isa", "numpy", "numba", "kernel_blas", "bf16_path", "torch"} <= set(
         doc["machine"]
     )
     assert doc["config"]["preset"] == "quick"
@@ -473,3 +473,17 @@ def test_one_target_line_format():
     )
     with pytest.raises(ValueError, match="unit must be one of"):
         target_line("r", 1.0, 1.0, at_least=True, unit="s")
+
+
+def test_bfloat16_cases_run_the_bf16_paths(capsys):
+    args = ["bench", "--T", "64", "--d", "16", "--H", "2", "--dtype", "bfloat16", "--reps", "1"]
+    providers = ["--providers", "flashtile", "torch-sdpa", "numpy-tiled"]
+    assert main([*args, *providers, "--no-ceiling", "--no-memory"]) == 0
+    text = capsys.readouterr().out
+    assert "bfloat16: " in text and "bfloat16, B=1" in text
+    rows = [line for line in text.splitlines() if line.startswith("fwd")]
+    assert len(rows) == 12 and all(" bf16 " in r for r in rows)
+    assert all("float32 only" in r for r in rows if "numpy-tiled" in r)
+    assert not [r for r in rows if "FAILED" in r or "ERROR" in r]
+    with pytest.raises(ValueError, match="float32 only"):
+        Case(64, 16, False, "fwd", variant=Variant(kv_heads=1), dtype="bfloat16")

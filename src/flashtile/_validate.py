@@ -11,10 +11,14 @@ import math
 import numbers
 from typing import NamedTuple
 
+import ml_dtypes
 import numpy as np
 
-#: dtypes the library computes in; 16-bit floats are upcast to float32.
-SUPPORTED_DTYPES = (np.float16, np.float32, np.float64)
+#: NumPy's bfloat16, from ml_dtypes (NumPy itself has none).
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+#: dtypes the library accepts; 16-bit floats accumulate in float32.
+SUPPORTED_DTYPES = (np.float16, BFLOAT16, np.float32, np.float64)
 
 
 def compute_dtype(dtype: np.dtype) -> np.dtype:
@@ -28,7 +32,7 @@ def as_float_array(x, name: str) -> np.ndarray:
     if arr.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"{name} has dtype {arr.dtype}; flashtile computes in floating point "
-            f"(float16, float32 or float64): pass {name}.astype(np.float32) "
+            f"(float16, ml_dtypes.bfloat16, float32 or float64): pass {name}.astype(np.float32) "
             f"or np.asarray({name}, dtype=np.float64)"
         )
     return arr

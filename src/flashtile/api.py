@@ -15,12 +15,13 @@ right)``, ``alibi_slopes``, ``softcap``, ``kv_lengths`` or
 :class:`~flashtile.masks.BlockMask`).
 
 dtypes: float32 and float64 run natively (the running state accumulates in
-the input dtype). float16 inputs are upcast to float32, computed, and the
-outputs cast back to float16; ``lse`` stays float32. float32 and float16
-inputs whose scores could pass float32's range (a ``scale`` of 1e38, values
-near 1e19, huge ALiBi slopes) are computed in float64 and cast back
-(:mod:`flashtile.precision`). bfloat16 has no NumPy dtype: convert it to
-float32 first.
+the input dtype). ``ml_dtypes.bfloat16`` inputs run the tile products of
+the forward and the backward in bf16 where the CPU has bf16 instructions and
+the BLAS is oneMKL (:func:`flashtile.cpu.blas.half_path`), else they are
+widened like float16: float16 inputs are upcast to float32, computed, and the
+outputs cast back; ``lse`` is float32 for 16-bit inputs. Inputs whose scores
+could pass float32's range (a ``scale`` of 1e38, values near 1e19, huge ALiBi
+slopes) are computed in float64 and cast back (:mod:`flashtile.precision`).
 """
 
 from __future__ import annotations

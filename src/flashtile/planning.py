@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from ._validate import AttentionShapes, check_block_size, compute_dtype, head_group
+from ._validate import BFLOAT16, AttentionShapes, check_block_size, compute_dtype, head_group
 from .cpu.tiles import (
     LOG2E,
     SEQ_BATCH,
@@ -142,12 +142,12 @@ def plan_backward(call: Call, block_q=None, block_k=None) -> KernelPlan:
 
 
 def _plan(call, block_q, block_k, backward):
-    q4, k4, v4, seqs = lay_out(call)
+    q4, k4, v4, seqs = lay_out(call, keep_bf16=bf16_products(call.q.dtype))
     n_kv = k4.shape[1]
     group = head_group(q4.shape[1], n_kv)  # MQA too (Hkv = 1)
     va = call.variants
     block_q, block_k = tile_sizes(va, seqs, group, n_kv, block_q, block_k, backward)
-    variants = kernel_variants(va, q4.dtype, q4.shape[1])
+    variants = kernel_variants(va, compute_dtype(q4.dtype), q4.shape[1])
     if va.mask_bool is not None:
         states = block_states(va, variants.mask_bool, block_q, block_k, q4.shape[2], k4.shape[2])
         variants = variants._replace(states=states)
@@ -166,14 +166,27 @@ def _as4d(a, work):
     return np.ascontiguousarray(a.reshape((1,) * (4 - a.ndim) + a.shape), dtype=work)
 
 
-def lay_out(call: Call):
+def bf16_products(dtype) -> bool:
+    """Whether inputs of ``dtype`` reach the kernels as bfloat16 (the CPU and
+    BLAS have bf16 products, :func:`flashtile.cpu.blas.bf16_products`)."""
+    if dtype != BFLOAT16:
+        return False
+    from .cpu.blas import bf16_products as available  # loads the BLAS: only for bf16
+
+    return available()
+
+
+def lay_out(call: Call, keep_bf16: bool = False):
     """``(q4, k4, v4, seqs)``: the arrays as 4-D contiguous blocks in the work
-    dtype and the sequence table, one row per batch entry, or per packed
-    sequence with queries (varlen). The work dtype is float64 also for float32
-    inputs whose scores could pass float32's range (:mod:`flashtile.precision`)."""
+    dtype (bfloat16 kept as it is with ``keep_bf16``) and the sequence table,
+    one row per batch entry, or per packed sequence with queries (varlen). The
+    work dtype is float64 also for 16-bit and float32 inputs whose scores
+    could pass float32's range (:mod:`flashtile.precision`)."""
     shapes = call.shapes
     bound = score_bound(call.scale, call.q, call.k, call.variants, shapes.tq, shapes.tk)
     work = work_dtype(call.q.dtype, bound)
+    if keep_bf16 and work == np.float32:  # bf16 products, unless float64 is needed
+        work = BFLOAT16
     q4, k4, v4 = (_as4d(a, work) for a in (call.q, call.k, call.v))
     if call.cu_seqlens is None:
         n = q4.shape[0]

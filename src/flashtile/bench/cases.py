@@ -1,6 +1,7 @@
 """What one benchmark case is, and its FLOP count.
 
-A case is one attention problem ``q, k, v: (B, H, T, d)`` float32 with
+A case is one attention problem ``q, k, v: (B, H, T, d)`` (float32, or
+bfloat16 with ``--dtype bfloat16``) with
 ``Tq == Tk == T``, run either forward only (``fwd``) or forward then backward
 (``fwd+bwd``). Providers are timed on the same case side by side.
 
@@ -24,6 +25,8 @@ MODES = ("fwd", "fwd+bwd")
 SLOW_PROVIDERS = frozenset({"numpy-naive", "numpy-tiled"})
 #: Above this T the slow providers are never run for fwd+bwd (minutes per call).
 SLOW_BWD_MAX_T = 2048
+#: Input dtypes a case can have (``--dtype``); the NumPy providers run float32 only.
+DTYPES = ("float32", "bfloat16")
 
 
 class Variant(Protocol):
@@ -50,6 +53,8 @@ class Case:
             run selected" (presets use it to add numpy-naive to one row only).
         variant: window, block-sparse mask, GQA or varlen (see
             :mod:`.variant_cases`); its FLOPs count visible pairs only.
+        dtype: the inputs' dtype, one of :data:`DTYPES` (bfloat16: the same
+            standard-normal values rounded; outputs come back in bfloat16).
     """
 
     T: int
@@ -60,8 +65,13 @@ class Case:
     H: int = 8
     providers: tuple[str, ...] | None = None
     variant: Variant | None = None
+    dtype: str = "float32"
 
     def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype != "float32" and self.variant is not None:
+            raise ValueError(f"variant cases run float32 only, got dtype {self.dtype!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         for name in ("T", "d", "B", "H"):
@@ -75,6 +85,8 @@ class Case:
         """Short human name, e.g. ``fwd T=4096 d=64 causal``."""
         mask = "causal" if self.causal else "full"
         label = f"{self.mode} T={self.T} d={self.d} {mask}"
+        if self.dtype != "float32":
+            label += " bf16"
         if self.variant is None:
             return label
         pairs = self.variant.pairs(self.T, self.causal)
@@ -111,6 +123,8 @@ def slow_skip_reason(provider: str, case: Case, max_slow_t: int) -> str | None:
     """
     if provider not in SLOW_PROVIDERS:
         return None
+    if case.dtype != "float32":
+        return f"{provider} runs float32 only"
     t = case.T
     if t > max_slow_t:
         return f"{provider} runs only up to T={max_slow_t} (--max-slow-T)"

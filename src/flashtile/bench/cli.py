@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..argtypes import positive_float, positive_int
-from .cases import Case, sweep
+from .cases import DTYPES, Case, sweep
 from .decode import run_decode_bench
 from .machine import header_lines, machine_info, sgemm_gflops
 from .memory import rss_method
@@ -50,6 +50,7 @@ ATTENTION_ONLY = {
     "no_ceiling": False,
     "no_memory": False,
     "startup": False,
+    "dtype": "float32",
 }
 
 
@@ -111,6 +112,12 @@ def _add_case_options(p: argparse.ArgumentParser) -> None:
     cases.add_argument("--B", type=positive_int, default=DEFAULT_B, help="batch (default 1)")
     cases.add_argument(
         "--H", type=positive_int, help=f"heads (default {DEFAULT_H}; the quick preset uses 2)"
+    )
+    cases.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="inputs' dtype (default float32; bfloat16: the bf16 paths, torch in bf16 too)",
     )
 
 
@@ -191,6 +198,8 @@ def plan_run(args) -> Plan:
         ts, ds = args.T or DEFAULT_T, args.d or DEFAULT_D
         causal, mode = args.causal or "both", args.mode or "both"
         cases = sweep(ts, ds, causal, mode, args.B, args.H or DEFAULT_H)
+    if args.dtype != "float32":  # raises for variant cases (float32 only)
+        cases = [dataclasses.replace(c, dtype=args.dtype) for c in cases]
     if args.providers:  # an explicit choice overrides the preset's per-case providers
         cases = [dataclasses.replace(c, providers=None) for c in cases]
         wanted = list(args.providers)
@@ -222,7 +231,8 @@ def run_bench(args, out=None) -> int:
         print(line, file=out)
     H = plan.cases[0].H if plan.cases else args.H
     print(
-        f"cases   : {len(plan.cases)} ({plan.name or 'custom'}), fp32, B={args.B}, H={H}; "
+        f"cases   : {len(plan.cases)} ({plan.name or 'custom'}), {args.dtype}, B={args.B}, "
+        f"H={H}; "
         f"providers: {', '.join(p.name for p in providers) or 'none'}",
         file=out,
     )

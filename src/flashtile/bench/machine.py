@@ -15,7 +15,7 @@ from importlib import metadata
 
 import numpy as np
 
-ISA_FLAGS = ("avx2", "fma", "avx512f")
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16")
 CEILING_N = 2048
 
 
@@ -77,6 +77,7 @@ def machine_info(torch_threads: int | None = None) -> dict:
         "numpy": np.__version__,
         "numba": _version("numba"),
         "kernel_blas": kernel_blas,
+        "bf16_path": blas.half_path(),
         "torch": _version("torch"),
         "torch_threads": torch_threads,
         "flashtile": _version("flashtile"),
@@ -120,6 +121,8 @@ def header_lines(info: dict, ceiling: float | None) -> list[str]:
         f"machine : {info['cpu']} ({cores}; ISA: {isa})",
         f"software: python {info['python']}, {versions}",
     ]
+    if info.get("bf16_path"):  # absent in reports written before it was recorded
+        lines.append(f"bfloat16: {info['bf16_path']}")
     if ceiling is not None:
         lines.append(
             f"ceiling : NumPy sgemm {CEILING_N}^3 float32 = {ceiling:.0f} GFLOP/s (best of 3)"

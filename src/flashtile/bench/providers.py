@@ -1,6 +1,6 @@
 """Attention implementations the benchmark compares, behind one small interface.
 
-Every provider takes float32 NumPy arrays ``q, k, v: (B, H, T, d)`` (and
+Every provider takes float32 (or ``ml_dtypes.bfloat16``) NumPy arrays ``q, k, v: (B, H, T, d)`` (and
 ``dout: (B, H, T, d)`` for the backward), uses the default scale
 ``1/sqrt(d)``, and returns NumPy arrays:
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 import flashtile
+from flashtile._validate import BFLOAT16
 
 #: Keys per tile of the NumPy tiled reference (large tiles keep the matmuls
 #: BLAS-efficient; the result is the same for any block size).
@@ -91,6 +92,23 @@ def _import_torch():
     return torch
 
 
+def _tensor(a: np.ndarray):
+    """A tensor sharing ``a``'s memory (bfloat16 too): no copy is timed."""
+    torch = _import_torch()
+    if a.dtype == BFLOAT16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _array(t) -> np.ndarray:
+    """A detached tensor's memory as NumPy (bfloat16 as ``ml_dtypes.bfloat16``)."""
+    torch = _import_torch()
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BFLOAT16)
+    return t.numpy()
+
+
 class TorchSDPAProvider(Provider):
     """``torch.nn.functional.scaled_dot_product_attention`` on 4-D CPU tensors.
 
@@ -113,20 +131,19 @@ class TorchSDPAProvider(Provider):
     def forward(self, q, k, v, causal):
         torch = _import_torch()
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        # from_numpy shares memory: no copy is timed.
-        qt, kt, vt = (torch.from_numpy(a) for a in (q, k, v))
+        qt, kt, vt = (_tensor(a) for a in (q, k, v))
         with torch.no_grad():
             out = sdpa(qt, kt, vt, is_causal=causal)
-        return out.numpy()
+        return _array(out)
 
     def forward_backward(self, q, k, v, dout, causal):
         torch = _import_torch()
         sdpa = torch.nn.functional.scaled_dot_product_attention
         # Fresh leaves per call, so gradients never accumulate across reps.
-        qt, kt, vt = (torch.from_numpy(a).requires_grad_() for a in (q, k, v))
+        qt, kt, vt = (_tensor(a).requires_grad_() for a in (q, k, v))
         out = sdpa(qt, kt, vt, is_causal=causal)
-        out.backward(torch.from_numpy(dout))
-        return out.detach().numpy(), qt.grad.numpy(), kt.grad.numpy(), vt.grad.numpy()
+        out.backward(_tensor(dout))
+        return tuple(_array(t) for t in (out, qt.grad, kt.grad, vt.grad))
 
 
 class FlashtileTorchProvider(TorchSDPAProvider):
@@ -146,17 +163,16 @@ class FlashtileTorchProvider(TorchSDPAProvider):
         from flashtile.torch import attention
 
         with torch.no_grad():
-            out = attention(*(torch.from_numpy(a) for a in (q, k, v)), causal=causal)
-        return out.numpy()
+            out = attention(*(_tensor(a) for a in (q, k, v)), causal=causal)
+        return _array(out)
 
     def forward_backward(self, q, k, v, dout, causal):
-        torch = _import_torch()
         from flashtile.torch import attention
 
-        qt, kt, vt = (torch.from_numpy(a).requires_grad_() for a in (q, k, v))
+        qt, kt, vt = (_tensor(a).requires_grad_() for a in (q, k, v))
         out = attention(qt, kt, vt, causal=causal)
-        out.backward(torch.from_numpy(dout))
-        return out.detach().numpy(), qt.grad.numpy(), kt.grad.numpy(), vt.grad.numpy()
+        out.backward(_tensor(dout))
+        return tuple(_array(t) for t in (out, qt.grad, kt.grad, vt.grad))
 
 
 class NumpyNaiveProvider(Provider):

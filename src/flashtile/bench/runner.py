@@ -28,6 +28,7 @@ from statistics import median
 import numpy as np
 
 import flashtile
+from flashtile._validate import BFLOAT16
 
 from . import variant_cases, variant_providers
 from .cases import Case, slow_skip_reason
@@ -38,6 +39,9 @@ from .timing import interleaved_times
 #: Relative norm error a float32 provider must stay under (float32 attention
 #: lands around 1e-7..1e-6; 1e-4 leaves room for long sums, not for bugs).
 TOLERANCE = 1e-4
+#: The same for bfloat16 inputs and outputs: the output's own rounding is
+#: about 2e-3 (a wrong answer is near 1).
+BF16_TOLERANCE = 2e-2
 REFERENCE_BLOCK = 128
 SEED = 20240526
 
@@ -87,7 +91,11 @@ def make_inputs(case: Case) -> dict[str, np.ndarray]:
         return variant_cases.make_inputs(case, SEED)
     rng = np.random.default_rng([SEED, case.B, case.H, case.T, case.d])
     shape = (case.B, case.H, case.T, case.d)
-    return {n: rng.standard_normal(shape, dtype=np.float32) for n in ("q", "k", "v", "dout")}
+    dtype = np.float32 if case.dtype == "float32" else BFLOAT16
+    return {
+        n: rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False)
+        for n in ("q", "k", "v", "dout")
+    }
 
 
 class ReferenceCache:
@@ -99,7 +107,7 @@ class ReferenceCache:
 
     def get(self, case: Case, inputs) -> dict[str, np.ndarray]:
         """``{"out": ...}``, plus ``dq, dk, dv`` for fwd+bwd, all float64."""
-        key = (case.B, case.H, case.T, case.d, case.causal, case.variant)
+        key = (case.B, case.H, case.T, case.d, case.causal, case.variant, case.dtype)
         if case.variant is not None:
             if key not in self._fwd:
                 self._fwd[key] = variant_cases.reference(case, inputs)
@@ -143,9 +151,10 @@ def _verify(result: Result, call, ref) -> bool:
         return False
     worst = max(result.errors, key=result.errors.get)
     result.rel_err = result.errors[worst]
-    if not result.rel_err < TOLERANCE:
+    tolerance = TOLERANCE if result.case.dtype == "float32" else BF16_TOLERANCE
+    if not result.rel_err < tolerance:
         result.status = "FAILED"
-        result.note = f"{worst}: rel err {result.rel_err:.2e} >= {TOLERANCE:.0e}, not timed"
+        result.note = f"{worst}: rel err {result.rel_err:.2e} >= {tolerance:.0e}, not timed"
         return False
     return True
 

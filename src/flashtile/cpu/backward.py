@@ -27,7 +27,8 @@ from numba import njit, prange
 from ..masks import TILE_EMPTY, TILE_PARTIAL
 from . import FASTMATH
 from .blas import gemm
-from .rowops import exp2_shifted
+from .half import narrow, prob_buffer, prob_tile, split_scale, widen
+from .rowops import exp2_into
 from .tile_step import score_product
 from .tiles import (
     LOG2E,
@@ -47,8 +48,11 @@ from .tiles import (
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def probs_tile(s, lse2, tanh_buf, tile, j0, variants, full, read_bool):
-    """``s = 2**(s - lse2[row])`` in place with every variant, exact zeros where hidden.
+def probs_tile(s, p, lse2, tanh_buf, tile, j0, variants, full, read_bool):
+    """``p = 2**(s - lse2[row])`` with every variant, exact zeros where hidden.
+
+    ``p`` is ``s`` (in place) or, for bf16 operands, a ``uint16`` tile that
+    receives ``P`` rounded to bf16 (:func:`.half.prob_tile`).
 
     ``s (rows, bc)`` holds the scores of the tile's rows (a
     :class:`.tiles.QueryTile`) against keys ``[j0, j0 + bc)``. ``lse2`` is
@@ -59,7 +63,7 @@ def probs_tile(s, lse2, tanh_buf, tile, j0, variants, full, read_bool):
     rows, bc = s.shape
     transform = needs_transform(variants)
     for r in range(rows):
-        row = s[r]
+        row, p_row = s[r], p[r]
         i, h = row_query(tile, r)
         lo, hi = 0, bc
         if not full:
@@ -68,7 +72,7 @@ def probs_tile(s, lse2, tanh_buf, tile, j0, variants, full, read_bool):
             tanh_buf[r, :lo] = 0.0
             tanh_buf[r, hi:] = 0.0
         if hi <= lo or lse2[r] == -np.inf:
-            row[:] = 0.0
+            p_row[:] = 0
             if tanh_buf.size > 0:
                 tanh_buf[r, :] = 0.0
             continue
@@ -76,9 +80,9 @@ def probs_tile(s, lse2, tanh_buf, tile, j0, variants, full, read_bool):
         if transform:
             tanh_row = tanh_buf[r, lo:hi] if tanh_buf.size > 0 else tanh_buf[0:0, 0]
             transform_row(seg, j0 + lo, tile, i, h, variants, read_bool, tanh_row)
-        exp2_shifted(seg, lse2[r], hi - lo)
-        row[:lo] = 0.0
-        row[hi:] = 0.0
+        exp2_into(seg, p_row[lo:hi], lse2[r], hi - lo)
+        p_row[:lo] = 0
+        p_row[hi:] = 0
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -92,34 +96,38 @@ def row_terms(lse, out, dout, h0, i_first, br, lse2, delta):
         lse2[r] = lse[h, i] * lse2.dtype.type(LOG2E)
         acc = lse2.dtype.type(0.0)
         for c in range(out.shape[2]):
-            acc += dout[h, i, c] * out[h, i, c]
+            acc += widen(dout[h, i, c]) * widen(out[h, i, c])
         delta[r] = acc
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def grad_rows(
-    gemm_fn, p, ds, tanh, do_tile, q_raw, k_tile, v_tile, dq_tile, dk_tile, dv_tile, delta, r0,
-    r1, cw,
+    gemm_fn, p, dp, ds, tanh, do_tile, q_raw, k_tile, v_tile, dq_tile, dk_tile, dv_tile, delta,
+    r0, r1, cw,
 ):  # fmt: skip
     """The four gradient products of rows ``[r0, r1)`` over a tile's first ``cw`` keys.
 
-    ``p`` holds the tile's probabilities, ``ds`` receives ``dS``, both
-    C-contiguous ``(rows, bc)``; ``tanh`` is softcap's factor (or empty).
+    ``p`` holds the tile's probabilities, ``dp`` (float) receives ``dP``,
+    ``ds`` receives ``dS``: ``dp`` itself, or for bf16 operands a ``uint16``
+    tile where it is rounded (:func:`.half.prob_tile`); all C-contiguous
+    ``(rows, bc)``. ``tanh`` is softcap's factor (or empty).
     ``dk_tile``/``dv_tile`` are the gradient rows of the tile's keys.
     """
     pg, dsg = p[r0:r1, :cw], ds[r0:r1, :cw]
     dog = do_tile[r0:r1]
     gemm(gemm_fn, pg, dog, dv_tile[:cw], True, False, 1.0)  # dV_j += P^T dO_i
-    gemm(gemm_fn, dog, v_tile[:cw], dsg, False, True, 0.0)  # dP = dO_i V_j^T
+    gemm(gemm_fn, dog, v_tile[:cw], dp[r0:r1, :cw], False, True, 0.0)  # dP = dO_i V_j^T
     # Rows of the C-contiguous tiles (unit stride known: vectorised).
     for r in range(r0, r1):
-        p_row, ds_row, dr = p[r], ds[r], delta[r]
-        for c in range(cw):
-            ds_row[c] = p_row[c] * (ds_row[c] - dr)  # dS = P * (dP - D)
-        if tanh.size:
+        p_row, dp_row, ds_row, dr = p[r], dp[r], ds[r], delta[r]
+        if tanh.size:  # dS = P * (dP - D), through softcap's tanh
             t_row = tanh[r]
             for c in range(cw):
-                ds_row[c] *= 1.0 - t_row[c] * t_row[c]  # through softcap's tanh
+                g = widen(p_row[c]) * (dp_row[c] - dr) * (1.0 - t_row[c] * t_row[c])
+                ds_row[c] = narrow(g, ds_row)
+        else:
+            for c in range(cw):
+                ds_row[c] = narrow(widen(p_row[c]) * (dp_row[c] - dr), ds_row)
     gemm(gemm_fn, dsg, k_tile[:cw], dq_tile[r0:r1], False, False, 1.0)  # dQ_i += dS K_j
     gemm(gemm_fn, dsg, q_raw[r0:r1], dk_tile[:cw], True, False, 1.0)  # dK_j += dS^T Q_i
 
@@ -127,12 +135,15 @@ def grad_rows(
 @njit(fastmath=FASTMATH, cache=True)
 def grad_query_block(
     gemm_fn, q_tile, q_raw, do_tile, dq_tile, k_rows, v_rows, dk_rows, dv_rows, p_buf, ds_buf,
-    tanh_buf, lse2, delta, tile, group, variants, block_q, block_k,
+    tanh_buf, half_bufs, s_mult, lse2, delta, tile, group, variants, block_q, block_k,
 ):  # fmt: skip
     """Accumulate one query block's ``dq_tile`` and its share of ``dk_rows``
     and ``dv_rows`` (the sequence's rows of one kv head) over the key blocks
-    its queries see. ``q_tile`` is scaled by ``scale * log2(e)``, ``q_raw``
-    is not; ``*_buf`` are flat scratch of at least ``rows * block_k``."""
+    its queries see. ``q_tile`` times ``s_mult`` is scaled by ``scale *
+    log2(e)`` (:func:`.half.split_scale`), ``q_raw`` is not; ``*_buf`` are
+    flat scratch of at least ``rows * block_k``; ``half_bufs`` two such
+    ``uint16`` buffers for bf16 ``P`` and ``dS`` (:func:`.half.prob_buffer`),
+    or empty (float ``P`` and ``dS`` in place)."""
     rows = q_tile.shape[0]
     lo, hi = tile_key_range(tile, variants)
     if variants.states.size > 0:  # block-map blocks start at multiples of block_k
@@ -153,28 +164,30 @@ def grad_query_block(
         # Across the diagonal the top half of the rows sees only its first
         # top_w keys, and every product skips the rest.
         top, top_w = diagonal_split(tile, group, full, j0, j1, variants)
-        score_product(gemm_fn, q_tile, k_tile, p, top, top_w)
-        probs_tile(p, lse2, tanh, tile, j0, variants, full, state == TILE_PARTIAL)
+        score_product(gemm_fn, q_tile, k_tile, p, top, top_w, s_mult)
+        p_out, ds_out = prob_tile(p, half_bufs[0]), prob_tile(ds, half_bufs[1])
+        probs_tile(p, p_out, lse2, tanh, tile, j0, variants, full, state == TILE_PARTIAL)
         dk_tile, dv_tile = dk_rows[j0:j1], dv_rows[j0:j1]
         if top > 0 and top_w > 0:
             grad_rows(
-                gemm_fn, p, ds, tanh, do_tile, q_raw, k_tile, v_tile, dq_tile, dk_tile, dv_tile,
-                delta, 0, top, top_w,
+                gemm_fn, p_out, ds, ds_out, tanh, do_tile, q_raw, k_tile, v_tile, dq_tile,
+                dk_tile, dv_tile, delta, 0, top, top_w,
             )  # fmt: skip
         grad_rows(
-            gemm_fn, p, ds, tanh, do_tile, q_raw, k_tile, v_tile, dq_tile, dk_tile, dv_tile,
-            delta, top, rows, bc,
+            gemm_fn, p_out, ds, ds_out, tanh, do_tile, q_raw, k_tile, v_tile, dq_tile, dk_tile,
+            dv_tile, delta, top, rows, bc,
         )  # fmt: skip
 
 
 @njit(fastmath=FASTMATH, cache=True)
 def store_rows(src, dst, h0, i_first, br, mult):
-    """``dst[h0 + r // br, i_first + r % br] = src[r] * mult`` for every stacked row."""
+    """``dst[h0 + r // br, i_first + r % br] = src[r] * mult`` for every stacked
+    row (rounded to bf16 when ``dst`` holds bf16 bits)."""
     for r in range(src.shape[0]):
         h = h0 + r // br
         i = i_first + r % br
         for c in range(src.shape[1]):
-            dst[h, i, c] = src[r, c] * mult
+            dst[h, i, c] = narrow(src[r, c] * mult, dst)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
@@ -195,8 +208,9 @@ def backward_kernel(
     """
     group = q.shape[1] // k.shape[1]
     d, dvw = q.shape[3], v.shape[3]
-    dt = q.dtype.type
-    q_mult = dt(scale * LOG2E)
+    work = lse.dtype  # float32 for bf16 operands (dk/dv accumulate in it too)
+    dt = work.type
+    q_mult, s_mult = split_scale(q, lse, scale * LOG2E)
     n_parts = dk.shape[0]
     for n in prange(items.shape[0]):
         sq, hk, part = items[n, 0], items[n, 1], items[n, 2]
@@ -207,12 +221,13 @@ def backward_kernel(
         q_tile = np.empty((rows_max, d), dtype=q.dtype)  # scaled, for the scores
         q_raw = np.empty((rows_max, d), dtype=q.dtype)  # unscaled, for dK
         do_tile = np.empty((rows_max, dvw), dtype=q.dtype)
-        dq_tile = np.empty((rows_max, d), dtype=q.dtype)
-        lse2 = np.empty(rows_max, dtype=q.dtype)
-        delta = np.empty(rows_max, dtype=q.dtype)
-        p_buf = np.empty(rows_max * block_k, dtype=q.dtype)
-        ds_buf = np.empty(rows_max * block_k, dtype=q.dtype)
-        tanh_buf = np.empty(rows_max * block_k if variants.softcap > 0.0 else 0, dtype=q.dtype)
+        dq_tile = np.empty((rows_max, d), dtype=work)
+        lse2 = np.empty(rows_max, dtype=work)
+        delta = np.empty(rows_max, dtype=work)
+        p_buf = np.empty(rows_max * block_k, dtype=work)
+        ds_buf = np.empty(rows_max * block_k, dtype=work)
+        half_bufs = (prob_buffer(q, rows_max * block_k), prob_buffer(q, rows_max * block_k))
+        tanh_buf = np.empty(rows_max * block_k if variants.softcap > 0.0 else 0, dtype=work)
         k_rows, v_rows = k[b, hk, ks0 : ks0 + tk], v[b, hk, ks0 : ks0 + tk]
         dk_rows, dv_rows = dk[part, b, hk, ks0 : ks0 + tk], dv[part, b, hk, ks0 : ks0 + tk]
         dk_rows[:] = 0.0
@@ -234,7 +249,8 @@ def backward_kernel(
             dqt[:] = 0.0
             grad_query_block(
                 gemm_fn, qt, qr, dot, dqt, k_rows, v_rows, dk_rows, dv_rows, p_buf, ds_buf,
-                tanh_buf, lse2[:rows], delta[:rows], tile, group, variants, block_q, block_k,
+                tanh_buf, half_bufs, s_mult, lse2[:rows], delta[:rows], tile, group, variants,
+                block_q, block_k,
             )  # fmt: skip
             store_rows(dqt, dq[b], tile.h0, qs0 + i0, tile.br, scale)
         dk_rows *= dt(scale)

@@ -49,6 +49,8 @@ import os
 import threading
 from pathlib import Path
 
+import llvmlite.binding as llvm
+import ml_dtypes
 import numpy as np
 import scipy.linalg.cython_blas
 from numba import njit
@@ -180,6 +182,34 @@ def set_backend(choice: str) -> str:
     return resolved
 
 
+#: CPU features (LLVM's names) with bf16 dot-product instructions.
+BF16_FEATURES = ("avx512bf16", "amx-bf16")
+
+
+@functools.cache
+def bf16_features() -> tuple[str, ...]:
+    """This CPU's bf16 instruction sets among :data:`BF16_FEATURES` (none: empty)."""
+    features = llvm.get_host_cpu_features()
+    return tuple(f for f in BF16_FEATURES if features.get(f, False))
+
+
+def bf16_products() -> bool:
+    """Whether bfloat16 inputs run their tile products in bf16 (else they are
+    widened to float32 first): the CPU has bf16 instructions and the backend
+    is oneMKL, whose ``gemm_bf16bf16f32`` uses them (AMX where present).
+    Elsewhere a bf16 gemm would be emulated, slower than the float32 path.
+    """
+    return bool(bf16_features()) and backend() == "mkl"
+
+
+def half_path() -> str:
+    """One line for reports (the bench header): how bfloat16 inputs run here."""
+    if bf16_products():
+        return f"bf16 tile products (oneMKL, {'+'.join(bf16_features())})"
+    why = "no bf16 instructions" if not bf16_features() else f"BLAS is {backend()}, not oneMKL"
+    return f"bf16 widened to float32 ({why})"
+
+
 #: With MKL, tile products with fewer rows than this (decoding: a GQA group
 #: of one query token) go to OpenBLAS, whose small-call overhead is lower:
 #: 4 x 128 @ 128 x 256 and back took 8.9 us in OpenBLAS, 13.7 us in MKL here
@@ -187,9 +217,19 @@ def set_backend(choice: str) -> str:
 SMALL_TILE_ROWS = 8
 
 
+#: oneMKL's mixed-precision gemm: bf16 operands, float32 ``alpha``, ``beta``
+#: and ``C``, the Fortran ``sgemm`` arguments otherwise (so :func:`gemm` calls
+#: it unchanged, with ``uint16`` views of the bf16 operands).
+_BF16_GEMM = "gemm_bf16bf16f32"
+
+
 @functools.cache
 def _entry(library: str, dtype) -> ctypes._CFuncPtr:
-    name = {np.dtype(np.float32): "sgemm", np.dtype(np.float64): "dgemm"}[np.dtype(dtype)]
+    names = {np.dtype(np.float32): "sgemm", np.dtype(np.float64): "dgemm"}
+    names[np.dtype(ml_dtypes.bfloat16)] = _BF16_GEMM
+    name = names[np.dtype(dtype)]
+    if name == _BF16_GEMM and library != "mkl":
+        raise ValueError("bfloat16 tile products need oneMKL: check bf16_products() first")
     if library == "mkl":
         address = ctypes.cast(getattr(_mkl(), name + "_"), ctypes.c_void_p).value
     else:
@@ -200,23 +240,32 @@ def _entry(library: str, dtype) -> ctypes._CFuncPtr:
 
 
 def gemm_for(dtype, rows: int | None = None) -> ctypes._CFuncPtr:
-    """The ``gemm`` entry point (a ctypes function) for float32 or float64,
-    from the current :func:`backend`; ``rows``, when given, is the row count
-    of the kernel's tiles (see :data:`SMALL_TILE_ROWS`)."""
+    """The ``gemm`` entry point (a ctypes function) for float32, float64 or
+    bfloat16 operands (bf16: oneMKL only, float32 results), from the current
+    :func:`backend`; ``rows``, when given, is the row count of the kernel's
+    tiles (see :data:`SMALL_TILE_ROWS`)."""
     library = backend()
-    if library == "mkl" and rows is not None and rows < SMALL_TILE_ROWS:
+    half = np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16)
+    if library == "mkl" and rows is not None and rows < SMALL_TILE_ROWS and not half:
         library = "openblas"
     return _entry(library, np.dtype(dtype))
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=True, inline="always")
 def gemm(fn, a, b, c, trans_a, trans_b, beta):
-    """``c = op(a) @ op(b) + beta * c`` on row-major 2-D arrays.
+    """``c = op(a) @ op(b) + beta * c``: :func:`gemm_scaled` with ``alpha = 1``."""
+    gemm_scaled(fn, a, b, c, trans_a, trans_b, 1.0, beta)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def gemm_scaled(fn, a, b, c, trans_a, trans_b, alpha, beta):
+    """``c = alpha * op(a) @ op(b) + beta * c`` on row-major 2-D arrays.
 
     ``op(x)`` is ``x.T`` when its flag is set. Rows may be strided (views of
     larger arrays) but each row must be contiguous. ``fn`` comes from
-    :func:`gemm_for` for the arrays' dtype (either backend: both take the
-    same Fortran arguments). Row-major ``C = A B`` is
+    :func:`gemm_for` for the operands' dtype (either backend: both take the
+    same Fortran arguments); bf16 operands are ``uint16`` views and ``c`` is
+    float32. Row-major ``C = A B`` is
     column-major ``C^T = B^T A^T``, hence the swapped operands below.
     """
     m, n = c.shape
@@ -227,7 +276,7 @@ def gemm(fn, a, b, c, trans_a, trans_b, beta):
     ints[4] = a.strides[0] // a.itemsize
     ints[5] = c.strides[0] // c.itemsize
     scalars = np.empty(2, dtype=c.dtype)
-    scalars[0], scalars[1] = 1.0, beta
+    scalars[0], scalars[1] = alpha, beta
     flags = np.empty(2, dtype=np.uint8)
     flags[0] = _TRANS if trans_b else _NOTRANS
     flags[1] = _TRANS if trans_a else _NOTRANS

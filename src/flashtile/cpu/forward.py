@@ -5,7 +5,7 @@ queries of every query head that reads that kv head, stacked into one tile
 (:mod:`.tiles`), so each K/V tile is loaded once per group. The items run in
 a ``prange`` in the order :mod:`flashtile.planning` gives. An item walks the
 key blocks its queries can see and folds each into its rows' running state
-with the tile step (:func:`.tile_step.attend_tile`), then normalises once
+with the tile step (:func:`.tile_step.fold_key_tile`), then normalises once
 (:func:`.tile_step.finish_rows`).
 
 Two walks: along the causal/window band (:func:`walk_band`), where only
@@ -22,7 +22,8 @@ from numba import njit, prange
 
 from ..masks import TILE_EMPTY, TILE_FULL
 from . import FASTMATH
-from .tile_step import attend_tile, finish_rows, one_segment
+from .half import prob_buffer, split_scale
+from .tile_step import finish_rows, fold_key_tile, one_segment
 from .tiles import (
     LOG2E,
     SEG_COLUMNS,
@@ -46,13 +47,16 @@ GATHER_KEYS = 512
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def walk_band(gemm_fn, q_tile, k_rows, v_rows, s_buf, m, ell, alpha, acc, tile, group, va, bk):
+def walk_band(
+    gemm_fn, q_tile, k_rows, v_rows, s_buf, p_buf, s_mult, m, ell, alpha, acc, tile, group, va, bk
+):
     """Fold key blocks ``[lo, lo + bk), ...`` of the tile's band into its state.
 
     ``q_tile``, ``m``, ``ell``, ``alpha``, ``acc``: the rows and their state
-    (:func:`.tile_step.attend_tile`); ``k_rows``/``v_rows``: the sequence's
-    keys and values of one kv head (row ``j`` = key ``j``); ``s_buf``: a flat
-    score buffer of at least ``rows * bk``; ``tile``: a
+    (:func:`.tile_step.fold_key_tile`, also for ``p_buf`` and ``s_mult``);
+    ``k_rows``/``v_rows``: the sequence's keys and values of one kv head (row
+    ``j`` = key ``j``); ``s_buf``: a flat score buffer of at least ``rows *
+    bk``; ``tile``: a
     :class:`.tiles.QueryTile` of ``group`` stacked heads; ``va``: the
     :class:`.tiles.KernelVariants`. Returns the number of key blocks computed.
     """
@@ -71,9 +75,9 @@ def walk_band(gemm_fn, q_tile, k_rows, v_rows, s_buf, m, ell, alpha, acc, tile, 
         segs[0, SEG_KEY], segs[0, SEG_LENGTH] = j0, j1 - j0
         k_tile, v_tile = k_rows[j0:j1], v_rows[j0:j1]
         k_next, v_next = k_rows[j1:j2], v_rows[j1:j2]
-        attend_tile(
+        fold_key_tile(
             gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, va, full, top,
-            top_w, k_next, v_next,
+            top_w, k_next, v_next, p_buf, s_mult,
         )  # fmt: skip
     return -(-(hi - lo) // bk)
 
@@ -99,8 +103,9 @@ def kept_blocks(tile, group, va, block_q, bk):
 
 @njit(fastmath=FASTMATH, cache=True)
 def walk_gathered(
-    gemm_fn, q_tile, k_rows, v_rows, s_buf, m, ell, alpha, acc, tile, group, va, block_q, bk
-):
+    gemm_fn, q_tile, k_rows, v_rows, s_buf, p_buf, s_mult, m, ell, alpha, acc, tile, group, va,
+    block_q, bk,
+):  # fmt: skip
     """Fold the kept key blocks of a block map, up to GATHER_KEYS keys per
     tile gathered into scratch tiles (arguments as in :func:`walk_band`).
     Returns the number of key blocks computed."""
@@ -122,9 +127,9 @@ def walk_gathered(
             width += nk
             full = full and segs[g, SEG_STATE] == TILE_FULL and tile_sees_all(tile, j0, j0 + nk, va)
         s = s_buf[: rows * width].reshape((rows, width))
-        attend_tile(
+        fold_key_tile(
             gemm_fn, q_tile, k_buf[:width], v_buf[:width], s, m, ell, alpha, acc, segs, tile, va,
-            full, 0, 0, k_buf[:0], v_buf[:0],
+            full, 0, 0, k_buf[:0], v_buf[:0], p_buf, s_mult,
         )  # fmt: skip
     return n_kept
 
@@ -136,8 +141,10 @@ def forward_kernel(
     """``out``/``lse`` of attention for C-contiguous 4-D arrays.
 
     Args:
-        q: ``(NB, Hq, TQ, d)``; k, v: ``(NB, Hkv, TK, d / dv)``.
-        out: ``(NB, Hq, TQ, dv)``, lse: ``(NB, Hq, TQ)`` (natural log), written.
+        q: ``(NB, Hq, TQ, d)``; k, v: ``(NB, Hkv, TK, d / dv)``: float32,
+            float64, or bf16 bits (``uint16``, :mod:`.half`).
+        out: ``(NB, Hq, TQ, dv)`` in the dtype of ``q``, lse: ``(NB, Hq, TQ)``
+            (natural log) in the work dtype (float32 for bf16), written.
         visited: ``(N,)`` int64, written: key blocks computed per item (tests
             use it to check what was skipped).
         seqs: ``(S, SEQ_COLUMNS)`` int64 sequence table (:mod:`.tiles`).
@@ -147,7 +154,8 @@ def forward_kernel(
             of the dtype.
     """
     group = q.shape[1] // k.shape[1]
-    q_mult = q.dtype.type(scale * LOG2E)
+    work = lse.dtype  # the state's dtype: float32 for bf16 operands
+    q_mult, s_mult = split_scale(q, lse, scale * LOG2E)
     gathered = variants.states.size > 0
     # Gathered tiles (block map) can hold several key blocks.
     width = block_k * (max(1, GATHER_KEYS // block_k) if gathered else 1)
@@ -158,20 +166,21 @@ def forward_kernel(
         rows = group * tile.br
         q_tile = np.empty((rows, q.shape[3]), dtype=q.dtype)
         load_q_tile(q, tile, group, qs0, q_mult, q_tile)
-        s_buf = np.empty(rows * width, dtype=q.dtype)
-        acc = np.zeros((rows, v.shape[3]), dtype=q.dtype)
-        m = np.full(rows, -np.inf, dtype=q.dtype)
-        ell = np.zeros(rows, dtype=q.dtype)
-        alpha = np.empty(rows, dtype=q.dtype)
+        s_buf = np.empty(rows * width, dtype=work)
+        p_buf = prob_buffer(q, rows * width)  # bf16 operands: P rounded for the value product
+        acc = np.zeros((rows, v.shape[3]), dtype=work)
+        m = np.full(rows, -np.inf, dtype=work)
+        ell = np.zeros(rows, dtype=work)
+        alpha = np.empty(rows, dtype=work)
         k_rows, v_rows = k[b, hk, ks0 : ks0 + tile.tk], v[b, hk, ks0 : ks0 + tile.tk]
         if gathered:
             visited[n] = walk_gathered(
-                gemm_fn, q_tile, k_rows, v_rows, s_buf, m, ell, alpha, acc, tile, group,
-                variants, block_q, block_k,
+                gemm_fn, q_tile, k_rows, v_rows, s_buf, p_buf, s_mult, m, ell, alpha, acc, tile,
+                group, variants, block_q, block_k,
             )  # fmt: skip
         else:
             visited[n] = walk_band(
-                gemm_fn, q_tile, k_rows, v_rows, s_buf, m, ell, alpha, acc, tile, group,
-                variants, block_k,
+                gemm_fn, q_tile, k_rows, v_rows, s_buf, p_buf, s_mult, m, ell, alpha, acc, tile,
+                group, variants, block_k,
             )  # fmt: skip
         finish_rows(acc, m, ell, out[b], lse[b], tile.h0, qs0 + i0, tile.br)

@@ -12,29 +12,39 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._validate import BFLOAT16, compute_dtype
+
 
 def run_forward(plan) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(out (NB, Hq, TQ, dv), lse (NB, Hq, TQ), tiles computed)`` of a forward plan."""
+    """``(out (NB, Hq, TQ, dv), lse (NB, Hq, TQ), tiles computed)`` of a forward plan.
+
+    ``out`` has the dtype of ``plan.q4`` (bfloat16 too: the kernel reads and
+    writes its bits as ``uint16``, :mod:`.half`); ``lse`` the work dtype.
+    """
     from .blas import gemm_for, single_threaded_blas
     from .forward import forward_kernel
 
-    q4, v4 = plan.q4, plan.v4
+    q4, k4, v4 = plan.q4, plan.k4, plan.v4
     out = np.empty(q4.shape[:-1] + (v4.shape[-1],), dtype=q4.dtype)
-    lse = np.empty(q4.shape[:-1], dtype=q4.dtype)
+    lse = np.empty(q4.shape[:-1], dtype=compute_dtype(q4.dtype))
     visited = np.empty(len(plan.items), dtype=np.int64)
     if q4.size == 0:  # B = 0 or H = 0: nothing to compute (the kernel divides by H)
         return out, lse, 0
     gemm_fn = gemm_for(q4.dtype)
+    bits = (q4, k4, v4, out)
+    if q4.dtype == BFLOAT16:  # Numba has no bf16: the same memory as uint16
+        bits = tuple(a.view(np.uint16) for a in bits)
     with single_threaded_blas(gemm_fn):
         forward_kernel(
-            q4, plan.k4, v4, out, lse, visited, plan.seqs, plan.items, plan.scale, plan.variants,
+            *bits, lse, visited, plan.seqs, plan.items, plan.scale, plan.variants,
             plan.block_q, plan.block_k, gemm_fn,
         )  # fmt: skip
     return out, lse, int(visited.sum())
 
 
 def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(dq, dk, dv)`` shaped like ``plan.q4``, ``k4``, ``v4`` for a backward plan.
+    """``(dq, dk, dv)`` shaped like ``plan.q4``, ``k4``, ``v4`` for a backward plan
+    (``dq`` in the dtype of ``q4``, ``dk``/``dv`` in the work dtype).
 
     ``out``, ``lse``, ``dout`` hold the caller's validated arrays (any layout
     with the plan's sizes); the parts' ``dk``/``dv`` are summed in a fixed
@@ -44,23 +54,30 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
     from .blas import gemm_for, single_threaded_blas
 
     q4, k4, v4 = plan.q4, plan.k4, plan.v4
+    work = compute_dtype(q4.dtype)  # lse and the dk/dv sums (float32 for bf16)
 
-    def like_q4(a, last):
-        return np.ascontiguousarray(a, dtype=q4.dtype).reshape(q4.shape[:-1] + last)
+    def like_q4(a, last, dtype=q4.dtype):
+        return np.ascontiguousarray(a, dtype=dtype).reshape(q4.shape[:-1] + last)
 
     out4, dout4 = like_q4(out, (v4.shape[-1],)), like_q4(dout, (v4.shape[-1],))
-    lse4 = like_q4(lse, ())
+    lse4 = like_q4(lse, (), work)
     dq = np.empty_like(q4)
     # Part p accumulates its share of dk/dv in slice p; summed below in order.
-    dk_parts = np.zeros((plan.parts, *k4.shape), k4.dtype)
-    dv_parts = np.zeros((plan.parts, *v4.shape), v4.dtype)
+    dk_parts = np.zeros((plan.parts, *k4.shape), work)
+    dv_parts = np.zeros((plan.parts, *v4.shape), work)
     if q4.size == 0:  # B = 0 or H = 0: nothing to compute (the kernel divides by H)
         return dq, dk_parts[0], dv_parts[0]
     gemm_fn = gemm_for(q4.dtype)
+    bits = (q4, k4, v4, out4)
+    if q4.dtype == BFLOAT16:  # Numba has no bf16: the same memory as uint16
+        bits = tuple(a.view(np.uint16) for a in bits)
+        dout4, dq_bits = dout4.view(np.uint16), dq.view(np.uint16)
+    else:
+        dq_bits = dq
     with single_threaded_blas(gemm_fn):
         backward_kernel(
-            q4, k4, v4, out4, lse4, dout4, dq, dk_parts, dv_parts, plan.seqs, plan.items,
-            plan.scale, plan.variants, plan.block_q, plan.block_k, gemm_fn,
+            *bits, lse4, dout4, dq_bits, dk_parts, dv_parts, plan.seqs, plan.items, plan.scale,
+            plan.variants, plan.block_q, plan.block_k, gemm_fn,
         )  # fmt: skip
     dk, dv = dk_parts[0], dv_parts[0]
     for p in range(1, plan.parts):  # a fixed order: deterministic sums
@@ -84,6 +101,8 @@ def run_decode(plan) -> tuple[np.ndarray, np.ndarray]:
     lse = np.empty((batch, hq, tq), dtype=q.dtype)
     # Numba has no float16: the kernel widens the bit patterns itself.
     k, v = layout.k, layout.v
+    if k.dtype == BFLOAT16:  # widened here until the decode kernel reads bf16 itself
+        k, v = k.astype(np.float32), v.astype(np.float32)
     if k.dtype == np.float16:
         k, v = k.view(np.uint16), v.view(np.uint16)
     gemm_fn = gemm_for(q.dtype, rows=rows)

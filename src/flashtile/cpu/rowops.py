@@ -37,6 +37,7 @@ from numba import njit, types
 from numba.extending import intrinsic, overload
 
 from . import FASTMATH
+from .half import narrow
 
 # Coefficients of 2**f on [-1, 0], fitted for minimal maximum *relative*
 # error (iteratively reweighted least squares on Chebyshev nodes, in float64,
@@ -99,10 +100,12 @@ def pow2_int(typingctx, n):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def exp2_shifted_f32(row, shift, n):
-    """``row[:n] = 2**(row[:n] - shift)`` in place.
+def exp2_into_f32(row, dst, shift, n):
+    """``dst[:n] = 2**(row[:n] - shift)`` (``dst`` may be ``row``: in place).
 
-    Returns ``sum(row[:n])`` after the update (the block's normaliser).
+    Returns the float32 sum of the values (the block's normaliser); a
+    ``uint16`` ``dst`` receives them rounded to bf16 (:func:`.half.narrow`),
+    in the same pass.
     """
     total = np.float32(0.0)
     for j in range(n):
@@ -119,20 +122,42 @@ def exp2_shifted_f32(row, shift, n):
         p = p * f + _C1
         p = p * f + _C0
         v = p * pow2_int(xi)
-        row[j] = v
+        dst[j] = narrow(v, dst)
         total += v
     return total
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def exp2_shifted_f64(row, shift, n):
-    """float64 twin of :func:`exp2_shifted_f32` using ``math.exp2``."""
+def exp2_into_f64(row, dst, shift, n):
+    """float64 twin of :func:`exp2_into_f32` using ``math.exp2``."""
     total = 0.0
     for j in range(n):
         v = math.exp2(row[j] - shift)
-        row[j] = v
+        dst[j] = v
         total += v
     return total
+
+
+def exp2_into(row, dst, shift, n):
+    """``dst[:n] = 2**(row[:n] - shift)``; returns the sum. Dispatches on dtype.
+
+    Only callable from compiled code (the overload below picks the twin).
+    """
+    raise NotImplementedError("exp2_into is only available inside Numba kernels")
+
+
+@overload(exp2_into, fastmath=FASTMATH)
+def _exp2_into_overload(row, dst, shift, n):
+    if row.dtype == types.float32:
+
+        def impl(row, dst, shift, n):
+            return exp2_into_f32(row, dst, np.float32(shift), n)
+    else:
+
+        def impl(row, dst, shift, n):
+            return exp2_into_f64(row, dst, shift, n)
+
+    return impl
 
 
 def exp2_shifted(row, shift, n):
@@ -145,13 +170,4 @@ def exp2_shifted(row, shift, n):
 
 @overload(exp2_shifted, fastmath=FASTMATH)
 def _exp2_shifted_overload(row, shift, n):
-    if row.dtype == types.float32:
-
-        def impl(row, shift, n):
-            return exp2_shifted_f32(row, np.float32(shift), n)
-    else:
-
-        def impl(row, shift, n):
-            return exp2_shifted_f64(row, shift, n)
-
-    return impl
+    return lambda row, shift, n: exp2_into(row, row, shift, n)

@@ -28,9 +28,10 @@ from numba import njit
 
 from ..masks import TILE_FULL, TILE_PARTIAL
 from . import FASTMATH
-from .blas import gemm
+from .blas import gemm, gemm_scaled
+from .half import narrow, prob_tile, widen
 from .memory import prefetch_rows
-from .rowops import exp2_shifted, row_max
+from .rowops import exp2_into, row_max
 from .tiles import (
     LN2,
     SEG_COLUMNS,
@@ -93,10 +94,10 @@ def prepare_row(row, r, segs, tile, variants, full):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def rebase_row(row, r, lo, hi, q_row, k_rows, segs, tile, variants, full):
-    """Recompute row ``r``'s scores ``k_rows[lo:hi] @ q_row`` with every variant,
-    exponentiate against a new reference ``max + HEADROOM``; return
-    ``(reference, row sum)``.
+def rebase_row(row, p_row, r, lo, hi, q_row, k_rows, s_mult, segs, tile, variants, full):
+    """Recompute row ``r``'s scores ``s_mult * k_rows[lo:hi] @ q_row`` with every variant,
+    exponentiate them into ``p_row`` (may be ``row``) against a new reference
+    ``max + HEADROOM``; return ``(reference, row sum)``.
 
     The rare path of :func:`softmax_tile`; kept out of line so that the hot
     loops stay small.
@@ -104,17 +105,17 @@ def rebase_row(row, r, lo, hi, q_row, k_rows, segs, tile, variants, full):
     for c in range(lo, hi):
         acc = row.dtype.type(0.0)
         for t in range(q_row.shape[0]):
-            acc += q_row[t] * k_rows[c, t]
-        row[c] = acc
+            acc += widen(q_row[t]) * widen(k_rows[c, t])
+        row[c] = acc * s_mult
     prepare_row(row, r, segs, tile, variants, full)
     seg = row[lo:hi]
     m_new = row_max(seg, hi - lo) + HEADROOM
-    return m_new, exp2_shifted(seg, m_new, hi - lo)
+    return m_new, exp2_into(seg, p_row[lo:hi], m_new, hi - lo)
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def softmax_tile(s, m, ell, alpha, q_tile, k_tile, segs, tile, variants, full):
-    """Online-softmax update of one stacked score tile ``s (rows, n)`` in place.
+def softmax_tile(s, p, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, variants, full):
+    """Online-softmax update of one stacked score tile ``s (rows, n)`` into ``p``.
 
     ``tile`` (a :class:`.tiles.QueryTile`) places the rows; ``segs`` (see
     :func:`prepare_row`) says which key each column holds; ``k_tile`` holds
@@ -123,70 +124,92 @@ def softmax_tile(s, m, ell, alpha, q_tile, k_tile, segs, tile, variants, full):
     map, in fully kept blocks. A full tile without score-changing variants
     goes straight to the exponential, row by row.
 
-    On return ``s`` holds ``P = 2**(S - m_new)`` (exact zeros where hidden),
-    ``m``/``ell`` the updated state and ``alpha`` the per-row rescale.
+    On return ``p`` holds ``P = 2**(S - m_new)`` (exact zeros where hidden),
+    ``m``/``ell`` the updated state and ``alpha`` the per-row rescale. ``p``
+    is ``s`` itself (in place) or, for bf16 operands, a ``uint16`` tile that
+    receives ``P`` rounded to bf16 (:func:`.half.prob_tile`); ``s`` keeps
+    the scores then, the variants applied.
 
     ``m`` is a *reference* at or above the running max, not the max itself:
     a row's first visible tile sets it to ``max + HEADROOM``. Later tiles are
     exponentiated against the old reference straight away, with no max pass
     and no rescale, which is exact for any reference. Only when a score rises
     above the reference (some ``P > 1``, which a row sum ``<= 1`` rules out
-    cheaply) is that row's score recomputed from ``q_tile`` and ``k_tile``
-    and the reference raised, as in the textbook update.
+    cheaply; a bf16 ``P`` in ``(1, 1.004)`` rounds to 1 and is let pass, it is
+    harmless) is that row's score recomputed from ``q_tile`` and ``k_tile``
+    (times ``s_mult``, see :func:`score_product`) and the reference raised,
+    as in the textbook update.
     """
     rows = s.shape[0]
     plain = full and not changes_scores(variants)
     for r in range(rows):
-        row = s[r]
+        row, p_row = s[r], p[r]
         if plain:
             lo, hi = 0, s.shape[1]
         else:
             lo, hi = prepare_row(row, r, segs, tile, variants, full)
         alpha[r] = 1.0
         if hi <= lo:
-            row[:] = 0.0
+            p_row[:] = 0
             continue
-        seg = row[lo:hi]
+        seg, p_seg = row[lo:hi], p_row[lo:hi]
         n = hi - lo
         m_new = m[r]
         if m_new == -np.inf:  # first visible tile: set the reference
             mx = row_max(seg, n)
             if mx == -np.inf:  # every score hidden by a mask: still empty
-                row[:] = 0.0
+                p_row[:] = 0
                 continue
             m_new = mx + HEADROOM
-            total = exp2_shifted(seg, m_new, n)
+            total = exp2_into(seg, p_seg, m_new, n)
         else:
-            total = exp2_shifted(seg, m_new, n)
-            if total > 1.0 and row_max(seg, n) > 1.0:
+            total = exp2_into(seg, p_seg, m_new, n)
+            # (bf16 bits of P >= 0 order as their values: the max works on them)
+            if total > 1.0 and row_max(p_seg, n) > narrow(1.0, p_seg):
                 # A score passed the reference: rebuild this row and raise it.
                 m_new, total = rebase_row(
-                    row, r, lo, hi, q_tile[r], k_tile, segs, tile, variants, full
+                    row, p_row, r, lo, hi, q_tile[r], k_tile, s_mult, segs, tile, variants, full
                 )
             alpha[r] = 1.0 if m_new == m[r] else math.exp2(m[r] - m_new)
-        row[:lo] = 0.0
-        row[hi:] = 0.0
+        p_row[:lo] = 0
+        p_row[hi:] = 0
         ell[r] = ell[r] * alpha[r] + total
         m[r] = m_new
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def score_product(gemm_fn, q_tile, k_tile, s, top, top_w):
-    """``s = q_tile k_tile^T``; with a diagonal split (``top > 0``) the first
-    ``top`` rows get only the first ``top_w`` columns (the rest is left
-    unwritten: the caller hides it)."""
+def score_product(gemm_fn, q_tile, k_tile, s, top, top_w, s_mult=1.0):
+    """``s = s_mult * q_tile k_tile^T``; with a diagonal split (``top > 0``)
+    the first ``top`` rows get only the first ``top_w`` columns (the rest is
+    left unwritten: the caller hides it). ``s_mult`` is 1 when the query
+    tile is already scaled (float tiles), the score scale for bf16 operands
+    (:func:`.half.split_scale`)."""
     if top > 0:
         if top_w > 0:
-            gemm(gemm_fn, q_tile[:top], k_tile[:top_w], s[:top, :top_w], False, True, 0.0)
-        gemm(gemm_fn, q_tile[top:], k_tile, s[top:], False, True, 0.0)
+            gemm_scaled(
+                gemm_fn, q_tile[:top], k_tile[:top_w], s[:top, :top_w], False, True, s_mult, 0.0
+            )
+        gemm_scaled(gemm_fn, q_tile[top:], k_tile, s[top:], False, True, s_mult, 0.0)
     else:
-        gemm(gemm_fn, q_tile, k_tile, s, False, True, 0.0)
+        gemm_scaled(gemm_fn, q_tile, k_tile, s, False, True, s_mult, 0.0)
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def attend_tile(
     gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, variants, full, top,
     top_w, k_next, v_next,
+):  # fmt: skip
+    """:func:`fold_key_tile` for float tiles: a scaled query tile, ``P`` used in place."""
+    fold_key_tile(
+        gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, variants, full, top,
+        top_w, k_next, v_next, s[0, :0], 1.0,
+    )  # fmt: skip
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def fold_key_tile(
+    gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, variants, full, top,
+    top_w, k_next, v_next, p_buf, s_mult,
 ):  # fmt: skip
     """Fold one key tile into the rows' state ``(m, ell, acc)``: the tile step.
 
@@ -196,32 +219,39 @@ def attend_tile(
     decoding tile).
 
     Args:
-        q_tile: ``(rows, d)`` stacked queries, scaled by ``scale * log2(e)``.
+        q_tile: ``(rows, d)`` stacked queries, scaled by ``scale * log2(e) /
+            s_mult``.
         k_tile, v_tile: ``(n, d)``, ``(n, dv)``: the keys and values of the
             tile's columns (described by ``segs``, columns ``SEG_*``).
-        s: ``(rows, n)`` C-contiguous score buffer; alpha: ``(rows,)`` scratch.
-        m, ell, acc: ``(rows,)``, ``(rows,)``, ``(rows, dv)``: the state.
+        s: ``(rows, n)`` C-contiguous float score buffer; alpha: ``(rows,)`` scratch.
+        m, ell, acc: ``(rows,)``, ``(rows,)``, ``(rows, dv)``: the state, in
+            the dtype of ``s``.
         tile, variants: :class:`.tiles.QueryTile`, :class:`.tiles.KernelVariants`.
         full: every row sees every column (no per-row limits, no mask reads).
         top, top_w: the diagonal split (:func:`.tiles.diagonal_split`; ``top
             = 0`` for none).
         k_next, v_next: rows of the next tile to prefetch while this one is
             finished (zero rows for none).
+        p_buf: bf16 operands (``uint16``): at least ``rows * n`` elements for
+            ``P`` rounded to bf16 (:func:`.half.prob_buffer`); float
+            operands: empty, ``P`` overwrites the scores in ``s``.
+        s_mult: the scale the score product applies (:func:`.half.split_scale`).
     """
-    score_product(gemm_fn, q_tile, k_tile, s, top, top_w)
+    score_product(gemm_fn, q_tile, k_tile, s, top, top_w, s_mult)
     prefetch_rows(k_next, 0, k_next.shape[0])
     prefetch_rows(v_next, 0, v_next.shape[0])
     # Hidden columns (the top rows' unwritten ones too) come back as zeros.
-    softmax_tile(s, m, ell, alpha, q_tile, k_tile, segs, tile, variants, full)
+    p = prob_tile(s, p_buf)
+    softmax_tile(s, p, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, variants, full)
     for r in range(s.shape[0]):
         if alpha[r] != 1.0:  # most rows keep their reference: nothing to rescale
             acc[r] *= alpha[r]
     if top > 0:
         if top_w > 0:
-            gemm(gemm_fn, s[:top, :top_w], v_tile[:top_w], acc[:top], False, False, 1.0)
-        gemm(gemm_fn, s[top:], v_tile, acc[top:], False, False, 1.0)
+            gemm(gemm_fn, p[:top, :top_w], v_tile[:top_w], acc[:top], False, False, 1.0)
+        gemm(gemm_fn, p[top:], v_tile, acc[top:], False, False, 1.0)
     else:
-        gemm(gemm_fn, s, v_tile, acc, False, False, 1.0)
+        gemm(gemm_fn, p, v_tile, acc, False, False, 1.0)
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -229,17 +259,18 @@ def finish_rows(acc, m, ell, out, lse, h0, i_first, br):
     """The epilogue: normalise the rows once and write ``out`` and ``lse``.
 
     Row ``r`` goes to ``out[h0 + r // br, i_first + r % br]`` of ``out (H, T,
-    dv)`` and ``lse (H, T)`` (natural log). A row that saw no key gets zeros
+    dv)`` (float, or bf16 bits as uint16: rounded) and ``lse (H, T)``
+    (natural log). A row that saw no key gets zeros
     and ``lse = -inf`` (a NaN row is not caught here: it stays NaN).
     """
     for r in range(acc.shape[0]):
         h = h0 + r // br
         i = i_first + r % br
         if ell[r] == 0.0:
-            out[h, i, :] = 0.0
+            out[h, i, :] = 0
             lse[h, i] = -np.inf
         else:
             inv = 1.0 / ell[r]
             for c in range(out.shape[2]):
-                out[h, i, c] = acc[r, c] * inv
+                out[h, i, c] = narrow(acc[r, c] * inv, out)
             lse[h, i] = (m[r] + math.log2(ell[r])) * LN2

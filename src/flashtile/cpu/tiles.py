@@ -38,6 +38,7 @@ from ..masks import (
     tile_fully_visible,
 )
 from . import FASTMATH
+from .half import narrow, widen
 
 #: ``log2(e)``: scores times this are exponents of 2 (``exp(x) = 2**(x log2(e))``).
 LOG2E = 1.4426950408889634
@@ -239,7 +240,8 @@ def tile_state(variants, b, h0, group, qblock, kblock):
 def load_q_tile(src, tile, group, q_start, mult, out):
     """Stack the tile's rows of ``src (NB, H, T, w)`` into ``out (group * br, w)``,
     times ``mult``: ``group`` heads from ``tile.h0``, queries ``q_start +
-    tile.i0 + [0, br)`` (queries, or the output gradient, in the backward)."""
+    tile.i0 + [0, br)`` (queries, or the output gradient, in the backward).
+    Either may hold bf16 bits (:mod:`.half`; ``mult = 1`` copies them exactly)."""
     br = tile.br
     i = q_start + tile.i0
     for g in range(group):
@@ -247,4 +249,4 @@ def load_q_tile(src, tile, group, q_start, mult, out):
         dst = out[g * br : (g + 1) * br]
         for r in range(br):
             for c in range(src.shape[3]):
-                dst[r, c] = rows[r, c] * mult
+                dst[r, c] = narrow(widen(rows[r, c]) * mult, out)

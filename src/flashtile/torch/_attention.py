@@ -67,10 +67,12 @@ def attention(
         query that sees no key gets a zero row, ``lse = -inf`` and zero
         gradients, never NaN.
 
-    dtypes: float32 and float64 run natively. float16 and bfloat16 inputs are
-    upcast to float32, computed, and ``out`` cast back to the input dtype
-    (gradients flow back through the casts in the input dtype); ``lse`` stays
-    float32. A float mask is cast to the compute dtype.
+    dtypes: float32, float64 and bfloat16 run natively (bfloat16 without a
+    copy; its tile products run in bf16 where the CPU has bf16 instructions,
+    see :func:`flashtile.cpu.blas.half_path`). float16 inputs are upcast to
+    float32, computed, and ``out`` cast back (gradients flow back through the
+    casts); ``lse`` is float32 for 16-bit inputs. A float mask is cast to the
+    compute dtype (float32 for 16-bit inputs).
 
     Devices: CPU tensors run the Numba kernels; CUDA tensors (q, k and v all
     on CUDA, one GPU) run the Triton kernels (:mod:`flashtile.triton`) with the
@@ -118,11 +120,11 @@ def attention(
             softcap=softcap, enable_gqa=enable_gqa, return_lse=return_lse,
         )  # fmt: skip
     in_dtype = q.dtype
-    if in_dtype in (torch.float16, torch.bfloat16):
+    if in_dtype == torch.float16:
         q, k, v = q.float(), k.float(), v.float()
     mask = as_constant(mask)
-    if mask is not None and mask.dtype != torch.bool:
-        mask = mask.to(q.dtype)  # a float mask adds in the compute dtype
+    if mask is not None and mask.dtype != torch.bool:  # a float mask adds in the compute dtype
+        mask = mask.to(torch.float32 if q.dtype == torch.bfloat16 else q.dtype)
     left, right = normalize_window(window, False)  # causal caps it inside
     out, lse = torch.ops.flashtile.attention_fwd(
         q,

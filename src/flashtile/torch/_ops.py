@@ -15,8 +15,10 @@ Schemas (``window_left``/``window_right`` = -1 mean unbounded; ``scale`` and
                   window_left, window_right, softcap?) -> (dq, dk, dv)
 
 ``q (B, Hq, Tq, d)``, ``k (B, Hkv, Tk, d)``, ``v (B, Hkv, Tk, dv)`` (or the same
-without ``B``) must be CPU float32 or float64; ``out`` is ``(..., Tq, dv)`` and
-``lse`` ``(..., Tq)`` in the same dtype. ``mask`` is bool (True = keep) or
+without ``B``) must be CPU float32, float64 or bfloat16; ``out`` is ``(..., Tq,
+dv)`` in the same dtype and ``lse`` ``(..., Tq)`` in the accumulation dtype
+(float32 for bfloat16). bfloat16 tensors reach the kernels without a copy (as
+``ml_dtypes.bfloat16`` views of their memory). ``mask`` is bool (True = keep) or
 float (added to the scores), broadcastable to ``(..., Hq, Tq, Tk)``. Outputs
 are always fresh tensors: the kernels write into new NumPy buffers that
 ``torch.from_numpy`` wraps without a copy.
@@ -30,6 +32,7 @@ import numpy as np
 import torch
 
 import flashtile
+from flashtile._validate import BFLOAT16
 
 _FWD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? alibi_slopes, bool causal, "
@@ -40,16 +43,34 @@ _BWD_SCHEMA = (
     "Tensor? alibi_slopes, bool causal, float? scale, int window_left, int window_right, "
     "float? softcap) -> (Tensor, Tensor, Tensor)"
 )
-#: dtypes the ops compute in; flashtile.torch.attention upcasts 16-bit floats first.
-NATIVE_DTYPES = (torch.float32, torch.float64)
+#: dtypes the ops take; flashtile.torch.attention upcasts float16 first.
+NATIVE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
 def _check_native(q: torch.Tensor) -> None:
     if q.dtype not in NATIVE_DTYPES:
         raise TypeError(
-            f"flashtile::attention ops take float32 or float64 tensors, got {q.dtype}: "
-            f"call flashtile.torch.attention, which upcasts float16/bfloat16"
+            f"flashtile::attention ops take float32, float64 or bfloat16 tensors, got "
+            f"{q.dtype}: call flashtile.torch.attention, which upcasts float16"
         )
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float32 if q.dtype == torch.bfloat16 else q.dtype
+
+
+def _data(t: torch.Tensor) -> np.ndarray:
+    """q/k/v/out/dout as NumPy without a copy: bfloat16 as ``ml_dtypes.bfloat16``."""
+    if t.dtype == torch.bfloat16:
+        return t.detach().view(torch.int16).numpy().view(BFLOAT16)
+    return _np(t)
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """A kernel result as a tensor without a copy (bfloat16 too)."""
+    if a.dtype == BFLOAT16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 def _np(t: torch.Tensor | None) -> np.ndarray | None:
@@ -88,9 +109,9 @@ def attention_fwd(q, k, v, mask, alibi_slopes, causal, scale, window_left, windo
     _check_native(q)
     kw = _variants(mask, alibi_slopes, window_left, window_right, softcap)
     out, lse = flashtile.attention(
-        _np(q), _np(k), _np(v), causal=causal, scale=scale, return_lse=True, **kw
+        _data(q), _data(k), _data(v), causal=causal, scale=scale, return_lse=True, **kw
     )
-    return torch.from_numpy(out), torch.from_numpy(lse)
+    return _tensor(out), _tensor(lse)
 
 
 @attention_fwd.register_fake
@@ -99,7 +120,8 @@ def _attention_fwd_fake(
 ):
     _check_native(q)
     # new_empty is contiguous, as the real outputs are (strides must match).
-    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1])
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    return out, q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op(
@@ -112,9 +134,10 @@ def attention_bwd(
     _check_native(q)
     kw = _variants(mask, alibi_slopes, window_left, window_right, softcap)
     grads = flashtile.attention_backward(
-        _np(q), _np(k), _np(v), _np(out), _np(lse), _np(dout), causal=causal, scale=scale, **kw
-    )
-    return tuple(torch.from_numpy(g) for g in grads)
+        *(_data(t) for t in (q, k, v, out)), _np(lse), _data(dout), causal=causal, scale=scale,
+        **kw,
+    )  # fmt: skip
+    return tuple(_tensor(g) for g in grads)
 
 
 @attention_bwd.register_fake

@@ -1,0 +1,139 @@
+"""bfloat16 inside the kernels: bit patterns in ``uint16`` arrays, widened and rounded here.
+
+Numba has no bfloat16 type, so a bf16 array (``ml_dtypes.bfloat16`` or a
+torch tensor's storage) reaches a kernel as a ``uint16`` view of the same
+memory: no copy. A bf16 number is the top half of a float32, so widening is
+a 16-bit shift (exact) and narrowing rounds the low half away to nearest
+even (:func:`bf16_bits`). Both are LLVM bit operations, so loops over them
+vectorise.
+
+Inside the forward kernel's arrays a ``uint16`` element is always a bf16
+pattern (float16 inputs are widened to float32 before they reach it). The
+helpers below dispatch on the array dtype at compile time, so one kernel
+source serves float32, float64 and bf16 storage:
+
+* :func:`widen`: an element as a number (bf16 -> float32; floats unchanged);
+* :func:`narrow`: a number as an element of a given array (rounded to bf16
+  for ``uint16``; floats unchanged);
+* :func:`split_scale`: where the score scale goes (into the float query
+  tile, or, for bf16 operands, into the ``gemm``'s ``alpha`` so the queries
+  are not rounded a second time);
+* :func:`prob_buffer` / :func:`prob_tile`: where the softmax writes ``P``,
+  the value product's operand (rounded to bf16 into its own buffer as it is
+  computed, as FlashAttention does on GPUs, or in place over float scores).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic, overload
+
+from . import FASTMATH
+
+
+@intrinsic
+def bf16_value(typingctx, bits):
+    """The float32 value of the bf16 pattern ``bits`` (uint16): exact."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        v = builder.zext(builder.trunc(args[0], ir.IntType(16)), i32)
+        return builder.bitcast(builder.shl(v, i32(16)), ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def bf16_bits(typingctx, x):
+    """The bf16 pattern (uint16) nearest to the float32 ``x``, ties to even.
+
+    Adds ``0x7fff`` plus the lowest kept bit, then drops the low 16 bits; a
+    NaN keeps its sign and top mantissa bits and is made quiet (adding could
+    carry it into infinity).
+    """
+    if not isinstance(x, types.Float):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32, i16 = ir.IntType(32), ir.IntType(16)
+        f = args[0]
+        if f.type != ir.FloatType():
+            f = builder.fptrunc(f, ir.FloatType())
+        u = builder.bitcast(f, i32)
+        lsb = builder.and_(builder.lshr(u, i32(16)), i32(1))
+        rounded = builder.lshr(builder.add(u, builder.add(lsb, i32(0x7FFF))), i32(16))
+        quiet_nan = builder.or_(builder.lshr(u, i32(16)), i32(0x40))
+        is_nan = builder.icmp_unsigned(">", builder.and_(u, i32(0x7FFFFFFF)), i32(0x7F800000))
+        return builder.trunc(builder.select(is_nan, quiet_nan, rounded), i16)
+
+    return types.uint16(x), codegen
+
+
+def widen(x):
+    """An array element as a number: bf16 bits (uint16) -> float32, floats as they are."""
+    raise NotImplementedError("widen is only available inside Numba kernels")
+
+
+@overload(widen, fastmath=FASTMATH, inline="always")
+def _widen(x):
+    if x == types.uint16:
+        return lambda x: bf16_value(x)
+    if isinstance(x, types.Float):
+        return lambda x: x
+    return None
+
+
+def narrow(x, like):
+    """``x`` as an element of array ``like``: rounded to bf16 bits for uint16, else as is."""
+    raise NotImplementedError("narrow is only available inside Numba kernels")
+
+
+@overload(narrow, fastmath=FASTMATH, inline="always")
+def _narrow(x, like):
+    if like.dtype == types.uint16:
+        return lambda x, like: bf16_bits(np.float32(x))
+    return lambda x, like: x
+
+
+def split_scale(q, work, c):
+    """``(q_mult, s_mult)``: scores are ``s_mult * (q_mult * Q) K^T``, with
+    ``q_mult * s_mult = c``; both in the dtype of the ``work`` array."""
+    raise NotImplementedError("split_scale is only available inside Numba kernels")
+
+
+@overload(split_scale, fastmath=FASTMATH)
+def _split_scale(q, work, c):
+    if q.dtype == types.uint16:  # bf16 operands: scale the product, not the rounded queries
+        return lambda q, work, c: (work.dtype.type(1.0), work.dtype.type(c))
+    return lambda q, work, c: (work.dtype.type(c), work.dtype.type(1.0))
+
+
+def prob_buffer(q, n):
+    """A flat buffer for ``n`` rounded probabilities when ``q`` holds bf16, else empty."""
+    raise NotImplementedError("prob_buffer is only available inside Numba kernels")
+
+
+@overload(prob_buffer, fastmath=FASTMATH)
+def _prob_buffer(q, n):
+    if q.dtype == types.uint16:
+        return lambda q, n: np.empty(n, dtype=np.uint16)
+    return lambda q, n: np.empty(0, dtype=q.dtype)
+
+
+def prob_tile(s, p_buf):
+    """Where the softmax writes the probabilities of the scores ``s (rows, n)``:
+    a C-contiguous ``(rows, n)`` view of ``p_buf`` for bf16 (``uint16``, from
+    :func:`prob_buffer`; rounded as they are computed, the scores kept), else
+    ``s`` itself (in place)."""
+    raise NotImplementedError("prob_tile is only available inside Numba kernels")
+
+
+@overload(prob_tile, fastmath=FASTMATH, inline="always")
+def _prob_tile(s, p_buf):
+    if p_buf.dtype == types.uint16:
+        return lambda s, p_buf: p_buf[: s.shape[0] * s.shape[1]].reshape(s.shape)
+    return lambda s, p_buf: s

@@ -1,0 +1,243 @@
+"""bfloat16 inputs: the bf16 tile products (oneMKL on a CPU with bf16
+instructions) and the widening path, judged by FlashAttention's rule.
+
+The rule: on the same bf16 inputs, flashtile's error against float64 is at
+most twice the error of the same math done in bf16 by PyTorch (scores in
+bf16, softmax in float32, probabilities cast to bf16), plus the error that
+rounding the exact output to bf16 makes.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from numba import njit
+
+import flashtile as ft
+import flashtile.cpu.blas as blas
+from dense import dense_attention, dense_attention_backward, rel_err
+from flashtile.cpu.half import bf16_bits, bf16_value
+
+torch = pytest.importorskip("torch")
+
+BF16 = ml_dtypes.bfloat16
+#: The paths this machine can run: widened to float32 always, bf16 products
+#: where the CPU and BLAS have them.
+PATHS = ["widen"] + (["bf16"] if blas.bf16_features() and blas._mkl() is not None else [])
+
+# (B, Hq, Hkv, Tq, Tk, d): awkward sizes, Tq != Tk both ways, GQA and MQA.
+SHAPES = [
+    (1, 2, 2, 97, 97, 64),
+    (2, 4, 2, 130, 257, 59),
+    (1, 3, 1, 7, 1025, 3),
+    (1, 2, 1, 600, 33, 128),
+]
+
+
+@pytest.fixture(params=PATHS)
+def path(request):
+    """Runs the test on each path: ``widen`` forces OpenBLAS (no bf16 products)."""
+    saved = blas._choice
+    blas.set_backend("mkl" if request.param == "bf16" else "openblas")
+    assert blas.bf16_products() == (request.param == "bf16")
+    yield request.param
+    blas._choice = saved
+
+
+def bf16_qkv(rng, b, hq, hkv, tq, tk, d):
+    def make(h, t):
+        return rng.standard_normal((b, h, t, d)).astype(BF16)
+
+    return make(hq, tq), make(hkv, tk), make(hkv, tk)
+
+
+def torch_bf16_math(q, k, v, causal, dout=None):
+    """The same attention done in bf16 by PyTorch: scores and ``P @ V`` in
+    bf16, the softmax in float32, ``P`` cast to bf16. With ``dout``, the
+    gradients of ``sum(out * dout)`` through that same math (autograd)."""
+    tq_, tk_, tv_ = (as_torch(a).requires_grad_() for a in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    s = (tq_ @ tk_.repeat_interleave(group, 1).transpose(-1, -2)) * (1.0 / np.sqrt(q.shape[-1]))
+    tq, tk = q.shape[2], k.shape[2]
+    if causal:
+        hidden = torch.ones(tq, tk, dtype=torch.bool).triu(tk - tq + 1)
+        s = s.masked_fill(hidden, float("-inf"))
+    p = torch.softmax(s.float(), dim=-1).nan_to_num(0.0).to(torch.bfloat16)
+    out = p @ tv_.repeat_interleave(group, 1)
+    if dout is None:
+        return out.detach().float().numpy()
+    out.backward(as_torch(dout))
+    return [t.grad.float().numpy() for t in (tq_, tk_, tv_)]
+
+
+def as_torch(a):
+    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+
+
+def float64_reference(q, k, v, causal):
+    group = q.shape[1] // k.shape[1]
+    k64, v64 = (np.repeat(a.astype(np.float64), group, axis=1) for a in (k, v))
+    return dense_attention(q.astype(np.float64), k64, v64, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_accuracy_rule(rng, path, shape, causal):
+    q, k, v = bf16_qkv(rng, *shape)
+    out, lse = ft.attention(q, k, v, causal=causal, return_lse=True)
+    assert out.dtype == BF16 and lse.dtype == np.float32
+    ref, ref_lse = float64_reference(q, k, v, causal)
+    rounding = rel_err(ref.astype(BF16), ref)
+    limit = 2 * rel_err(torch_bf16_math(q, k, v, causal), ref) + rounding
+    assert rel_err(out, ref) <= limit
+    assert rel_err(out, ref) < 2 * rounding  # tighter: this test's inputs stay near the rounding
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), finite)
+    assert np.abs(lse[finite] - ref_lse[finite]).max() < 1e-3
+
+
+def test_no_float32_copy_of_the_inputs(rng, path):
+    from flashtile.api import check_call
+    from flashtile.planning import plan_forward
+
+    q, k, v = bf16_qkv(rng, 1, 4, 2, 64, 80, 32)
+    plan = plan_forward(check_call(q, k, v, True, None, {}))
+    kept = path == "bf16"
+    assert (plan.q4.dtype == BF16) == kept
+    assert all(np.shares_memory(a, b) == kept for a, b in ((plan.q4, q), (plan.k4, k)))
+
+
+def test_variants_and_empty_rows(rng, path):
+    """A window, softcap, ALiBi and padding: the same variant code on bf16
+    operands; a batch entry with no valid key gives zeros and -inf, no NaN."""
+    q, k, v = bf16_qkv(rng, 2, 4, 2, 50, 70, 16)
+    kw = dict(window=(20, 3), softcap=5.0, alibi_slopes=np.array([0.5, 0.25, 0.1, 0.05]))
+    out, lse = ft.attention(q, k, v, kv_lengths=np.array([0, 61]), return_lse=True, **kw)
+    q32, k32, v32 = (a.astype(np.float32) for a in (q, k, v))
+    ref, ref_lse = ft.attention(q32, k32, v32, kv_lengths=np.array([0, 61]), return_lse=True, **kw)
+    assert not np.any(out[0]) and np.all(lse[0] == -np.inf)
+    assert rel_err(out[1], ref[1]) < 1e-2
+    assert np.abs(lse[1] - ref_lse[1]).max() < 1e-2
+
+
+def test_scores_that_climb_rebase_exactly(rng, path):
+    """Keys whose scores jump far above the first tile's: the re-base path
+    recomputes rows from the bf16 operands and their scale."""
+    q, k, v = bf16_qkv(rng, 1, 1, 1, 16, 1500, 8)
+    k[0, 0, 1200] = (np.asarray(q[0, 0].astype(np.float32).mean(0)) * 40).astype(BF16)
+    out = ft.attention(q, k, v, block_k=256)
+    ref, _ = float64_reference(q, k, v, False)
+    assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES[1:3], ids=lambda s: "x".join(map(str, s)))
+def test_gradient_accuracy_rule(rng, path, shape, causal):
+    q, k, v = bf16_qkv(rng, *shape)
+    out, lse = ft.attention(q, k, v, causal=causal, return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(BF16)
+    grads = ft.attention_backward(q, k, v, out, lse, dout, causal=causal)
+    group = q.shape[1] // k.shape[1]
+    k64, v64 = (np.repeat(a.astype(np.float64), group, axis=1) for a in (k, v))
+    refs = list(dense_attention_backward(q, k64, v64, dout, causal=causal))
+    for i in (1, 2):  # sum the GQA group's query heads back onto their kv head
+        refs[i] = refs[i].reshape(k.shape[:2] + (group,) + refs[i].shape[2:]).sum(2)
+    torch_grads = torch_bf16_math(q, k, v, causal, dout)
+    for g, t, r in zip(grads, torch_grads, refs, strict=True):
+        assert g.dtype == BF16
+        assert rel_err(g, r) <= 2 * rel_err(t, r) + rel_err(r.astype(BF16), r)
+
+
+def test_backward_with_softcap_and_parts(rng, path):
+    """bf16 gradients against the float32 kernel: softcap's chain factor, and
+    one kv head split into parts (B = Hkv = 1)."""
+    q, k, v = bf16_qkv(rng, 1, 2, 1, 40, 60, 16)
+    out, lse = ft.attention(q, k, v, causal=True, softcap=3.0, return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(BF16)
+    grads = ft.attention_backward(q, k, v, out, lse, dout, causal=True, softcap=3.0)
+    f32 = [a.astype(np.float32) for a in (q, k, v, out, lse, dout)]
+    f32_grads = ft.attention_backward(*f32, causal=True, softcap=3.0)
+    for g, r in zip(grads, f32_grads, strict=True):
+        assert g.dtype == BF16
+        assert rel_err(g, r) < 1e-2
+
+
+@njit
+def _round_trip(x, bits, back):
+    for i in range(x.size):
+        bits[i] = bf16_bits(x[i])
+        back[i] = bf16_value(bits[i])
+
+
+def test_bf16_bit_conversions_match_ml_dtypes(rng):
+    # Ties (low half exactly 0x8000) both ways, infinities, NaN, denormals.
+    special = np.array([0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x00008000, 0x80018000], np.uint32)
+    x = np.concatenate(
+        [
+            rng.standard_normal(1000).astype(np.float32) * 1e3,
+            special.view(np.float32),
+            np.array([np.inf, -np.inf, 0.0, -0.0, 1e-40], np.float32),
+        ]
+    )
+    bits, back = np.empty(x.size, np.uint16), np.empty(x.size, np.float32)
+    _round_trip(x, bits, back)
+    assert np.array_equal(bits, x.astype(BF16).view(np.uint16))
+    assert np.array_equal(back, x.astype(BF16).astype(np.float32))
+    nan_bits = np.empty(1, np.uint16)
+    _round_trip(np.array([np.nan], np.float32), nan_bits, np.empty(1, np.float32))
+    assert np.isnan(nan_bits.view(BF16).astype(np.float32)[0])
+
+
+def test_torch_bf16_reaches_the_kernels_without_a_copy(rng, monkeypatch):
+    import flashtile.torch as ftt
+    from flashtile.torch import _ops
+
+    seen = []
+    real = _ops.flashtile.attention
+
+    def spy(q, *args, **kw):
+        seen.append(q)
+        return real(q, *args, **kw)
+
+    monkeypatch.setattr(_ops.flashtile, "attention", spy)
+    q, k, v = (as_torch(a) for a in bf16_qkv(rng, 1, 4, 2, 33, 40, 16))
+    q.requires_grad_()
+    out, lse = ftt.attention(q, k, v, causal=True, enable_gqa=True, return_lse=True)
+    assert seen[0].dtype == BF16 and seen[0].ctypes.data == q.data_ptr()
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    ref = torch_bf16_math(
+        *(t.detach().view(torch.int16).numpy().view(BF16) for t in (q, k, v)), True
+    )
+    assert rel_err(out.detach().float().numpy(), ref) < 2e-2
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.bfloat16 and torch.isfinite(q.grad.float()).all()
+
+
+def test_varlen_and_decode_take_bf16(rng, path):
+    """Packed sequences run the same kernel; a bf16 KV cache is decoded
+    correctly (widened to float32 for now)."""
+    cu = np.array([0, 50, 130])
+    q, k = (rng.standard_normal((h, 130, 32)).astype(BF16) for h in (4, 2))
+    out = ft.varlen_attention(q, k, k, cu, cu, causal=True)
+    ref = ft.varlen_attention(*(a.astype(np.float32) for a in (q, k, k)), cu, cu, causal=True)
+    assert out.dtype == BF16 and rel_err(out, ref) < 1e-2
+    q = rng.standard_normal((2, 8, 1, 64)).astype(BF16)
+    kc, vc = (rng.standard_normal((2, 2, 300, 64)).astype(BF16) for _ in range(2))
+    lengths = np.array([300, 123])
+    out = ft.decode_attention(q, kc, vc, cache_seqlens=lengths)
+    f32 = (a.astype(np.float32) for a in (q, kc, vc))
+    assert out.dtype == BF16
+    assert rel_err(out, ft.decode_attention(*f32, cache_seqlens=lengths)) < 1e-2
+
+
+def test_path_follows_cpu_features(rng, monkeypatch):
+    """Without bf16 instructions bf16 inputs take the widening path (said in
+    the bench header line), and the results stay bf16."""
+    monkeypatch.setattr(blas, "bf16_features", lambda: ())
+    assert not blas.bf16_products()
+    assert blas.half_path() == "bf16 widened to float32 (no bf16 instructions)"
+    q, k, v = bf16_qkv(rng, 1, 2, 2, 20, 30, 8)
+    out = ft.attention(q, k, v, causal=True)
+    ref, _ = float64_reference(q, k, v, True)
+    assert out.dtype == BF16 and rel_err(out, ref) < 2 * rel_err(ref.astype(BF16), ref)
