@@ -241,3 +241,22 @@ def test_path_follows_cpu_features(rng, monkeypatch):
     out = ft.attention(q, k, v, causal=True)
     ref, _ = float64_reference(q, k, v, True)
     assert out.dtype == BF16 and rel_err(out, ref) < 2 * rel_err(ref.astype(BF16), ref)
+
+
+def test_scores_past_float32_range_run_in_float64(rng, path):
+    q, k, v = bf16_qkv(rng, 1, 2, 2, 9, 13, 8)
+    q[0, 0, 3, 1] = np.inf  # left out of the bound (the NaN policy covers its row)
+    out = ft.attention(q, k, v, scale=1e38)
+    want, _ = dense_attention(*(a.astype(np.float64) for a in (q, k, v)), scale=1e38)
+    fine = np.ones(out.shape[:-1], bool)
+    fine[0, 0, 3] = False
+    assert out.dtype == BF16 and not np.isnan(out.astype(np.float32)[fine]).any()
+    assert rel_err(out.astype(np.float64)[fine], want[fine]) < 1e-2
+
+
+def test_bf16_bound_reads_the_bits():
+    from flashtile.precision import finite_max_abs
+
+    a = np.array([1.0, -3e38, np.nan, -np.inf, 2.5], dtype=BF16)
+    assert finite_max_abs(a) == float(np.abs(a[[0, 1, 4]].astype(np.float64)).max())
+    assert finite_max_abs(a[2:4]) == 0.0 and finite_max_abs(a[::4]) == 2.5

@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from ._validate import compute_dtype
+from ._validate import BFLOAT16, compute_dtype
 from .variants import Variants
 
 LOG2E = math.log2(math.e)
@@ -38,10 +38,23 @@ def finite_max_abs(a: np.ndarray) -> float:
     """``max |a|`` over the finite entries of ``a``, as a Python float (0 if none)."""
     if a.size == 0:
         return 0.0
+    if a.dtype == BFLOAT16:  # on the bits: ml_dtypes' own max is some 40x slower
+        return _bf16_finite_max_abs(a)
     hi, lo = float(a.max()), float(a.min())
     if math.isfinite(hi) and math.isfinite(lo):  # the common case: two fast passes
         return max(hi, -lo)
     return float(np.max(np.abs(a), where=np.isfinite(a), initial=0.0))
+
+
+def _bf16_finite_max_abs(a: np.ndarray) -> float:
+    """:func:`finite_max_abs` of a bfloat16 array: finite magnitudes order as
+    their sign-cleared bits, and exponent bits all set (``0x7F80`` and up)
+    mean inf or NaN."""
+    magnitude = a.view(np.uint16) & np.uint16(0x7FFF)
+    top = int(magnitude.max())
+    if top >= 0x7F80:  # an inf or NaN: the largest finite magnitude instead
+        top = int(np.max(magnitude, where=magnitude < 0x7F80, initial=0))
+    return float(np.array(top, dtype=np.uint16).view(BFLOAT16))
 
 
 def additive_bound(va: Variants, tq: int, tk: int) -> float:
