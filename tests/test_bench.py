@@ -9,6 +9,7 @@ installed, torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import numpy as np
@@ -395,7 +396,8 @@ def test_decode_bench_cases_verify_and_report_targets():
 def test_decode_preset_runs_end_to_end(monkeypatch, capsys):
     from flashtile.bench import decode
 
-    small = dataclasses.replace(presets.PRESETS["decode"], decode_lengths=(256,))
+    run = functools.partial(decode.run_decode_bench, lengths=(256,))
+    small = dataclasses.replace(presets.PRESETS["decode"], run=run)
     monkeypatch.setitem(presets.PRESETS, "decode", small)
     monkeypatch.setattr(decode, "CEILING_BYTES", 1 << 20)
     assert main(["bench", "--decode", "--reps", "1"]) == 0
@@ -414,7 +416,7 @@ def test_decode_preset_runs_end_to_end(monkeypatch, capsys):
 def test_decode_is_a_preset_and_refuses_the_options_it_would_ignore(capsys):
     for argv in (["--decode"], ["--preset", "decode"]):
         plan = _plan(*argv, "--reps", "3")
-        assert plan.name == "decode" and plan.preset.decode_lengths and not plan.cases
+        assert plan.name == "decode" and plan.preset.run is not None and not plan.cases
     assert main(["bench", "--decode", "--json", "x.json", "--B", "2"]) == 2
     assert "--preset decode does not use --B --json: drop them" in capsys.readouterr().err
     assert main(["bench", "--decode", "--T", "64"]) == 2
@@ -422,6 +424,46 @@ def test_decode_is_a_preset_and_refuses_the_options_it_would_ignore(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--decode", "--preset", "core"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_generate_preset_runs_end_to_end_with_identical_tokens(monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    from flashtile.bench import generate
+
+    tiny = {"hidden_size": 64, "intermediate_size": 128, "vocab_size": 128}
+    llama = {**tiny, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    gpt2 = {"n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 64, "vocab_size": 128}
+    cases = (
+        generate.ModelCase("tiny gpt2", "gpt2", gpt2, prompt=9, floor=1e-3),
+        generate.ModelCase("tiny llama", "llama", llama, prompt=16, floor=1e9),
+    )
+    monkeypatch.setattr(generate, "CASES", cases)
+    argv = ["bench", "--preset", "generate", "--reps", "2", "--new-tokens", "3"]
+    for kind in generate.CACHE_KINDS:
+        assert main([*argv, "--cache", kind]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        rows = [line for line in lines if line.startswith("| tiny ")]
+        assert [r.split(" | ")[0] for r in rows] == ["| tiny gpt2", "| tiny llama"]
+        assert all(f"| 3 | {kind} |" in r and r.endswith("| identical |") for r in rows)
+        targets = [line for line in lines if line.startswith("* target: ")]
+        assert "tiny gpt2, prompt 9: tokens/s(flashtile) / tokens/s(sdpa) = " in targets[0]
+        assert "(target >= 0.001x: met" in targets[0] and ": missed" in targets[1]
+
+
+def test_generate_refuses_different_tokens_and_foreign_options(capsys):
+    from flashtile.bench.generate import TokensDiffer, check_tokens
+
+    check_tokens([5, 6, 7], [5, 6, 7], "same")
+    with pytest.raises(TokensDiffer, match="at new token 1 \\(flashtile \\[9, 7\\], sdpa \\[6, 7\\]"):
+        check_tokens([5, 9, 7], [5, 6, 7], "m")
+    with pytest.raises(TokensDiffer, match="at new token 2"):
+        check_tokens([5, 6], [5, 6, 7], "m")
+    assert main(["bench", "--decode", "--new-tokens", "4"]) == 2
+    assert "--preset decode does not use --new-tokens: drop them" in capsys.readouterr().err
+    assert main(["bench", "--T", "64", "--cache", "static"]) == 2
+    assert "a custom sweep does not use --cache: drop them" in capsys.readouterr().err
+    assert main(["bench", "--preset", "generate", "--B", "2"]) == 2
+    assert "--preset generate does not use --B: drop them" in capsys.readouterr().err
 
 
 def test_help_lists_every_preset_by_what_it_measures(capsys):
@@ -432,7 +474,7 @@ def test_help_lists_every_preset_by_what_it_measures(capsys):
     for name, preset in presets.PRESETS.items():
         assert f" {name} {preset.measures}" in words
     assert "issue" not in text.lower()
-    assert set(presets.PRESETS) >= {"core", "quick", "variants", "torch-op", "decode"}
+    assert set(presets.PRESETS) >= {"core", "quick", "variants", "torch-op", "decode", "generate"}
 
 
 def test_rounds_are_shuffled_then_reversed_and_slow_calls_stop_at_the_budget(monkeypatch):
