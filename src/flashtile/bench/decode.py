@@ -224,10 +224,10 @@ def decode_table(rows: list[DecodeRow]) -> list[str]:
     for r in rows:
         speedup = None if r.torch is None else r.torch / r.flashtile
         vs_base = None if r.baseline is None else r.flashtile / r.baseline
-        frac = None if r.fraction is None else 100 * r.fraction
+        frac = "-" if r.fraction is None else f"{100 * r.fraction:.0f}%"
         lines.append(
             f"| {r.case} | {r.kv_bytes / 2**20:.0f} | {r.flashtile * 1e3:.2f} "
-            f"| {r.gbps(r.flashtile):.1f} | {_fmt(r.gbps(r.read), '.1f')} | {_fmt(frac, '.0f')}% "
+            f"| {r.gbps(r.flashtile):.1f} | {_fmt(r.gbps(r.read), '.1f')} | {frac} "
             f"| {_fmt(r.torch and r.torch * 1e3, '.2f')} | {_fmt(speedup, '.2f')} "
             f"| {_fmt(vs_base, '.2f')} |"
         )
@@ -260,7 +260,13 @@ def run_decode_bench(out, reps: int = 9, lengths=(8192, 65536)) -> int:
 
     from .machine import header_lines, machine_info
 
-    for line in header_lines(machine_info(), None):
+    try:
+        import torch
+
+        threads = torch.get_num_threads()
+    except ImportError:
+        threads = None
+    for line in header_lines(machine_info(threads), None):
         print(line, file=out)
     print(
         f"decode  : q (B, {HQ}, 1, {D}) against a GQA cache (B, {HKV}, Tk, {D}), fp32, "
