@@ -18,7 +18,7 @@ import dataclasses
 from functools import partial
 
 import numpy as np
-from numba import njit, prange
+from numba import get_num_threads, njit, prange
 
 from ..decode import decode_attention
 from .targets import target_line
@@ -75,10 +75,8 @@ def read_calls(arrays, torch=None) -> dict:
     given): each sums the arrays' bytes seen as float32 (any dtype: only the
     bytes count), the Numba one with one contiguous share per thread.
     """
-    import numba
-
     flat = [np.ascontiguousarray(a).reshape(-1).view(np.float32) for a in arrays]
-    parts = np.zeros(numba.get_num_threads(), dtype=np.float32)
+    parts = np.zeros(get_num_threads(), dtype=np.float32)
     calls = {"read-numba": lambda: [parallel_sum(a, parts) for a in flat]}
     if torch is not None:
         tensors = [torch.from_numpy(a) for a in flat]
