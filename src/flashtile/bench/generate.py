@@ -27,6 +27,7 @@ are imported only when the preset runs.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -280,4 +281,5 @@ def run_generate_bench(out, reps: int = 7, new_tokens=None, cache=None) -> int:
         print(f"* target: {line}", file=out)
     for message in failed:
         print(f"* FAILED: {message}", file=out)
+        print(f"flashtile bench: FAILED: {message}", file=sys.stderr)
     return 1 if failed else 0
