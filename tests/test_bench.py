@@ -454,6 +454,20 @@ def test_generate_preset_runs_end_to_end_with_identical_tokens(monkeypatch, caps
         assert "(target >= 0.001x: met" in targets[0] and ": missed" in targets[1]
 
 
+def test_generate_exits_1_and_says_so_when_tokens_differ(monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    from flashtile.bench import generate
+
+    def differ(case, *args):
+        raise generate.TokensDiffer(f"{case.label}: differ at new token 3")
+
+    monkeypatch.setattr(generate, "run_generate_case", differ)
+    assert main(["bench", "--preset", "generate", "--reps", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert "* FAILED: GPT-2 small shape (12 layers, 12 heads, d 64): differ at" in out
+    assert "flashtile bench: FAILED: Llama shape" in err
+
+
 def test_generate_refuses_different_tokens_and_foreign_options(capsys):
     from flashtile.bench.generate import TokensDiffer, check_tokens
 
