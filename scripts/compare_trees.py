@@ -1,8 +1,13 @@
 """Before/after guard for a change to the kernels: two flashtile source trees
 timed side by side in ONE process.
 
-usage: python scripts/compare_trees.py OLD_SRC NEW_SRC [rounds]
+usage: python scripts/compare_trees.py OLD_SRC NEW_SRC [rounds] [--decode]
 (e.g. ``git worktree add /tmp/base <rev>`` and ``/tmp/base/src`` as OLD_SRC).
+
+``--decode`` times only decoding (GQA 32/8, d 128: Tk=8192, Tk=65536 and
+Tk=65536 in shuffled pages of 16 keys), first on one thread in CPU seconds
+(``time.process_time``: on a shared machine, time slicing by other jobs then
+does not count), then on two threads in wall seconds.
 
 Each tree's ``flashtile`` package is copied to a temporary folder under its own
 name (the package uses relative imports only), the two are checked to agree on
@@ -101,5 +106,51 @@ def main(old_src: str, new_src: str, rounds: int) -> None:
         print(f"{label:32s} {o * 1e3:9.2f} {n * 1e3:9.2f} {n / o:8.3f}  {spread}")
 
 
+def decode_inputs() -> dict:
+    """label -> (q, k, v, block_table): the decoding cases of ``--decode``."""
+    rng = np.random.default_rng(0)
+    data = {}
+    for t in (8192, 65536):
+        q = rng.standard_normal((1, 32, 1, 128), dtype=np.float32)
+        k = rng.standard_normal((1, 8, t, 128), dtype=np.float32)
+        v = rng.standard_normal((1, 8, t, 128), dtype=np.float32)
+        data[f"decode Tk={t}"] = (q, k, v, None)
+    n, page = 65536 // 16, 16
+    order = rng.permutation(n)
+    pk, pv = (np.empty((n, 8, page, 128), dtype=np.float32) for _ in range(2))
+    pk[order] = k[0].reshape(8, n, page, 128).transpose(1, 0, 2, 3)
+    pv[order] = v[0].reshape(8, n, page, 128).transpose(1, 0, 2, 3)
+    data["decode Tk=65536 paged 16"] = (q, pk, pv, order[None, :])
+    return data
+
+
+def main_decode(old_src: str, new_src: str, rounds: int) -> None:
+    import numba
+
+    mods, data = load_trees(old_src, new_src), decode_inputs()
+    for label, (q, k, v, table) in data.items():  # warm-up (compiles) and agreement
+        old, new = (mods[t].decode_attention(q, k, v, block_table=table) for t in ("old", "new"))
+        assert np.allclose(old, new, rtol=1e-4, atol=1e-5), label
+    for threads, clock in ((1, time.process_time), (2, time.perf_counter)):
+        numba.set_num_threads(threads)
+        times = {(label, tag): [] for label in data for tag in ("old", "new")}
+        for r in range(rounds):
+            order = list(times)
+            random.Random(r).shuffle(order)
+            for label, tag in order:
+                q, k, v, table = data[label]
+                t0 = clock()
+                mods[tag].decode_attention(q, k, v, block_table=table)
+                times[(label, tag)].append(clock() - t0)
+        what = "CPU s" if threads == 1 else "wall s"
+        print(f"{threads} thread(s), {what}, load {os.getloadavg()[0]:.1f}")
+        for label in data:
+            o, n = (statistics.median(times[(label, tag)]) for tag in ("old", "new"))
+            ms = f"old {o * 1e3:8.2f} ms  new {n * 1e3:8.2f} ms"
+            print(f"  {label:28s} {ms}  new/old {n / o:.3f}")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 11)
+    args = [a for a in sys.argv[1:] if a != "--decode"]
+    rounds = int(args[2]) if len(args) > 2 else 11
+    (main_decode if "--decode" in sys.argv else main)(args[0], args[1], rounds)

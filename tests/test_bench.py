@@ -9,6 +9,7 @@ installed, torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import numpy as np
@@ -373,6 +374,7 @@ def test_torch_op_preset_runs_verified_and_reports_ratio_and_overhead(monkeypatc
 
 
 def test_decode_bench_cases_verify_and_report_targets():
+    from flashtile.bench import decode
     from flashtile.bench.decode import decode_table, run_decode_cases, target_lines
 
     rows = run_decode_cases(lengths=(256, 1024), reps=1)
@@ -380,27 +382,31 @@ def test_decode_bench_cases_verify_and_report_targets():
     assert names[:4] == ["Tk=256", "Tk=1024", "Tk=1024, paged 16", "Tk=1024, paged 256"]
     assert names[-1] == "B=16, lengths 16..512"
     assert all(r.flashtile > 0 for r in rows)
-    table = decode_table(rows, ceiling=20.0)
-    assert len(table) == 2 + len(rows) and "% of read ceiling" in table[0]
+    assert all(r.read > 0 and r.fraction == r.read / r.flashtile for r in rows[:-1])
+    assert rows[-1].read is None  # the padded batch is judged by its valid bytes instead
+    table = decode_table(rows)
+    assert len(table) == 2 + len(rows) and "| % of ceiling |" in table[0]
     lines = target_lines(rows)
     paged = [line for line in lines if ", paged " in line]
     assert [line.split(":")[0] for line in paged] == ["Tk=1024, paged 16", "Tk=1024, paged 256"]
-    assert "time(paged) / time(contiguous) = " in paged[0] and "(target <= 1.3: " in paged[0]
+    assert "time(paged) / time(contiguous) = " in paged[0] and "(target <= 1.25: " in paged[0]
     assert any(line.startswith("B=16, lengths 16..512: ") for line in lines)
-    if rows[0].torch is not None:  # no speedup floor at these lengths
-        assert "Tk=256: time(torch SDPA) / time(flashtile) = " in lines[0]
-        assert lines[0].endswith("x (no target at this size)")
+    assert lines[0].startswith("Tk=256: GB/s / read ceiling GB/s = ")  # no floor at this length
+    assert lines[0].endswith(" (no target at this size)")
+    floors = decode.target_lines([dataclasses.replace(rows[1], case="Tk=65536")])
+    assert "(target >= 0.75: " in floors[0] and "; stretch 0.85)" in floors[0]
 
 
 def test_decode_preset_runs_end_to_end(monkeypatch, capsys):
     from flashtile.bench import decode
 
-    small = dataclasses.replace(presets.PRESETS["decode"], decode_lengths=(256,))
+    run = functools.partial(decode.run_decode_bench, lengths=(256,))
+    small = dataclasses.replace(presets.PRESETS["decode"], run=run)
     monkeypatch.setitem(presets.PRESETS, "decode", small)
-    monkeypatch.setattr(decode, "CEILING_BYTES", 1 << 20)
     assert main(["bench", "--decode", "--reps", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("decode  : q (B, 32, 1, 128)") and "read ceiling" in lines[0]
+    assert lines[0].startswith("machine : ")
+    assert lines[2].startswith("decode  : q (B, 32, 1, 128)") and "read ceiling" in lines[2]
     rows = [line.split(" | ")[0] for line in lines if line.startswith("| Tk=")]
     assert rows == [
         "| Tk=256",
@@ -414,7 +420,7 @@ def test_decode_preset_runs_end_to_end(monkeypatch, capsys):
 def test_decode_is_a_preset_and_refuses_the_options_it_would_ignore(capsys):
     for argv in (["--decode"], ["--preset", "decode"]):
         plan = _plan(*argv, "--reps", "3")
-        assert plan.name == "decode" and plan.preset.decode_lengths and not plan.cases
+        assert plan.name == "decode" and plan.preset.run is not None and not plan.cases
     assert main(["bench", "--decode", "--json", "x.json", "--B", "2"]) == 2
     assert "--preset decode does not use --B --json: drop them" in capsys.readouterr().err
     assert main(["bench", "--decode", "--T", "64"]) == 2
@@ -422,6 +428,61 @@ def test_decode_is_a_preset_and_refuses_the_options_it_would_ignore(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--decode", "--preset", "core"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_generate_preset_runs_end_to_end_with_identical_tokens(monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    from flashtile.bench import generate
+
+    tiny = {"hidden_size": 64, "intermediate_size": 128, "vocab_size": 128}
+    llama = {**tiny, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    gpt2 = {"n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 64, "vocab_size": 128}
+    cases = (
+        generate.ModelCase("tiny gpt2", "gpt2", gpt2, prompt=9, floor=1e-3),
+        generate.ModelCase("tiny llama", "llama", llama, prompt=16, floor=1e9),
+    )
+    monkeypatch.setattr(generate, "CASES", cases)
+    argv = ["bench", "--preset", "generate", "--reps", "2", "--new-tokens", "3"]
+    for kind in generate.CACHE_KINDS:
+        assert main([*argv, "--cache", kind]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        rows = [line for line in lines if line.startswith("| tiny ")]
+        assert [r.split(" | ")[0] for r in rows] == ["| tiny gpt2", "| tiny llama"]
+        assert all(f"| 3 | {kind} |" in r and r.endswith("| identical |") for r in rows)
+        targets = [line for line in lines if line.startswith("* target: ")]
+        assert "tiny gpt2, prompt 9: tokens/s(flashtile) / tokens/s(sdpa) = " in targets[0]
+        assert "(target >= 0.001x: met" in targets[0] and ": missed" in targets[1]
+
+
+def test_generate_exits_1_and_says_so_when_tokens_differ(monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    from flashtile.bench import generate
+
+    def differ(case, *args):
+        raise generate.TokensDiffer(f"{case.label}: differ at new token 3")
+
+    monkeypatch.setattr(generate, "run_generate_case", differ)
+    assert main(["bench", "--preset", "generate", "--reps", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert "* FAILED: GPT-2 small shape (12 layers, 12 heads, d 64): differ at" in out
+    assert "flashtile bench: FAILED: Llama shape" in err
+
+
+def test_generate_refuses_different_tokens_and_foreign_options(capsys):
+    from flashtile.bench.generate import TokensDiffer, check_tokens
+
+    check_tokens([5, 6, 7], [5, 6, 7], "same")
+    differ = "at new token 1 \\(flashtile \\[9, 7\\], sdpa \\[6, 7\\]"
+    with pytest.raises(TokensDiffer, match=differ):
+        check_tokens([5, 9, 7], [5, 6, 7], "m")
+    with pytest.raises(TokensDiffer, match="at new token 2"):
+        check_tokens([5, 6], [5, 6, 7], "m")
+    assert main(["bench", "--decode", "--new-tokens", "4"]) == 2
+    assert "--preset decode does not use --new-tokens: drop them" in capsys.readouterr().err
+    assert main(["bench", "--T", "64", "--cache", "static"]) == 2
+    assert "a custom sweep does not use --cache: drop them" in capsys.readouterr().err
+    assert main(["bench", "--preset", "generate", "--B", "2"]) == 2
+    assert "--preset generate does not use --B: drop them" in capsys.readouterr().err
 
 
 def test_help_lists_every_preset_by_what_it_measures(capsys):
@@ -432,7 +493,7 @@ def test_help_lists_every_preset_by_what_it_measures(capsys):
     for name, preset in presets.PRESETS.items():
         assert f" {name} {preset.measures}" in words
     assert "issue" not in text.lower()
-    assert set(presets.PRESETS) >= {"core", "quick", "variants", "torch-op", "decode"}
+    assert set(presets.PRESETS) >= {"core", "quick", "variants", "torch-op", "decode", "generate"}
 
 
 def test_rounds_are_shuffled_then_reversed_and_slow_calls_stop_at_the_budget(monkeypatch):

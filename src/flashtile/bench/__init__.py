@@ -8,9 +8,11 @@ target-line format), :mod:`.memory` (peak extra memory), :mod:`.machine`
 :mod:`.variant_providers` (windows, block-sparse masks, GQA, varlen),
 :mod:`.torch_op` (the torch layer's cost), :mod:`.runner` (verify, measure,
 time), :mod:`.report` (table, JSON, plot), :mod:`.decode` (KV-cache decoding
-in GB/s), :mod:`.startup` (time to a first call), :mod:`.presets` (the named
-benchmarks) and :mod:`.cli` (the subcommand). No module imports one listed
-after it. Nothing here imports torch until a torch provider is used.
+in GB/s against a read of the same bytes), :mod:`.generate` (greedy decoding
+of transformers models in tokens/s), :mod:`.startup` (time to a first call),
+:mod:`.presets` (the named benchmarks) and :mod:`.cli` (the subcommand). No
+module imports one listed after it. Nothing here imports torch until a torch
+provider (or the decode or generate preset) is used.
 """
 
 from .cases import Case, attention_flops

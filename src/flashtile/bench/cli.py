@@ -3,7 +3,8 @@
 A bare ``flashtile bench`` runs the ``core`` preset; ``--preset NAME`` picks
 another (:mod:`.presets`), ``--decode`` is ``--preset decode``.
 ``--T/--d/--causal/--mode`` describe a custom sweep instead (their cartesian
-product) and cannot be combined with a preset. The exit status is 2 for
+product) and cannot be combined with a preset. ``--new-tokens`` and
+``--cache`` belong to ``--preset generate`` only. The exit status is 2 for
 options that contradict each other, 1 when a provider FAILED verification or
 raised, 0 otherwise.
 """
@@ -19,7 +20,7 @@ from typing import NamedTuple
 
 from ..argtypes import positive_float, positive_int
 from .cases import DTYPES, Case, sweep
-from .decode import run_decode_bench
+from .generate import CACHE_KINDS, DEFAULT_NEW_TOKENS
 from .machine import header_lines, machine_info, sgemm_gflops
 from .memory import rss_method
 from .presets import DEFAULT, PRESETS, Preset
@@ -36,8 +37,9 @@ DEFAULT_H = 8
 DEFAULT_REPS = 5
 DEFAULT_TIME_BUDGET = 3.0
 DEFAULT_MAX_SLOW_T = 4096
-#: Options of the attention benches that the decode bench does not read, with
-#: their defaults: giving one with ``--preset decode`` is an error, not ignored.
+#: Options of the attention benches that a preset with its own run (decode,
+#: generate) does not read, with their defaults: giving one there is an
+#: error, not ignored.
 ATTENTION_ONLY = {
     "B": DEFAULT_B,
     "H": None,
@@ -52,6 +54,8 @@ ATTENTION_ONLY = {
     "startup": False,
     "dtype": "float32",
 }
+#: Options that only a preset's own run reads (``Preset.options``), unset by default.
+RUN_ONLY = ("new_tokens", "cache")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -141,6 +145,17 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         help="stop timing a provider once its calls add up to S seconds (default 3)",
     )
     run.add_argument(
+        "--new-tokens",
+        type=positive_int,
+        metavar="N",
+        help=f"--preset generate: new tokens per timed call (default {DEFAULT_NEW_TOKENS})",
+    )
+    run.add_argument(
+        "--cache",
+        choices=CACHE_KINDS,
+        help=f"--preset generate: the models' KV cache (default {CACHE_KINDS[0]})",
+    )
+    run.add_argument(
         "--max-slow-T",
         type=positive_int,
         default=DEFAULT_MAX_SLOW_T,
@@ -185,12 +200,16 @@ def plan_run(args) -> Plan:
     if name is None and not given:
         name = DEFAULT
     preset = PRESETS[name] if name else None
-    if preset is not None and preset.decode_lengths:
-        unused = [
-            "--" + o.replace("_", "-") for o, d in ATTENTION_ONLY.items() if getattr(args, o) != d
-        ]
-        if unused:
-            raise ValueError(f"--preset {name} does not use {' '.join(unused)}: drop them")
+    own = preset is not None and preset.run is not None
+    reads = preset.options if own else ()
+    unused = [o for o in RUN_ONLY if getattr(args, o) is not None and o not in reads]
+    if own:
+        unused += [o for o, d in ATTENTION_ONLY.items() if getattr(args, o) != d]
+    if unused:
+        flags = " ".join("--" + o.replace("_", "-") for o in unused)
+        what = f"--preset {name}" if name else "a custom sweep"
+        raise ValueError(f"{what} does not use {flags}: drop them")
+    if own:
         return Plan(name, preset, [], [])
     if preset is not None:
         cases = preset.cases(args.B, args.H or preset.H)
@@ -221,8 +240,9 @@ def run_bench(args, out=None) -> int:
         print(f"flashtile bench: error: {exc}", file=sys.stderr)
         return 2
     reps = args.reps or (plan.preset.reps if plan.preset else DEFAULT_REPS)
-    if plan.preset is not None and plan.preset.decode_lengths:
-        return run_decode_bench(out, reps=reps, lengths=plan.preset.decode_lengths)
+    if plan.preset is not None and plan.preset.run is not None:
+        options = {o: getattr(args, o) for o in plan.preset.options}
+        return plan.preset.run(out, reps=reps, **options)
 
     providers, notes = _available(plan.providers)
     info = machine_info(_torch_threads(providers))

@@ -1,8 +1,10 @@
 """The named benchmarks of ``flashtile bench --preset NAME``, as one table.
 
 A preset names what it measures, builds its cases from ``(B, H)``, and says
-which target lines its results are judged by. ``decode`` is the KV-cache
-decoding bench of :mod:`.decode`, which times its own cases in GB/s.
+which target lines its results are judged by. Two presets build and time
+their own cases instead: ``decode`` (:mod:`.decode`, KV-cache decoding in
+GB/s against a read ceiling) and ``generate`` (:mod:`.generate`, greedy
+decoding of transformers models in tokens/s).
 Adding a benchmark is one entry in :data:`PRESETS`. Only the command line
 (:mod:`.cli`) reads this module; nothing in the bench imports it back.
 """
@@ -11,8 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
-from . import torch_op, variant_cases, variant_providers
+from . import decode, generate, torch_op, variant_cases, variant_providers
 from .cases import Case, sweep
 
 
@@ -22,12 +25,15 @@ class Preset:
 
     Attributes:
         measures: what it measures, in one line (``--help`` shows it).
-        cases: ``(B, H) -> cases``; None for the decode bench.
+        cases: ``(B, H) -> cases``; None for a preset with its own ``run``.
         H: heads when ``--H`` is not given.
         reps: timed calls per provider when ``--reps`` is not given.
         targets: ``results -> target lines``, or None when it has no targets.
-        decode_lengths: the cache lengths of the decode bench; a preset with
-            lengths runs :func:`.decode.run_decode_bench` instead of cases.
+        run: a bench that builds, times and prints its own cases:
+            ``run(out, reps=..., **options) -> exit status``, called instead
+            of the attention runner.
+        options: the command-line options (argparse names) that ``run``
+            reads; every other case or output option is refused with it.
     """
 
     measures: str
@@ -35,7 +41,8 @@ class Preset:
     H: int = 8
     reps: int = 5
     targets: Callable[[list], list[str]] | None = None
-    decode_lengths: tuple[int, ...] = ()
+    run: Callable[..., int] | None = None
+    options: tuple[str, ...] = ()
 
 
 #: The two providers every row of the core preset compares.
@@ -86,7 +93,14 @@ PRESETS: dict[str, Preset] = {
     "decode": Preset(
         "KV-cache decoding in GB/s vs torch SDPA and a measured memory-read ceiling",
         reps=9,
-        decode_lengths=(8192, 65536),
+        run=partial(decode.run_decode_bench, lengths=(8192, 65536)),
+    ),
+    "generate": Preset(
+        "greedy decoding of transformers models (GPT-2 small shape, a GQA Llama shape at a "
+        "long prompt) in tokens/s, flashtile's hook vs sdpa, tokens checked identical",
+        reps=7,
+        run=generate.run_generate_bench,
+        options=("new_tokens", "cache"),
     ),
 }
 DEFAULT = "core"
