@@ -33,8 +33,8 @@ from ._validate import (
     check_same_shape,
     resolve_scale,
 )
-from .cpu.launch import run_backward, run_forward
-from .planning import Call, plan_backward, plan_forward
+from .cpu.launch import run_backward, run_decode, run_forward
+from .planning import Call, decode_shaped, plan_backward, plan_decode_call, plan_forward
 from .variants import clear_padded_keys, resolve_variants
 
 
@@ -71,10 +71,17 @@ def _check_gradient_inputs(call, out, lse, dout):
     return out, lse, dout
 
 
-def _forward_results(plan, out, lse, return_lse):
-    """The kernel's ``out``/``lse`` in the caller's layout and dtype."""
-    out = out.reshape(plan.out_shape + out.shape[-1:]).astype(plan.dtype, copy=False)
-    return (out, lse.reshape(plan.out_shape)) if return_lse else out
+def _forward(call, block_q, block_k, return_lse):
+    """Run a validated call: the decode kernel for a decode-shaped one
+    (:func:`~flashtile.planning.decode_shaped`), else the forward kernel;
+    the results in the caller's layout and dtype."""
+    if decode_shaped(call, block_q, block_k):
+        out, lse = run_decode(plan_decode_call(call))
+    else:
+        out, lse, _ = run_forward(plan_forward(call, block_q, block_k))
+    lse_shape = call.shapes.batch + (call.shapes.tq,)
+    out = out.reshape(lse_shape + out.shape[-1:]).astype(call.q.dtype, copy=False)
+    return (out, lse.reshape(lse_shape)) if return_lse else out
 
 
 def _gradient_results(plan, call, grads):
@@ -104,12 +111,15 @@ def attention(
     Returns:
         ``out (..., Tq, dv)`` in the input dtype, and ``lse`` if asked. A query
         that sees no key gets a zero row and ``lse = -inf``.
+
+    A decode-shaped call (a few queries against many keys, no mask; the rule
+    is :func:`flashtile.planning.decode_shaped`) runs on the split-KV decode
+    kernel of :func:`flashtile.decode_attention`, which splits the keys
+    across threads; the result is the same up to rounding.
     """
     return_lse = check_flag(return_lse, "return_lse")
     call = check_call(q, k, v, causal, scale, variants)
-    plan = plan_forward(call, block_q, block_k)
-    out, lse, _ = run_forward(plan)
-    return _forward_results(plan, out, lse, return_lse)
+    return _forward(call, block_q, block_k, return_lse)
 
 
 def visited_tiles(q, k, v, *, causal=False, block_q, block_k, **variants) -> int:
@@ -176,9 +186,7 @@ def varlen_attention(
     """
     return_lse = check_flag(return_lse, "return_lse")
     call = check_call(q, k, v, causal, scale, variants, (cu_seqlens_q, cu_seqlens_k))
-    plan = plan_forward(call, block_q, block_k)
-    out, lse, _ = run_forward(plan)
-    return _forward_results(plan, out, lse, return_lse)
+    return _forward(call, block_q, block_k, return_lse)
 
 
 def varlen_attention_backward(

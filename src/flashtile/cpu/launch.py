@@ -10,7 +10,21 @@ second), so they are imported on first use, not with ``flashtile``.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
+
+
+def _on_threads(threads, kernel, *args):
+    """``kernel(*args)`` on ``threads`` of Numba's threads (the plan's choice:
+    1 for a small call, which then never wakes the pool)."""
+    saved = numba.get_num_threads()
+    if threads >= saved:
+        return kernel(*args)
+    numba.set_num_threads(threads)
+    try:
+        return kernel(*args)
+    finally:
+        numba.set_num_threads(saved)
 
 
 def run_forward(plan) -> tuple[np.ndarray, np.ndarray, int]:
@@ -26,9 +40,9 @@ def run_forward(plan) -> tuple[np.ndarray, np.ndarray, int]:
         return out, lse, 0
     gemm_fn = gemm_for(q4.dtype)
     with single_threaded_blas(gemm_fn):
-        forward_kernel(
-            q4, plan.k4, v4, out, lse, visited, plan.seqs, plan.items, plan.scale, plan.variants,
-            plan.block_q, plan.block_k, gemm_fn,
+        _on_threads(
+            plan.threads, forward_kernel, q4, plan.k4, v4, out, lse, visited, plan.seqs,
+            plan.items, plan.scale, plan.variants, plan.block_q, plan.block_k, gemm_fn,
         )  # fmt: skip
     return out, lse, int(visited.sum())
 
@@ -58,9 +72,10 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
         return dq, dk_parts[0], dv_parts[0]
     gemm_fn = gemm_for(q4.dtype)
     with single_threaded_blas(gemm_fn):
-        backward_kernel(
-            q4, k4, v4, out4, lse4, dout4, dq, dk_parts, dv_parts, plan.seqs, plan.items,
-            plan.scale, plan.variants, plan.block_q, plan.block_k, gemm_fn,
+        _on_threads(
+            plan.threads, backward_kernel, q4, k4, v4, out4, lse4, dout4, dq, dk_parts,
+            dv_parts, plan.seqs, plan.items, plan.scale, plan.variants, plan.block_q,
+            plan.block_k, gemm_fn,
         )  # fmt: skip
     dk, dv = dk_parts[0], dv_parts[0]
     for p in range(1, plan.parts):  # a fixed order: deterministic sums
@@ -88,9 +103,9 @@ def run_decode(plan) -> tuple[np.ndarray, np.ndarray]:
         k, v = k.view(np.uint16), v.view(np.uint16)
     gemm_fn = gemm_for(q.dtype, rows=rows)
     with single_threaded_blas(gemm_fn):
-        decode_kernel(
-            q, k, v, layout.table, layout.seqlens, plan.items, part_out, part_lse, plan.scale,
-            plan.variants, plan.tile_keys, gemm_fn,
+        _on_threads(
+            plan.threads, decode_kernel, q, k, v, layout.table, layout.seqlens, plan.items,
+            part_out, part_lse, plan.scale, plan.variants, plan.tile_keys, gemm_fn,
         )  # fmt: skip
     merge_partials(part_out, part_lse, plan.spans, out, lse)
     return out, lse

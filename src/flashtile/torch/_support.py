@@ -55,7 +55,7 @@ def as_constant(t) -> torch.Tensor | None:
 
 
 def _device(t: torch.Tensor, name: str) -> Refusal | None:
-    if t.device.type == "cpu":
+    if t.is_cpu:
         return None
     return Refusal(
         ValueError,
@@ -92,8 +92,9 @@ def _tensors(q, k, v) -> Refusal | None:
     return None
 
 
-def _heads(q, k, v, enable_gqa: bool) -> Refusal | None:
-    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+def _heads(qs, ks, vs, enable_gqa: bool) -> Refusal | None:
+    """Head counts, from the shapes ``qs``, ``ks``, ``vs`` of q, k, v."""
+    hq, hk, hv = qs[-3], ks[-3], vs[-3]
     if hk == 0 or hq == 0:
         return Refusal(
             ValueError, f"q has {hq} heads and k {hk}: attention needs at least one head each"
@@ -113,35 +114,64 @@ def _heads(q, k, v, enable_gqa: bool) -> Refusal | None:
     return None
 
 
-def _sizes(q, k, v) -> Refusal | None:
-    """One batch for all three, matching head dims and key/value lengths, nothing empty but B."""
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    if not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
+def _sizes(qs, ks, vs) -> Refusal | None:
+    """One batch for all three, matching head dims and key/value lengths, nothing empty but B.
+
+    ``qs``, ``ks``, ``vs``: the shapes of q, k, v. Messages are built only
+    for a refusal (this runs on every call).
+    """
+    if not (qs[:-3] == ks[:-3] == vs[:-3]):
         return Refusal(
             ValueError,
-            f"batch dims differ ({shapes}): flashtile.torch.attention does not broadcast them "
-            f"(SDPA does); expand the smaller ones, e.g. k.expand(B, -1, -1, -1)",
+            f"batch dims differ ({_shapes(qs, ks, vs)}): flashtile.torch.attention does not "
+            f"broadcast them (SDPA does); expand the smaller ones, e.g. k.expand(B, -1, -1, -1)",
         )
-    if q.shape[-1] != k.shape[-1]:
+    if qs[-1] != ks[-1]:
         return Refusal(
             ValueError,
-            f"q and k have head dims {q.shape[-1]} and {k.shape[-1]} ({shapes}): "
+            f"q and k have head dims {qs[-1]} and {ks[-1]} ({_shapes(qs, ks, vs)}): "
             f"queries and keys must have the same last dimension",
         )
-    if k.shape[-2] != v.shape[-2]:
+    if ks[-2] != vs[-2]:
         return Refusal(
             ValueError,
-            f"k has {k.shape[-2]} keys but v has {v.shape[-2]} values ({shapes}): "
+            f"k has {ks[-2]} keys but v has {vs[-2]} values ({_shapes(qs, ks, vs)}): "
             f"every key needs exactly one value row",
         )
-    sizes = (("Tq", q.shape[-2]), ("Tk", k.shape[-2]), ("d", q.shape[-1]), ("dv", v.shape[-1]))
-    for label, size in sizes:
+    if qs[-2] and ks[-2] and qs[-1] and vs[-1]:
+        return None
+    for label, size in (("Tq", qs[-2]), ("Tk", ks[-2]), ("d", qs[-1]), ("dv", vs[-1])):
         if size == 0:
             return Refusal(
                 ValueError,
-                f"{label} is 0 ({shapes}): empty sequences and zero-width heads are not "
-                f"supported (an empty batch is)",
+                f"{label} is 0 ({_shapes(qs, ks, vs)}): empty sequences and zero-width heads "
+                f"are not supported (an empty batch is)",
             )
+    return None
+
+
+def _shapes(qs, ks, vs) -> str:
+    return f"q {tuple(qs)}, k {tuple(ks)}, v {tuple(vs)}"
+
+
+def _kv_lengths(kv_lengths, qs) -> Refusal | None:
+    """Valid keys per batch entry: ``(B,)`` integers on the CPU, for 4-D inputs."""
+    if kv_lengths is None:
+        return None
+    try:
+        lengths = as_constant(kv_lengths)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        return Refusal(TypeError, f"kv_lengths cannot be made a tensor: {exc}")
+    if refused := _device(lengths, "kv_lengths"):
+        return refused
+    if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+        return Refusal(TypeError, f"kv_lengths must hold integers, got {lengths.dtype}")
+    if len(qs) != 4 or tuple(lengths.shape) != (qs[0],):
+        return Refusal(
+            ValueError,
+            f"kv_lengths has shape {tuple(lengths.shape)}; it needs (B, H, T, d) inputs and "
+            f"one length per batch entry, (B,) = ({qs[0] if len(qs) == 4 else 'B'},)",
+        )
     return None
 
 
@@ -237,23 +267,29 @@ def refusal(
     mask=None,
     enable_gqa=False,
     return_lse=False,
+    kv_lengths=None,
 ) -> Refusal | None:
     """Why :func:`flashtile.torch.attention` refuses this call, or None when it runs it.
 
     Takes the operator's arguments (see there). The first problem found is
     returned, in the order the arguments are read: q/k/v, flags, heads and
-    sizes, then the constants (mask, slopes), then the numbers and the window.
+    sizes, then the constants (mask, slopes, kv_lengths), then the numbers
+    and the window.
     """
+    refused = _tensors(q, k, v)
+    if refused:
+        return refused
+    qs, ks, vs = q.shape, k.shape, v.shape
     return (
-        _tensors(q, k, v)
-        or _flag(causal, "causal")
+        _flag(causal, "causal")
         or _flag(enable_gqa, "enable_gqa")
         or _flag(return_lse, "return_lse")
-        or _heads(q, k, v, enable_gqa)
-        or _sizes(q, k, v)
+        or _heads(qs, ks, vs, enable_gqa)
+        or _sizes(qs, ks, vs)
         or _constant(mask, "mask", floating_only=False)
         or (mask is not None and _mask_shape(mask, q, k))
         or _constant(alibi_slopes, "alibi_slopes", floating_only=True)
+        or _kv_lengths(kv_lengths, qs)
         or _number(scale, "scale")
         or _number(softcap, "softcap")
         or _window(window)
