@@ -129,7 +129,7 @@ def visited_tiles(q, k, v, *, causal=False, block_q, block_k, **variants) -> int
     mask's empty tiles being skipped. Runs the forward once.
     """
     plan = plan_forward(check_call(q, k, v, causal, None, variants), block_q, block_k)
-    return run_forward(plan)[2]
+    return int(run_forward(plan)[2].sum())
 
 
 def attention_backward(

@@ -169,7 +169,7 @@ def _plan(call, block_q, block_k, backward):
             q4.shape[:2], k4.shape[1], shapes.tq, shapes.tk, lengths, va.causal, va.left,
             va.right, va.softcap, q4.dtype, block_q, block_k, backward, threads,
         )  # fmt: skip
-        if va.alibi is not None:  # slopes are per call (they do not change the schedule)
+        if va.alibi is not None or va.mask_add is not None:  # arrays of this call
             variants = kernel_variants(va, q4.dtype, q4.shape[1])
     else:
         seqs = sequence_table(call)
@@ -188,10 +188,11 @@ def _plain_schedule(
     lead, n_kv, tq, tk, lengths, causal, left, right, softcap, work, block_q, block_k, backward,
     threads,
 ):  # fmt: skip
-    """:func:`_schedule` of a call whose plan depends on sizes and flags only
-    (no mask or packing; slopes do not change it), cached: a serving loop
-    repeats a few shapes. The arrays are shared between calls; the kernels
-    only read them."""
+    """:func:`_schedule` of a call whose schedule depends on sizes and flags
+    only (no boolean mask, not packed), cached: a serving loop repeats a few
+    shapes. The arrays are shared between calls; the kernels only read them.
+    Its variants are the plain ones: a call with slopes or an additive mask
+    replaces them with its own."""
     seqs = _batch_table(lead[0], tq, tk, lengths)
     va = Variants(causal=causal, left=left, right=right, softcap=softcap)
     heads, extent = (lead[1], n_kv), (tq, tk)

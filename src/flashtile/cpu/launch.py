@@ -14,22 +14,41 @@ import numba
 import numpy as np
 
 
-def _on_threads(threads, kernel, *args):
-    """``kernel(*args)`` on ``threads`` of Numba's threads (the plan's choice:
-    1 for a small call, which then never wakes the pool)."""
+@numba.njit(cache=True)
+def _swap_threads(n):
+    """Set the calling thread's Numba thread count to ``n``; return the old one.
+
+    Compiled: the Python ``numba.set_num_threads`` takes a lock on every call."""
     saved = numba.get_num_threads()
-    if threads >= saved:
-        return kernel(*args)
-    numba.set_num_threads(threads)
+    numba.set_num_threads(n)
+    return saved
+
+
+def _call(threads, gemm_fn, kernel, *args):
+    """``kernel(*args)`` on the plan's ``threads`` (:func:`flashtile.planning.call_threads`).
+
+    Several threads: a threaded BLAS is pinned to one thread meanwhile
+    (:func:`.blas.single_threaded_blas`). One: Numba's count is set to 1 for
+    the call, so the pool is never woken, and nothing is pinned (pinning
+    OpenBLAS costs about 10 us): a team of one thread is not an active
+    parallel region, so a BLAS may use its own threads there safely.
+    """
+    if threads > 1:
+        from .blas import single_threaded_blas
+
+        with single_threaded_blas(gemm_fn):
+            return kernel(*args)
+    saved = _swap_threads(1)
     try:
         return kernel(*args)
     finally:
-        numba.set_num_threads(saved)
+        _swap_threads(saved)
 
 
-def run_forward(plan) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(out (NB, Hq, TQ, dv), lse (NB, Hq, TQ), tiles computed)`` of a forward plan."""
-    from .blas import gemm_for, single_threaded_blas
+def run_forward(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(out (NB, Hq, TQ, dv), lse (NB, Hq, TQ), tiles computed per item)``
+    of a forward plan."""
+    from .blas import gemm_for
     from .forward import forward_kernel
 
     q4, v4 = plan.q4, plan.v4
@@ -37,14 +56,14 @@ def run_forward(plan) -> tuple[np.ndarray, np.ndarray, int]:
     lse = np.empty(q4.shape[:-1], dtype=q4.dtype)
     visited = np.empty(len(plan.items), dtype=np.int64)
     if q4.size == 0:  # B = 0 or H = 0: nothing to compute (the kernel divides by H)
-        return out, lse, 0
-    gemm_fn = gemm_for(q4.dtype)
-    with single_threaded_blas(gemm_fn):
-        _on_threads(
-            plan.threads, forward_kernel, q4, plan.k4, v4, out, lse, visited, plan.seqs,
-            plan.items, plan.scale, plan.variants, plan.block_q, plan.block_k, gemm_fn,
-        )  # fmt: skip
-    return out, lse, int(visited.sum())
+        return out, lse, visited
+    # A tile stacks block_q rows of each query head of a group.
+    gemm_fn = gemm_for(q4.dtype, rows=plan.block_q * (q4.shape[1] // plan.k4.shape[1]))
+    _call(
+        plan.threads, gemm_fn, forward_kernel, q4, plan.k4, v4, out, lse, visited, plan.seqs,
+        plan.items, plan.scale, plan.variants, plan.block_q, plan.block_k, gemm_fn,
+    )  # fmt: skip
+    return out, lse, visited
 
 
 def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -55,7 +74,7 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
     order, so the result is deterministic.
     """
     from .backward import backward_kernel
-    from .blas import gemm_for, single_threaded_blas
+    from .blas import gemm_for
 
     q4, k4, v4 = plan.q4, plan.k4, plan.v4
 
@@ -71,12 +90,11 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
     if q4.size == 0:  # B = 0 or H = 0: nothing to compute (the kernel divides by H)
         return dq, dk_parts[0], dv_parts[0]
     gemm_fn = gemm_for(q4.dtype)
-    with single_threaded_blas(gemm_fn):
-        _on_threads(
-            plan.threads, backward_kernel, q4, k4, v4, out4, lse4, dout4, dq, dk_parts,
-            dv_parts, plan.seqs, plan.items, plan.scale, plan.variants, plan.block_q,
-            plan.block_k, gemm_fn,
-        )  # fmt: skip
+    _call(
+        plan.threads, gemm_fn, backward_kernel, q4, k4, v4, out4, lse4, dout4, dq, dk_parts,
+        dv_parts, plan.seqs, plan.items, plan.scale, plan.variants, plan.block_q, plan.block_k,
+        gemm_fn,
+    )  # fmt: skip
     dk, dv = dk_parts[0], dv_parts[0]
     for p in range(1, plan.parts):  # a fixed order: deterministic sums
         dk += dk_parts[p]
@@ -86,7 +104,7 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 def run_decode(plan) -> tuple[np.ndarray, np.ndarray]:
     """``(out (B, Hq, Tq, dv), lse (B, Hq, Tq))`` of a decode plan, in the work dtype."""
-    from .blas import gemm_for, single_threaded_blas
+    from .blas import gemm_for
     from .decode import decode_kernel, merge_partials
 
     q, layout = plan.q, plan.layout
@@ -102,10 +120,9 @@ def run_decode(plan) -> tuple[np.ndarray, np.ndarray]:
     if k.dtype == np.float16:
         k, v = k.view(np.uint16), v.view(np.uint16)
     gemm_fn = gemm_for(q.dtype, rows=rows)
-    with single_threaded_blas(gemm_fn):
-        _on_threads(
-            plan.threads, decode_kernel, q, k, v, layout.table, layout.seqlens, plan.items,
-            part_out, part_lse, plan.scale, plan.variants, plan.tile_keys, gemm_fn,
-        )  # fmt: skip
+    _call(
+        plan.threads, gemm_fn, decode_kernel, q, k, v, layout.table, layout.seqlens,
+        plan.items, part_out, part_lse, plan.scale, plan.variants, plan.tile_keys, gemm_fn,
+    )  # fmt: skip
     merge_partials(part_out, part_lse, plan.spans, out, lse)
     return out, lse
