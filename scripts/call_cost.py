@@ -92,8 +92,10 @@ def main(rounds: int = 15, calls: int = 200) -> None:
     for case in ("T=1", "step", "tiny", "tiny fwd+bwd"):
         ratio = med[f"{case} SDPA"] / med[f"{case} torch op"]
         print(f"{case:14s} SDPA time / flashtile time: {ratio:.2f}x")
-    print(f"fixed cost (T=1): NumPy {med['T=1 flashtile.attention']:.1f} us, torch op "
-          f"{med['T=1 torch op']:.1f} us, decode_attention {med['T=1 decode_attention']:.1f} us")
+    print(
+        f"fixed cost (T=1): NumPy {med['T=1 flashtile.attention']:.1f} us, torch op "
+        f"{med['T=1 torch op']:.1f} us, decode_attention {med['T=1 decode_attention']:.1f} us"
+    )
 
 
 if __name__ == "__main__":

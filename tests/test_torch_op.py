@@ -360,4 +360,5 @@ def test_cuda_tensors_go_to_the_triton_kernels(monkeypatch):
     assert seen == {
         "causal": True, "scale": None, "window": (3, 0), "alibi_slopes": None,
         "softcap": 5.0, "mask": None, "enable_gqa": True, "return_lse": False,
+        "kv_lengths": None,
     }  # fmt: skip

@@ -14,7 +14,7 @@ import numba
 import numpy as np
 
 
-@numba.njit(cache=True)
+@numba.njit  # not cached: it reads Numba's thread-count functions as ctypes globals
 def _swap_threads(n):
     """Set the calling thread's Numba thread count to ``n``; return the old one.
 
