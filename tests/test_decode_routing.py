@@ -45,6 +45,13 @@ def test_the_rule():
     assert not planning.decode_shaped(_call(q, k[:, :, :-1], k[:, :, :-1]))  # too few keys
     many = z((1, 4, planning.DECODE_MAX_QUERIES + 1, 8))
     assert not planning.decode_shaped(_call(many, k, k))
+    # One row per kv head (MHA, one query) stays on the forward kernel while
+    # its (batch, kv head) pairs fill the threads; a single pair does not.
+    mha = z((planning.numba.get_num_threads(), 2, 1, 8))
+    kk = z((mha.shape[0], 2, 512, 8))
+    assert not planning.decode_shaped(_call(mha, kk, kk))
+    one = _call(mha[:1, :1], kk[:1, :1], kk[:1, :1])
+    assert planning.decode_shaped(one) == (planning.numba.get_num_threads() > 1)
     assert not planning.decode_shaped(_call(q, k, k), block_q=16)  # forward tiles asked for
     assert not planning.decode_shaped(_call(q, k, k, mask=z((1, 512), dtype=bool)))
     short = np.array([500])
@@ -59,10 +66,10 @@ def test_the_rule():
 
 CASES = [  # (B, Hq, Hkv, Tq, Tk, d, variants)
     (2, 6, 2, 1, 1025, 59, {"causal": True}),
-    (1, 4, 4, 3, 600, 64, {"causal": True, "window": (100, 0)}),
-    (2, 6, 3, 16, 512, 7, {"alibi_slopes": np.linspace(0.1, 1.0, 6), "softcap": 5.0}),
+    (1, 4, 1, 3, 600, 64, {"causal": True, "window": (100, 0)}),
+    (2, 6, 3, 8, 512, 7, {"alibi_slopes": np.linspace(0.1, 1.0, 6), "softcap": 5.0}),
     (3, 4, 1, 1, 700, 16, {"causal": True, "kv_lengths": np.array([700, 5, 0])}),
-    (2, 2, 2, 5, 999, 3, {"kv_lengths": np.array([300, 998])}),
+    (2, 2, 1, 5, 999, 3, {"kv_lengths": np.array([300, 998])}),
 ]
 
 

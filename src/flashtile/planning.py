@@ -85,12 +85,17 @@ MIN_WINDOW_BLOCK_Q = 64
 #: or on a busy machine, a parallel region can wait milliseconds for a
 #: descheduled thread. Below this the second core saves less than that.
 SERIAL_WORK = 1 << 19
-#: Decode-shaped calls: at most this many queries per sequence against at
-#: least DECODE_MIN_KEYS keys go to the split-KV decode kernel
-#: (:func:`decode_shaped`), which splits the keys rather than the query
-#: rows and prefetches the next tile. Measured against the forward kernel
-#: (docs/decoding.md).
+#: Decode-shaped calls (:func:`decode_shaped`): at most DECODE_MAX_QUERIES
+#: queries against at least DECODE_MIN_KEYS keys, where the split-KV decode
+#: kernel beats the forward kernel: where it stacks a GQA/MQA group's
+#: queries into 2..DECODE_MAX_ROWS rows per kv head, or where the forward
+#: has fewer (batch, kv head) items than threads (the decode kernel splits
+#: the keys instead). Measured on the 2-core machine under load, one thread
+#: (time on decode / time on forward): GQA 16/4 and 32/8, one query, 512-8192
+#: keys 0.64-0.69; one row per kv head (MHA, one query) 1.1-1.4, so MHA
+#: steps with enough heads stay on the forward kernel; 32 rows 1.0-1.15.
 DECODE_MAX_QUERIES = 16
+DECODE_MAX_ROWS = 16
 DECODE_MIN_KEYS = 512
 
 
@@ -410,13 +415,15 @@ def _plain_schedule_variants(causal, left, right, softcap, work) -> KernelVarian
 def decode_shaped(call: Call, block_q=None, block_k=None) -> bool:
     """Whether :func:`flashtile.attention` runs ``call`` on the decode kernel.
 
-    The rule: at most DECODE_MAX_QUERIES queries against at least
-    DECODE_MIN_KEYS keys, a batched call (not packed) without a mask and
-    without explicit tile sizes (those are the forward kernel's). The decode
-    kernel places query ``i`` at ``kv_len - Tq + i`` where the forward places
-    it at ``Tk - Tq + i``; with ``kv_lengths`` shorter than ``Tk`` the two
-    agree only when no query's window, ALiBi distance or causal limit
-    depends on it (no window, no slopes, and one query or no causal mask).
+    The rule (constants and measurements at DECODE_MAX_QUERIES): a batched
+    call (not packed) without a mask or explicit tile sizes (those are the
+    forward kernel's), at most DECODE_MAX_QUERIES queries against at least
+    DECODE_MIN_KEYS keys, and either a GQA/MQA group of at most
+    DECODE_MAX_ROWS stacked rows or fewer ``(batch, kv head)`` pairs than
+    threads. The decode kernel places query ``i`` at ``kv_len - Tq + i``,
+    the forward at ``Tk - Tq + i``: with ``kv_lengths`` shorter than ``Tk``
+    they agree only when no window, ALiBi distance or causal limit depends
+    on it (no window, no slopes, and one query or no causal mask).
     """
     shapes, va = call.shapes, call.variants
     if call.cu_seqlens is not None or block_q is not None or block_k is not None:
@@ -424,6 +431,12 @@ def decode_shaped(call: Call, block_q=None, block_k=None) -> bool:
     if va.mask_bool is not None or va.mask_add is not None or 0 in shapes.batch:
         return False
     if not (shapes.tq <= DECODE_MAX_QUERIES and shapes.tk >= DECODE_MIN_KEYS):
+        return False
+    heads = shapes.batch[-1] if shapes.batch else 1
+    group = heads if call.k.ndim < 3 else head_group(heads, call.k.shape[-3])
+    pairs = (shapes.batch[0] if len(shapes.batch) > 1 else 1) * (heads // group)
+    stacked = group > 1 and group * shapes.tq <= DECODE_MAX_ROWS
+    if not (stacked or pairs < numba.get_num_threads()):
         return False
     if va.kv_lengths is None or bool((va.kv_lengths == shapes.tk).all()):
         return True
