@@ -27,22 +27,23 @@ def _swap_threads(n):
 def _call(threads, gemm_fn, kernel, *args):
     """``kernel(*args)`` on the plan's ``threads`` (:func:`flashtile.planning.call_threads`).
 
-    Several threads: a threaded BLAS is pinned to one thread meanwhile
-    (:func:`.blas.single_threaded_blas`). One: Numba's count is set to 1 for
-    the call, so the pool is never woken, and nothing is pinned (pinning
-    OpenBLAS costs about 10 us): a team of one thread is not an active
-    parallel region, so a BLAS may use its own threads there safely.
+    A threaded BLAS is pinned to one thread meanwhile
+    (:func:`.blas.single_threaded_blas`; free for a sequential MKL): with
+    several kernel threads it must not start its own, and with one it keeps
+    the products bit-identical from call to call (a threaded MKL's result
+    depends on its thread count). With one thread, Numba's count is set to 1
+    for the call, so the pool is never woken.
     """
-    if threads > 1:
-        from .blas import single_threaded_blas
+    from .blas import single_threaded_blas
 
-        with single_threaded_blas(gemm_fn):
+    with single_threaded_blas(gemm_fn):
+        if threads > 1:
             return kernel(*args)
-    saved = _swap_threads(1)
-    try:
-        return kernel(*args)
-    finally:
-        _swap_threads(saved)
+        saved = _swap_threads(1)
+        try:
+            return kernel(*args)
+        finally:
+            _swap_threads(saved)
 
 
 def run_forward(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -57,8 +58,7 @@ def run_forward(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     visited = np.empty(len(plan.items), dtype=np.int64)
     if q4.size == 0:  # B = 0 or H = 0: nothing to compute (the kernel divides by H)
         return out, lse, visited
-    # A tile stacks block_q rows of each query head of a group.
-    gemm_fn = gemm_for(q4.dtype, rows=plan.block_q * (q4.shape[1] // plan.k4.shape[1]))
+    gemm_fn = gemm_for(q4.dtype)
     _call(
         plan.threads, gemm_fn, forward_kernel, q4, plan.k4, v4, out, lse, visited, plan.seqs,
         plan.items, plan.scale, plan.variants, plan.block_q, plan.block_k, gemm_fn,
