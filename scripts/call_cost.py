@@ -14,22 +14,24 @@ median of its calls), float32:
 
 Prints each median with the spread of its rounds, SDPA / flashtile ratios
 (above 1: flashtile is faster) and the load average before and after: on a
-shared machine the spread says how far to trust a ratio. Run it with
-``OMP_WAIT_POLICY=passive`` (see docs/decoding.md): otherwise torch's and
-Numba's OpenMP workers spin against each other on a small machine and the
-parallel cases measure the scheduler.
+shared machine the spread says how far to trust a ratio. On a busy small
+machine torch's and Numba's OpenMP workers spin against each other and the
+parallel cases measure the scheduler (docs/decoding.md):
+``OMP_WAIT_POLICY=passive`` removes that, at about twice the small-call cost
+on a quiet machine.
 
-Measured on the 2-core machine, load average 4.2-4.5, OMP_WAIT_POLICY=passive,
-9 rounds of 100 calls (before: the tree before plans were cached):
+Measured on the 2-core machine, quiet (load average 0.5-0.8), default wait
+policy, 11 rounds of 100 calls, the tree before plans were cached ("before")
+and after, each in its own process a minute apart:
 
-| case | before | after | SDPA |
-| --- | --- | --- | --- |
-| T=1, flashtile.attention (NumPy) | 121.7 us | 57.0 us | |
-| T=1, decode_attention | 165.6 us | 88.8 us | |
-| T=1, torch op | 215.4 us | 88.2 us | 15.3 us |
-| step (1, 12, 1, 64) vs 2048 keys, torch op | 1156 us | 922 us | 625 us |
-| tiny (1, 4, 16, 32) causal, torch op | 318.9 us | 93.9 us | 18.2 us |
-| tiny, forward+backward, torch op | 882 us | 617 us | 101 us |
+| case | before | after | SDPA (after's run) | SDPA / flashtile |
+| --- | --- | --- | --- | --- |
+| T=1, flashtile.attention (NumPy) | 162.6 us | 54.8 us | | |
+| T=1, decode_attention | 267.3 us | 85.7 us | | |
+| T=1, torch op | 339.0 us | 82.6 us | 11.2 us | 0.04x -> 0.14x |
+| step (1, 12, 1, 64) vs 2048 keys, torch op | 986 us | 590 us | 366 us | 0.45x -> 0.62x |
+| tiny (1, 4, 16, 32) causal, torch op | 274.1 us | 89.8 us | 13.9 us | 0.06x -> 0.15x |
+| tiny, forward+backward, torch op | 1237 us | 530 us | 88 us | 0.12x -> 0.17x |
 """
 
 import os
