@@ -19,6 +19,7 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 #: dtypes the library accepts; 16-bit floats accumulate in float32.
 SUPPORTED_DTYPES = (np.float16, BFLOAT16, np.float32, np.float64)
+_SUPPORTED = frozenset(np.dtype(t) for t in SUPPORTED_DTYPES)  # one hash per check
 
 
 def compute_dtype(dtype: np.dtype) -> np.dtype:
@@ -28,8 +29,8 @@ def compute_dtype(dtype: np.dtype) -> np.dtype:
 
 def as_float_array(x, name: str) -> np.ndarray:
     """``np.asarray(x)``, refusing anything that is not a real floating dtype."""
-    arr = np.asarray(x)
-    if arr.dtype not in SUPPORTED_DTYPES:
+    arr = x if type(x) is np.ndarray else np.asarray(x)
+    if arr.dtype not in _SUPPORTED:
         raise TypeError(
             f"{name} has dtype {arr.dtype}; flashtile computes in floating point "
             f"(float16, ml_dtypes.bfloat16, float32 or float64): pass {name}.astype(np.float32) "
@@ -130,10 +131,12 @@ def check_qkv(q, k, v) -> tuple[np.ndarray, np.ndarray, np.ndarray, AttentionSha
                     f"multiple of Hkv (q {q.shape}, k {k.shape})"
                 )
             group = hq // hkv
+    kv_lead = (*k.shape[:-3], k.shape[-3] * group) if group > 1 else k.shape[:-2]
+    v_lead = v.shape[:-2] if group == 1 else kv_lead
+    if q.shape[:-2] == kv_lead == v_lead:  # the common case: nothing to broadcast
+        return q, k, v, AttentionShapes(kv_lead, tq, tk, d, dv, group)
     try:
-        kv_lead = (*k.shape[:-3], k.shape[-3] * group) if group > 1 else k.shape[:-2]
-        batch = np.broadcast_shapes(q.shape[:-2], kv_lead, kv_lead)
-        batch = np.broadcast_shapes(batch, v.shape[:-2] if group == 1 else kv_lead)
+        batch = np.broadcast_shapes(q.shape[:-2], kv_lead, v_lead)
     except ValueError:
         raise ValueError(
             f"leading dims do not broadcast: q {q.shape[:-2]}, k {k.shape[:-2]}, "

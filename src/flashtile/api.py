@@ -37,9 +37,9 @@ from ._validate import (
     check_same_shape,
     resolve_scale,
 )
-from .cpu.launch import run_backward, run_forward
-from .planning import Call, plan_backward, plan_forward
-from .precision import narrow_lse
+from .cpu.launch import run_backward, run_decode, run_forward
+from .planning import Call, decode_shaped, plan_backward, plan_decode_call, plan_forward
+from .precision import decode_overflowed, narrow_lse, score_bound
 from .variants import clear_padded_keys, resolve_variants
 
 
@@ -76,11 +76,34 @@ def _check_gradient_inputs(call, out, lse, dout):
     return out, lse, dout
 
 
-def _forward_results(plan, out, lse, return_lse):
-    """The kernel's ``out``/``lse`` in the caller's layout and dtype (``lse`` in
-    the compute dtype, also where float64 was needed)."""
-    out = out.reshape(plan.out_shape + out.shape[-1:]).astype(plan.dtype, copy=False)
-    return (out, narrow_lse(lse.reshape(plan.out_shape), plan.dtype)) if return_lse else out
+def _forward(call, block_q, block_k, return_lse):
+    """Run a validated call: the decode kernel for a decode-shaped one
+    (:func:`~flashtile.planning.decode_shaped`), else the forward kernel;
+    the results in the caller's layout and dtype (``lse`` in the compute
+    dtype, also where float64 was needed)."""
+    out = None
+    if decode_shaped(call, block_q, block_k):
+        plan = plan_decode_call(call)
+        out, lse = run_decode(plan)
+        if _overflowed(call, plan, lse):  # computed again, in float64 (precision.py)
+            out = None
+    if out is None:
+        out, lse, _ = run_forward(plan_forward(call, block_q, block_k))
+    lse_shape = call.shapes.batch + (call.shapes.tq,)
+    out = out.reshape(lse_shape + out.shape[-1:]).astype(call.q.dtype, copy=False)
+    return (out, narrow_lse(lse.reshape(lse_shape), call.q.dtype)) if return_lse else out
+
+
+def _overflowed(call, plan, lse) -> bool:
+    """Whether a decode-routed call's float32 scores could have passed float32's
+    range: checked, as decoding does, only when a row got a non-finite ``lse``
+    (the bound is a pass over the keys, as long as the step itself)."""
+    shapes = call.shapes
+
+    def bound():
+        return score_bound(call.scale, call.q, call.k, call.variants, shapes.tq, shapes.tk)
+
+    return decode_overflowed(lse, plan.layout.seqlens, bound)
 
 
 def _gradient_results(plan, call, grads):
@@ -110,12 +133,15 @@ def attention(
     Returns:
         ``out (..., Tq, dv)`` in the input dtype, and ``lse`` if asked. A query
         that sees no key gets a zero row and ``lse = -inf``.
+
+    A decode-shaped call (a few queries against many keys, no mask; the rule
+    is :func:`flashtile.planning.decode_shaped`) runs on the split-KV decode
+    kernel of :func:`flashtile.decode_attention`, which splits the keys
+    across threads; the result is the same up to rounding.
     """
     return_lse = check_flag(return_lse, "return_lse")
     call = check_call(q, k, v, causal, scale, variants)
-    plan = plan_forward(call, block_q, block_k)
-    out, lse, _ = run_forward(plan)
-    return _forward_results(plan, out, lse, return_lse)
+    return _forward(call, block_q, block_k, return_lse)
 
 
 def visited_tiles(q, k, v, *, causal=False, block_q, block_k, **variants) -> int:
@@ -125,7 +151,7 @@ def visited_tiles(q, k, v, *, causal=False, block_q, block_k, **variants) -> int
     mask's empty tiles being skipped. Runs the forward once.
     """
     plan = plan_forward(check_call(q, k, v, causal, None, variants), block_q, block_k)
-    return run_forward(plan)[2]
+    return int(run_forward(plan)[2].sum())
 
 
 def attention_backward(
@@ -182,9 +208,7 @@ def varlen_attention(
     """
     return_lse = check_flag(return_lse, "return_lse")
     call = check_call(q, k, v, causal, scale, variants, (cu_seqlens_q, cu_seqlens_k))
-    plan = plan_forward(call, block_q, block_k)
-    out, lse, _ = run_forward(plan)
-    return _forward_results(plan, out, lse, return_lse)
+    return _forward(call, block_q, block_k, return_lse)
 
 
 def varlen_attention_backward(

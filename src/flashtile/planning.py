@@ -13,15 +13,22 @@ then only execute it.
   (:func:`kernel_variants`, :func:`block_states`), and the work items, one
   ``(sequence, kv head, query block)`` (forward) or ``(sequence, kv head,
   part)`` (backward) each, ordered so that ``prange``'s static schedule gives
-  every thread a similar share (:func:`balance`).
+  every thread a similar share (:mod:`flashtile.workitems`).
 - :func:`plan_decode` returns a :class:`DecodePlan`: a decode step's key
   chunks (split-KV) as work items and the slots their partial results are
-  merged from (:func:`plan_splits`).
+  merged from (:func:`flashtile.workitems.plan_splits`).
+- :func:`decode_shaped` is the rule that sends an attention call with a few
+  queries against many keys to the decode kernel (:func:`plan_decode_call`).
+- :func:`call_threads`: a call with little work runs on the calling thread.
+
+A plan that depends only on sizes and flags (no mask, no packed batch) is
+cached by them, so a serving loop that repeats a few shapes plans each once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 import numba
@@ -40,9 +47,16 @@ from .cpu.tiles import (
     KernelVariants,
 )
 from .kvlayout import CacheLayout
-from .masks import TILE_EMPTY, block_key_range, block_mask
+from .masks import block_key_range, block_mask
 from .precision import score_bound, work_dtype
 from .variants import Variants
+from .workitems import (
+    DECODE_TILE,
+    ITEMS_PER_THREAD,
+    backward_items,
+    forward_items,
+    plan_splits,
+)
 
 #: Default tile sizes (query rows per item x keys), picked by sweeps on the
 #: 2-core machine (docs/benchmarks.md). Forward: a 256 x 512 float32 score
@@ -58,8 +72,6 @@ MASK_BLOCKS = (128, 128)
 #: block_q never goes below this when it shrinks for GQA groups or to give
 #: every thread enough work items.
 MIN_BLOCK_Q = 16
-#: The forward's default block_q halves until every thread gets this many items.
-ITEMS_PER_THREAD = 4
 #: With a sliding window of ``band`` keys per query, a tile of ``block_q``
 #: rows needs about ``band + block_q`` keys for ``band`` useful per row, so
 #: the default rows shrink toward ``band / 4`` (useful fraction about 80%),
@@ -67,15 +79,25 @@ ITEMS_PER_THREAD = 4
 #: Measured at T=4096, window 256: 64 rows 0.79x the time of 256 rows.
 MIN_WINDOW_BLOCK_Q = 64
 
-#: Decoding: keys per tile. A 256-key K tile of d=128 float32 is 128 KiB, so
-#: the tile, its V tile and the prefetched next pair stay in L2.
-DECODE_TILE = 256
-#: A decode chunk is never shorter than this (unless the sequence is): below
-#: it the per-chunk work (loading the queries, writing a partial) stops being small.
-MIN_SPLIT_KEYS = 512
-#: Automatic splitting aims at this many chunks per thread, so that the
-#: static schedule can balance sequences of different lengths.
-CHUNKS_PER_THREAD = 4
+#: A call with less work than this (multiply-adds, ``Tq * Tk * (d + dv)`` per
+#: query head, masks ignored) runs on the calling thread. Waking the thread
+#: pool costs a few microseconds on an idle machine, and in a process that
+#: also runs torch (a second OpenMP runtime whose threads spin after each op)
+#: or on a busy machine, a parallel region can wait milliseconds for a
+#: descheduled thread. Below this the second core saves less than that.
+SERIAL_WORK = 1 << 19
+#: Decode-shaped calls (:func:`decode_shaped`): at most DECODE_MAX_QUERIES
+#: queries against at least DECODE_MIN_KEYS keys, where the split-KV decode
+#: kernel beats the forward kernel: where it stacks a GQA/MQA group's
+#: queries into 2..DECODE_MAX_ROWS rows per kv head, or where the forward
+#: has fewer (batch, kv head) items than threads (the decode kernel splits
+#: the keys instead). Measured on the 2-core machine under load, one thread
+#: (time on decode / time on forward): GQA 16/4 and 32/8, one query, 512-8192
+#: keys 0.64-0.69; one row per kv head (MHA, one query) 1.1-1.4, so MHA
+#: steps with enough heads stay on the forward kernel; 32 rows 1.0-1.15.
+DECODE_MAX_QUERIES = 16
+DECODE_MAX_ROWS = 16
+DECODE_MIN_KEYS = 512
 
 
 class Call(NamedTuple):
@@ -115,6 +137,7 @@ class KernelPlan:
         dtype: the caller's dtype (results are cast back to it).
         out_shape: the caller's leading dims and ``Tq``: the shape of ``lse``
             (``out`` adds ``dv``).
+        threads: how many threads run the kernel (:func:`call_threads`).
     """
 
     q4: np.ndarray
@@ -129,6 +152,7 @@ class KernelPlan:
     block_k: int
     dtype: np.dtype
     out_shape: tuple[int, ...]
+    threads: int
 
 
 def plan_forward(call: Call, block_q=None, block_k=None) -> KernelPlan:
@@ -142,24 +166,70 @@ def plan_backward(call: Call, block_q=None, block_k=None) -> KernelPlan:
 
 
 def _plan(call, block_q, block_k, backward):
-    q4, k4, v4, seqs = lay_out(call, keep_bf16=bf16_products(call.q.dtype))
-    n_kv = k4.shape[1]
-    group = head_group(q4.shape[1], n_kv)  # MQA too (Hkv = 1)
-    va = call.variants
-    block_q, block_k = tile_sizes(va, seqs, group, n_kv, block_q, block_k, backward)
-    variants = kernel_variants(va, compute_dtype(q4.dtype), q4.shape[1])
-    if va.mask_bool is not None:
-        states = block_states(va, variants.mask_bool, block_q, block_k, q4.shape[2], k4.shape[2])
-        variants = variants._replace(states=states)
-    if backward:
-        items, parts = backward_items(seqs, n_kv, block_q)
+    q4, k4, v4 = kernel_arrays(call)
+    shapes, va = call.shapes, call.variants
+    work = compute_dtype(q4.dtype)  # the state's dtype (float32 for bf16 arrays)
+    threads = call_threads(shapes)
+    if call.cu_seqlens is None and va.mask_bool is None:
+        lengths = None if va.kv_lengths is None else tuple(va.kv_lengths.tolist())
+        seqs, block_q, block_k, variants, items, parts = _plain_schedule(
+            q4.shape[:2], k4.shape[1], shapes.tq, shapes.tk, lengths, va.causal, va.left,
+            va.right, va.softcap, work, block_q, block_k, backward, threads,
+        )  # fmt: skip
+        if va.alibi is not None or va.mask_add is not None:  # arrays of this call
+            variants = kernel_variants(va, work, q4.shape[1])
     else:
-        items, parts = forward_items(seqs, n_kv, variants, block_q, block_k), 1
-    out_shape = call.shapes.batch + (call.shapes.tq,)
+        seqs = sequence_table(call)
+        block_q, block_k, variants, items, parts = _schedule(
+            seqs, va, (q4.shape[1], k4.shape[1]), (shapes.tq, shapes.tk), work, block_q,
+            block_k, backward, threads,
+        )  # fmt: skip
     return KernelPlan(
         q4, k4, v4, seqs, items, parts, variants, call.scale, block_q, block_k, call.q.dtype,
-        out_shape,
+        shapes.batch + (shapes.tq,), threads,
     )  # fmt: skip
+
+
+@lru_cache(maxsize=256)
+def _plain_schedule(
+    lead, n_kv, tq, tk, lengths, causal, left, right, softcap, work, block_q, block_k, backward,
+    threads,
+):  # fmt: skip
+    """:func:`_schedule` of a call whose schedule depends on sizes and flags
+    only (no boolean mask, not packed), cached: a serving loop repeats a few
+    shapes. The arrays are shared between calls; the kernels only read them.
+    Its variants are the plain ones: a call with slopes or an additive mask
+    replaces them with its own."""
+    seqs = _batch_table(lead[0], tq, tk, lengths)
+    va = Variants(causal=causal, left=left, right=right, softcap=softcap)
+    heads, extent = (lead[1], n_kv), (tq, tk)
+    return (seqs,) + _schedule(seqs, va, heads, extent, work, block_q, block_k, backward, threads)
+
+
+def _schedule(seqs, va, heads, extent, work, block_q, block_k, backward, threads):
+    """``(block_q, block_k, KernelVariants, items, parts)`` for a sequence
+    table; ``heads = (Hq, Hkv)``, ``extent = (Tq, Tk)`` of the arrays."""
+    hq, n_kv = heads
+    group = head_group(hq, n_kv)  # MQA too (Hkv = 1)
+    block_q, block_k = tile_sizes(va, seqs, group, n_kv, block_q, block_k, backward, threads)
+    variants = kernel_variants(va, work, hq)
+    if va.mask_bool is not None:
+        states = block_states(va, variants.mask_bool, block_q, block_k, *extent)
+        variants = variants._replace(states=states)
+    if backward:
+        items, parts = backward_items(seqs, n_kv, block_q, threads)
+    else:
+        items, parts = forward_items(seqs, n_kv, variants, block_q, block_k), 1
+    return block_q, block_k, variants, items, parts
+
+
+def call_threads(shapes: AttentionShapes) -> int:
+    """Threads for a call: Numba's count, or 1 below SERIAL_WORK (see there)."""
+    heads = 1
+    for n in shapes.batch:
+        heads *= n
+    work = heads * shapes.tq * shapes.tk * (shapes.d + shapes.dv)
+    return 1 if work < SERIAL_WORK else numba.get_num_threads()
 
 
 def _as4d(a, work):
@@ -176,36 +246,47 @@ def bf16_products(dtype) -> bool:
     return available()
 
 
-def lay_out(call: Call, keep_bf16: bool = False):
-    """``(q4, k4, v4, seqs)``: the arrays as 4-D contiguous blocks in the work
-    dtype (bfloat16 kept as it is with ``keep_bf16``) and the sequence table,
-    one row per batch entry, or per packed sequence with queries (varlen). The
-    work dtype is float64 also for 16-bit and float32 inputs whose scores
-    could pass float32's range (:mod:`flashtile.precision`)."""
+def kernel_arrays(call: Call):
+    """``(q4, k4, v4)``: the arrays as 4-D contiguous blocks in the work dtype
+    (views when they already are). The work dtype is float64 also for 16-bit
+    and float32 inputs whose scores could pass float32's range
+    (:mod:`flashtile.precision`); bfloat16 stays bfloat16 where the CPU has
+    bf16 products (:func:`bf16_products`)."""
     shapes = call.shapes
     bound = score_bound(call.scale, call.q, call.k, call.variants, shapes.tq, shapes.tk)
     work = work_dtype(call.q.dtype, bound)
-    if keep_bf16 and work == np.float32:  # bf16 products, unless float64 is needed
+    if work == np.float32 and bf16_products(call.q.dtype):
         work = BFLOAT16
-    q4, k4, v4 = (_as4d(a, work) for a in (call.q, call.k, call.v))
+    return tuple(_as4d(a, work) for a in (call.q, call.k, call.v))
+
+
+def _batch_table(n, tq, tk, lengths):
+    seqs = np.zeros((n, SEQ_COLUMNS), dtype=np.int64)
+    seqs[:, SEQ_BATCH] = np.arange(n)
+    seqs[:, SEQ_TQ], seqs[:, SEQ_TK] = tq, tk
+    seqs[:, SEQ_KV_LEN] = tk if lengths is None else lengths
+    return seqs
+
+
+def sequence_table(call: Call):
+    """The ``(S, SEQ_COLUMNS)`` sequence table: one row per batch entry, or
+    per packed sequence with queries (varlen)."""
     if call.cu_seqlens is None:
-        n = q4.shape[0]
         lengths = call.variants.kv_lengths
-        seqs = np.zeros((n, SEQ_COLUMNS), dtype=np.int64)
-        seqs[:, SEQ_BATCH] = np.arange(n)
-        seqs[:, SEQ_TQ], seqs[:, SEQ_TK] = call.shapes.tq, call.shapes.tk
-        seqs[:, SEQ_KV_LEN] = call.shapes.tk if lengths is None else lengths
-        return q4, k4, v4, seqs
+        n = 1 if len(call.shapes.batch) < 2 else call.shapes.batch[0]
+        return _batch_table(n, call.shapes.tq, call.shapes.tk, lengths)
     cq, ck = call.cu_seqlens
     keep = np.diff(cq) > 0  # a sequence without queries has nothing to compute
     seqs = np.zeros((int(keep.sum()), SEQ_COLUMNS), dtype=np.int64)
     seqs[:, SEQ_Q_START], seqs[:, SEQ_TQ] = cq[:-1][keep], np.diff(cq)[keep]
     seqs[:, SEQ_K_START], seqs[:, SEQ_TK] = ck[:-1][keep], np.diff(ck)[keep]
     seqs[:, SEQ_KV_LEN] = seqs[:, SEQ_TK]
-    return q4, k4, v4, seqs
+    return seqs
 
 
-def tile_sizes(va: Variants, seqs, group, n_kv, block_q, block_k, backward) -> tuple[int, int]:
+def tile_sizes(
+    va: Variants, seqs, group, n_kv, block_q, block_k, backward, threads
+) -> tuple[int, int]:
     """``(block_q, block_k)`` for a call: the tile-size policy, all of it.
 
     Explicit sizes are kept (only cut to the data). Defaults: FWD_BLOCKS or
@@ -213,7 +294,7 @@ def tile_sizes(va: Variants, seqs, group, n_kv, block_q, block_k, backward) -> t
     (kept whole, so its summary is reused rather than rebuilt); with a
     two-sided window, rows shrink toward the band (MIN_WINDOW_BLOCK_Q). A
     default block_q is shared by a GQA group's heads (divided by ``group``)
-    and, in the forward, halved until every thread gets ITEMS_PER_THREAD
+    and, in the forward, halved until each of ``threads`` gets ITEMS_PER_THREAD
     items (never below MIN_BLOCK_Q).
     """
     bm = va.block_mask
@@ -236,7 +317,7 @@ def tile_sizes(va: Variants, seqs, group, n_kv, block_q, block_k, backward) -> t
     block_q = min(block_q, int(lengths.max(initial=1)))  # buffers fit the data
     block_k = min(block_k, int(seqs[:, SEQ_TK].max(initial=1)))
     if not (keep_q or backward):
-        want = ITEMS_PER_THREAD * numba.get_num_threads()
+        want = ITEMS_PER_THREAD * threads
         while block_q > MIN_BLOCK_Q and n_kv * int((-(-lengths // block_q)).sum()) < want:
             block_q = max(MIN_BLOCK_Q, block_q // 2)
     return block_q, block_k
@@ -289,93 +370,6 @@ def block_states(va: Variants, mask4, block_q, block_k, tq, tk) -> np.ndarray:
     return np.array(np.broadcast_to(blocks.states, shape), dtype=np.int8, order="C")
 
 
-def forward_items(seqs, n_kv, variants: KernelVariants, block_q, block_k) -> np.ndarray:
-    """Work items ``(sequence, kv head, i0)``, balanced for a static schedule.
-
-    An item's cost is its rows times the keys it computes: its key span, or
-    with a block map the kept key blocks in it.
-    """
-    items, spans = enumerate_items(seqs, n_kv, variants, block_q)
-    rows = np.minimum(block_q, seqs[items[:, 0], SEQ_TQ] - items[:, 2])
-    if variants.states.size > 0:
-        keys = block_k * kept_blocks(seqs, n_kv, items, spans, variants.states, block_q, block_k)
-    else:
-        keys = spans[:, 1] - spans[:, 0]
-    return balance(items, rows * keys + 1)
-
-
-def enumerate_items(seqs, n_kv, variants: KernelVariants, block_q):
-    """``(items (N, 3), spans (N, 2))``: every item and the key range it can see."""
-    va = variants
-    items, spans = [], []
-    for s, row in enumerate(seqs.tolist()):
-        tq, tk, kv_len = row[SEQ_TQ], row[SEQ_TK], row[SEQ_KV_LEN]
-        for i0 in range(0, tq, block_q):
-            i1 = min(i0 + block_q, tq)
-            lo, hi = block_key_range(i0, i1, tq, tk, va.causal, va.left, va.right, kv_len)
-            for hk in range(n_kv):
-                items.append((s, hk, i0))
-                spans.append((lo, max(lo, hi)))
-    return (
-        np.array(items, dtype=np.int64).reshape(-1, 3),
-        np.array(spans, dtype=np.int64).reshape(-1, 2),
-    )
-
-
-def kept_blocks(seqs, n_kv, items, spans, states, block_q, block_k):
-    """Key blocks each item computes with a block map: kept ones in its span.
-
-    A block counts when any query head of the item's group keeps it, as in
-    the kernel (:func:`.cpu.tiles.tile_state`).
-    """
-    kept = states != TILE_EMPTY  # (Bm, Hm, nq, nk)
-    if kept.shape[1] > 1:  # per query head: a kv head computes its group's union
-        kept = kept.reshape(kept.shape[0], n_kv, -1, *kept.shape[2:]).any(axis=2)
-    before = np.zeros(kept.shape[:3] + (kept.shape[3] + 1,), dtype=np.int64)
-    np.cumsum(kept, axis=3, out=before[..., 1:])  # kept blocks before block j
-    b = seqs[items[:, 0], SEQ_BATCH] % kept.shape[0]
-    h = items[:, 1] % kept.shape[1]
-    qb = items[:, 2] // block_q
-    kb_lo = spans[:, 0] // block_k
-    kb_hi = np.maximum(kb_lo, -(-spans[:, 1] // block_k))
-    return before[b, h, qb, kb_hi] - before[b, h, qb, kb_lo]
-
-
-def balance(items: np.ndarray, costs: np.ndarray) -> np.ndarray:
-    """Order items so that contiguous equal-count chunks carry similar work.
-
-    Numba's ``prange`` hands each thread one contiguous run of items. Sorting
-    by cost and interleaving from both ends (largest, smallest, second
-    largest, ...) puts a heavy and a light item next to each other, so every
-    run gets about the same total (causal, windows, varlen lengths).
-    """
-    order = np.argsort(-costs, kind="stable")
-    zig = np.empty_like(order)
-    half = (len(order) + 1) // 2
-    zig[0::2] = order[:half]
-    zig[1::2] = order[half:][::-1]
-    return np.ascontiguousarray(items[zig])
-
-
-def backward_items(seqs, n_kv, block_q) -> tuple[np.ndarray, int]:
-    """``(sequence, kv head, part)`` items and the number of parts.
-
-    One part per ``(sequence, kv head)`` when there are enough of them for
-    the threads; otherwise each is split into parts that take every P-th
-    query block, so a single head (or MQA at batch 1) still uses every core.
-    """
-    pairs = len(seqs) * n_kv
-    threads = numba.get_num_threads()
-    most_blocks = int((-(-seqs[:, SEQ_TQ] // block_q)).max(initial=1))
-    parts = 1 if pairs >= threads or pairs == 0 else min(-(-threads // pairs), most_blocks)
-    items = np.array(
-        [(s, hk, p) for s in range(len(seqs)) for hk in range(n_kv) for p in range(parts)],
-        dtype=np.int64,
-    ).reshape(-1, 3)
-    costs = (seqs[items[:, 0], SEQ_TQ] * seqs[items[:, 0], SEQ_TK]).astype(np.float64)
-    return balance(items, costs), parts
-
-
 class DecodePlan(NamedTuple):
     """Everything the decode kernel reads (see :func:`plan_decode`).
 
@@ -387,6 +381,7 @@ class DecodePlan(NamedTuple):
             ``(b, kv head)``'s partials.
         variants: :class:`KernelVariants` (no mask arrays).
         scale: the score multiplier; tile_keys: keys per tile.
+        threads: how many threads run the kernel (1 below SERIAL_WORK).
     """
 
     q: np.ndarray
@@ -396,6 +391,7 @@ class DecodePlan(NamedTuple):
     variants: KernelVariants
     scale: float
     tile_keys: int
+    threads: int
 
 
 def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> DecodePlan:
@@ -405,51 +401,78 @@ def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> Deco
     The work dtype is float64 for a float64 cache, else float32.
     """
     work = compute_dtype(layout.k.dtype)
-    tq = q.shape[2]
-    ranges = np.zeros((len(layout.seqlens), 2), dtype=np.int64)
-    for b, n in enumerate(layout.seqlens.tolist()):  # keys any query of b can see
-        ranges[b] = block_key_range(0, tq, tq, n, va.causal, va.left, va.right, n)
-    items, spans = plan_splits(ranges, layout.heads, num_splits, numba.get_num_threads())
-    variants = kernel_variants(va, work, q.shape[1])
-    q_work = np.ascontiguousarray(q, dtype=work)
-    return DecodePlan(q_work, layout, items, spans, variants, scale, DECODE_TILE)
-
-
-def plan_splits(ranges, kv_heads, num_splits, threads, tile=DECODE_TILE):
-    """Split each sequence's visible keys into chunks: the decode work items.
-
-    Args:
-        ranges: ``(B, 2)`` visible keys ``[lo, hi)`` per sequence.
-        num_splits: chunks per sequence, or None: chunks of equal length
-            (a multiple of ``tile``, at least MIN_SPLIT_KEYS) sized so that
-            the whole batch makes about CHUNKS_PER_THREAD chunks per thread.
-
-    Returns:
-        ``items (N, 5)`` int64 rows ``(b, kv head, j_lo, j_hi, slot)`` in the
-        order the threads should take them, and ``spans (B * Hkv, 2)``:
-        the first slot and the count of each ``(b, kv head)``'s partials.
-    """
-    lengths = ranges[:, 1] - ranges[:, 0]
-    if num_splits is None:
-        total = kv_heads * int(lengths.sum())
-        chunk = max(MIN_SPLIT_KEYS, -(-total // (CHUNKS_PER_THREAD * threads)))
-        chunk = -(-chunk // tile) * tile
-        splits = np.maximum(1, -(-lengths // chunk))
-        chunks = np.full(len(lengths), chunk, dtype=np.int64)
+    _, hq, tq, d = q.shape
+    lengths = tuple(layout.seqlens.tolist())
+    size = hq * tq * sum(lengths) * (d + layout.v.shape[3])
+    threads = 1 if size < SERIAL_WORK else numba.get_num_threads()
+    items, spans = _decode_splits(
+        lengths, tq, va.causal, va.left, va.right, layout.heads, num_splits, threads
+    )
+    if va.alibi is None:
+        variants = _plain_schedule_variants(va.causal, va.left, va.right, va.softcap, work)
     else:
-        # More chunks than keys would only add empty partials.
-        splits = np.minimum(num_splits, np.maximum(lengths, 1))
-        chunks = np.maximum(1, -(-lengths // splits))
-    # Slots run (b, kv head, chunk)-major, so each pair's partials are adjacent.
-    pair_b = np.repeat(np.arange(len(lengths)), kv_heads)
-    pair_splits = splits[pair_b]
-    first = np.concatenate([[0], np.cumsum(pair_splits)[:-1]])
-    slot_pair = np.repeat(np.arange(len(pair_b)), pair_splits)
-    b = pair_b[slot_pair]
-    chunk_index = np.arange(len(slot_pair)) - first[slot_pair]
-    j_lo = np.minimum(ranges[b, 0] + chunk_index * chunks[b], ranges[b, 1])
-    j_hi = np.minimum(j_lo + chunks[b], ranges[b, 1])
-    items = np.stack([b, slot_pair % kv_heads, j_lo, j_hi, np.arange(len(b))], axis=1)
-    spans = np.stack([first, pair_splits], axis=1).astype(np.int64)
-    costs = (items[:, 3] - items[:, 2]) + 64  # + the fixed cost of a chunk
-    return balance(items, costs), spans
+        variants = kernel_variants(va, work, hq)
+    q_work = np.ascontiguousarray(q, dtype=work)
+    return DecodePlan(q_work, layout, items, spans, variants, scale, DECODE_TILE, threads)
+
+
+@lru_cache(maxsize=256)
+def _decode_splits(lengths, tq, causal, left, right, kv_heads, num_splits, threads):
+    """:func:`plan_splits` for sequences of ``lengths`` keys, cached (shared arrays)."""
+    ranges = np.zeros((len(lengths), 2), dtype=np.int64)
+    for b, n in enumerate(lengths):  # keys any query of b can see
+        ranges[b] = block_key_range(0, tq, tq, n, causal, left, right, n)
+    return plan_splits(ranges, kv_heads, num_splits, threads)
+
+
+@lru_cache(maxsize=64)
+def _plain_schedule_variants(causal, left, right, softcap, work) -> KernelVariants:
+    """:func:`kernel_variants` without slopes or masks, cached (its arrays are empty)."""
+    return kernel_variants(Variants(causal, left, right, softcap=softcap), work, 0)
+
+
+def decode_shaped(call: Call, block_q=None, block_k=None) -> bool:
+    """Whether :func:`flashtile.attention` runs ``call`` on the decode kernel.
+
+    The rule (constants and measurements at DECODE_MAX_QUERIES): a batched
+    call (not packed) without a mask or explicit tile sizes (those are the
+    forward kernel's), at most DECODE_MAX_QUERIES queries against at least
+    DECODE_MIN_KEYS keys, and either a GQA/MQA group of at most
+    DECODE_MAX_ROWS stacked rows or fewer ``(batch, kv head)`` pairs than
+    threads. The decode kernel places query ``i`` at ``kv_len - Tq + i``,
+    the forward at ``Tk - Tq + i``: with ``kv_lengths`` shorter than ``Tk``
+    they agree only when no window, ALiBi distance or causal limit depends
+    on it (no window, no slopes, and one query or no causal mask).
+    """
+    shapes, va = call.shapes, call.variants
+    if call.cu_seqlens is not None or block_q is not None or block_k is not None:
+        return False
+    if va.mask_bool is not None or va.mask_add is not None or 0 in shapes.batch:
+        return False
+    if not (shapes.tq <= DECODE_MAX_QUERIES and shapes.tk >= DECODE_MIN_KEYS):
+        return False
+    heads = shapes.batch[-1] if shapes.batch else 1
+    group = heads if call.k.ndim < 3 else head_group(heads, call.k.shape[-3])
+    pairs = (shapes.batch[0] if len(shapes.batch) > 1 else 1) * (heads // group)
+    stacked = group > 1 and group * shapes.tq <= DECODE_MAX_ROWS
+    if not (stacked or pairs < numba.get_num_threads()):
+        return False
+    if va.kv_lengths is None or bool((va.kv_lengths == shapes.tk).all()):
+        return True
+    positional = va.left >= 0 or va.right > 0 or va.alibi is not None
+    return not (positional or (va.causal and shapes.tq > 1))
+
+
+def plan_decode_call(call: Call) -> DecodePlan:
+    """The decode kernel's plan for a :func:`decode_shaped` call: its keys and
+    values are a contiguous cache of ``Tk`` keys (``kv_lengths`` valid). No
+    score bound first (it would read the keys once more): the caller checks
+    the step's ``lse`` afterwards, as decoding does (:mod:`flashtile.precision`)."""
+    work = compute_dtype(call.q.dtype)
+    q4, k4, v4 = (_as4d(a, work) for a in (call.q, call.k, call.v))
+    n, tk = q4.shape[0], k4.shape[2]
+    lengths = call.variants.kv_lengths
+    seqlens = np.full(n, tk, dtype=np.int64) if lengths is None else lengths
+    table = np.arange(n, dtype=np.int64)[:, None]
+    layout = CacheLayout(k4, v4, table, seqlens, tk, False)
+    return plan_decode(q4, layout, call.variants, call.scale, None)

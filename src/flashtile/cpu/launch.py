@@ -10,18 +10,52 @@ second), so they are imported on first use, not with ``flashtile``.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from .._validate import BFLOAT16, compute_dtype
 
 
-def run_forward(plan) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(out (NB, Hq, TQ, dv), lse (NB, Hq, TQ), tiles computed)`` of a forward plan.
+@numba.njit  # not cached: it reads Numba's thread-count functions as ctypes globals
+def _swap_threads(n):
+    """Set the calling thread's Numba thread count to ``n``; return the old one.
+
+    Compiled: the Python ``numba.set_num_threads`` takes a lock on every call."""
+    saved = numba.get_num_threads()
+    numba.set_num_threads(n)
+    return saved
+
+
+def _call(threads, gemm_fn, kernel, *args):
+    """``kernel(*args)`` on the plan's ``threads`` (:func:`flashtile.planning.call_threads`).
+
+    A threaded BLAS is pinned to one thread meanwhile
+    (:func:`.blas.single_threaded_blas`; free for a sequential MKL): with
+    several kernel threads it must not start its own, and with one it keeps
+    the products bit-identical from call to call (a threaded MKL's result
+    depends on its thread count). With one thread, Numba's count is set to 1
+    for the call, so the pool is never woken.
+    """
+    from .blas import single_threaded_blas
+
+    with single_threaded_blas(gemm_fn):
+        if threads > 1:
+            return kernel(*args)
+        saved = _swap_threads(1)
+        try:
+            return kernel(*args)
+        finally:
+            _swap_threads(saved)
+
+
+def run_forward(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(out (NB, Hq, TQ, dv), lse (NB, Hq, TQ), tiles computed per item)``
+    of a forward plan.
 
     ``out`` has the dtype of ``plan.q4`` (bfloat16 too: the kernel reads and
     writes its bits as ``uint16``, :mod:`.half`); ``lse`` the work dtype.
     """
-    from .blas import gemm_for, single_threaded_blas
+    from .blas import gemm_for
     from .forward import forward_kernel
 
     q4, k4, v4 = plan.q4, plan.k4, plan.v4
@@ -29,17 +63,16 @@ def run_forward(plan) -> tuple[np.ndarray, np.ndarray, int]:
     lse = np.empty(q4.shape[:-1], dtype=compute_dtype(q4.dtype))
     visited = np.empty(len(plan.items), dtype=np.int64)
     if q4.size == 0:  # B = 0 or H = 0: nothing to compute (the kernel divides by H)
-        return out, lse, 0
+        return out, lse, visited
     gemm_fn = gemm_for(q4.dtype)
     bits = (q4, k4, v4, out)
     if q4.dtype == BFLOAT16:  # Numba has no bf16: the same memory as uint16
         bits = tuple(a.view(np.uint16) for a in bits)
-    with single_threaded_blas(gemm_fn):
-        forward_kernel(
-            *bits, lse, visited, plan.seqs, plan.items, plan.scale, plan.variants,
-            plan.block_q, plan.block_k, gemm_fn,
-        )  # fmt: skip
-    return out, lse, int(visited.sum())
+    _call(
+        plan.threads, gemm_fn, forward_kernel, *bits, lse, visited, plan.seqs, plan.items,
+        plan.scale, plan.variants, plan.block_q, plan.block_k, gemm_fn,
+    )  # fmt: skip
+    return out, lse, visited
 
 
 def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -51,7 +84,7 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
     order, so the result is deterministic.
     """
     from .backward import backward_kernel
-    from .blas import gemm_for, single_threaded_blas
+    from .blas import gemm_for
 
     q4, k4, v4 = plan.q4, plan.k4, plan.v4
     work = compute_dtype(q4.dtype)  # lse and the dk/dv sums (float32 for bf16)
@@ -74,11 +107,10 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
         dout4, dq_bits = dout4.view(np.uint16), dq.view(np.uint16)
     else:
         dq_bits = dq
-    with single_threaded_blas(gemm_fn):
-        backward_kernel(
-            *bits, lse4, dout4, dq_bits, dk_parts, dv_parts, plan.seqs, plan.items, plan.scale,
-            plan.variants, plan.block_q, plan.block_k, gemm_fn,
-        )  # fmt: skip
+    _call(
+        plan.threads, gemm_fn, backward_kernel, *bits, lse4, dout4, dq_bits, dk_parts, dv_parts,
+        plan.seqs, plan.items, plan.scale, plan.variants, plan.block_q, plan.block_k, gemm_fn,
+    )  # fmt: skip
     dk, dv = dk_parts[0], dv_parts[0]
     for p in range(1, plan.parts):  # a fixed order: deterministic sums
         dk += dk_parts[p]
@@ -88,7 +120,7 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 def run_decode(plan) -> tuple[np.ndarray, np.ndarray]:
     """``(out (B, Hq, Tq, dv), lse (B, Hq, Tq))`` of a decode plan, in the work dtype."""
-    from .blas import gemm_for, single_threaded_blas
+    from .blas import gemm_for
     from .decode import decode_kernel, merge_partials
 
     q, layout = plan.q, plan.layout
@@ -106,10 +138,9 @@ def run_decode(plan) -> tuple[np.ndarray, np.ndarray]:
     if k.dtype == np.float16:
         k, v = k.view(np.uint16), v.view(np.uint16)
     gemm_fn = gemm_for(q.dtype, rows=rows)
-    with single_threaded_blas(gemm_fn):
-        decode_kernel(
-            q, k, v, layout.table, layout.seqlens, plan.items, part_out, part_lse, plan.scale,
-            plan.variants, plan.tile_keys, gemm_fn,
-        )  # fmt: skip
+    _call(
+        plan.threads, gemm_fn, decode_kernel, q, k, v, layout.table, layout.seqlens,
+        plan.items, part_out, part_lse, plan.scale, plan.variants, plan.tile_keys, gemm_fn,
+    )  # fmt: skip
     merge_partials(part_out, part_lse, plan.spans, out, lse)
     return out, lse

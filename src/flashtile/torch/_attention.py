@@ -4,18 +4,19 @@ It refuses what :func:`._support.refusal` names (the rule the SDPA router
 reads too: layout, devices, dtypes, GQA only when asked for), turns the
 variant keywords into the op's flat arguments and calls
 ``flashtile::attention_fwd`` (:mod:`._ops`), whose autograd formula calls
-``flashtile::attention_bwd``.
+``flashtile::attention_bwd``. A call with nothing to differentiate, trace or
+intercept (eager inference: plain tensors, no gradient wanted, no
+``torch.compile``, no tracing, no dispatch mode) runs the op's
+implementation directly, without the dispatcher's cost.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..masks import normalize_window
-from . import (
-    _ops,  # noqa: F401  (registers torch.ops.flashtile.*)
-    _support,
-)
+from . import _ops, _support
 from ._support import as_constant, refusal
 
 
@@ -32,6 +33,7 @@ def attention(
     mask: torch.Tensor | None = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
+    kv_lengths: torch.Tensor | None = None,
 ):
     """Exact attention on CPU torch tensors, differentiable w.r.t. ``q``, ``k``, ``v``.
 
@@ -61,6 +63,10 @@ def attention(
         enable_gqa: allow ``Hkv != Hq`` (as SDPA's ``enable_gqa``).
         return_lse: also return ``lse (B, Hq, Tq)``, the natural-log softmax
             normaliser. It carries no gradient (marked non-differentiable).
+        kv_lengths: ``(B,)`` integers: only the first ``kv_lengths[b]`` keys of
+            batch entry ``b`` exist (4-D inputs); the others are never read. A
+            static KV cache passes its full buffer with the filled length here.
+            Query positions stay ``i + Tk - Tq`` (see :func:`flashtile.attention`).
 
     Returns:
         ``out (B, Hq, Tq, dv)`` in the input dtype, and ``lse`` if asked. A
@@ -73,6 +79,9 @@ def attention(
     float32, computed, and ``out`` cast back (gradients flow back through the
     casts); ``lse`` is float32 for 16-bit inputs. A float mask is cast to the
     compute dtype (float32 for 16-bit inputs).
+
+    A few queries against many keys (a decoding step) run on the split-KV
+    decode kernel (:func:`flashtile.planning.decode_shaped` is the rule).
 
     Devices: CPU tensors run the Numba kernels; CUDA tensors (q, k and v all
     on CUDA, one GPU) run the Triton kernels (:mod:`flashtile.triton`) with the
@@ -100,24 +109,16 @@ def attention(
             (also a :class:`~._support.Refusal`).
     """
     refused = refusal(
-        q,
-        k,
-        v,
-        causal=causal,
-        scale=scale,
-        window=window,
-        alibi_slopes=alibi_slopes,
-        softcap=softcap,
-        mask=mask,
-        enable_gqa=enable_gqa,
-        return_lse=return_lse,
-    )
+        q, k, v, causal=causal, scale=scale, window=window, alibi_slopes=alibi_slopes,
+        softcap=softcap, mask=mask, enable_gqa=enable_gqa, return_lse=return_lse,
+        kv_lengths=kv_lengths,
+    )  # fmt: skip
     if refused is not None:
         raise refused.exception()
     if _support.is_cuda_call(q, k, v):
         return _on_gpu(
             q, k, v, causal=causal, scale=scale, window=window, alibi_slopes=alibi_slopes,
-            softcap=softcap, enable_gqa=enable_gqa, return_lse=return_lse,
+            softcap=softcap, enable_gqa=enable_gqa, return_lse=return_lse, kv_lengths=kv_lengths,
         )  # fmt: skip
     in_dtype = q.dtype
     if in_dtype == torch.float16:
@@ -125,25 +126,41 @@ def attention(
     mask = as_constant(mask)
     if mask is not None and mask.dtype != torch.bool:  # a float mask adds in the compute dtype
         mask = mask.to(torch.float32 if q.dtype == torch.bfloat16 else q.dtype)
+    if kv_lengths is not None:
+        kv_lengths = as_constant(kv_lengths).to(torch.int64)
     left, right = normalize_window(window, False)  # causal caps it inside
-    out, lse = torch.ops.flashtile.attention_fwd(
-        q,
-        k,
-        v,
-        mask,
-        as_constant(alibi_slopes),
-        bool(causal),
-        None if scale is None else float(scale),
-        left,
-        right,
-        None if softcap is None else float(softcap),
-    )
+    args = (
+        q, k, v, mask, as_constant(alibi_slopes), bool(causal),
+        None if scale is None else float(scale), left, right,
+        None if softcap is None else float(softcap), kv_lengths,
+    )  # fmt: skip
+    if _eager_inference(q, k, v):
+        out, lse = _ops.forward(*args)
+    else:
+        out, lse = torch.ops.flashtile.attention_fwd(*args)
     out = out.to(in_dtype)
     return (out, lse) if return_lse else out
 
 
 #: The longest query block sent to the decoding kernel rather than the forward's.
 DECODE_MAX_TQ = 8
+
+
+def _eager_inference(q, k, v) -> bool:
+    """Whether the op's implementation may run without the dispatcher: plain
+    tensors, no gradient wanted, and nothing that records or intercepts ops
+    (``torch.compile``, ``torch.jit.trace``, a dispatch mode such as
+    FakeTensorMode or a FLOP counter)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    return (
+        type(q) is torch.Tensor
+        and type(k) is torch.Tensor
+        and type(v) is torch.Tensor
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and _get_current_dispatch_mode() is None
+    )
 
 
 def _on_gpu(q, k, v, **keywords):
@@ -159,7 +176,10 @@ def _on_gpu(q, k, v, **keywords):
     from .. import triton as gpu  # imported on first use: it needs triton
 
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if q.ndim == 4 and q.shape[-2] <= DECODE_MAX_TQ and not wants_grad:
+    # kv_lengths keeps positions aligned with Tk; decoding's cache_seqlens would not.
+    plain = keywords["kv_lengths"] is None
+    if q.ndim == 4 and q.shape[-2] <= DECODE_MAX_TQ and not wants_grad and plain:
         keywords.pop("enable_gqa")  # checked by the refusal; decoding always groups
+        keywords.pop("kv_lengths")
         return gpu.decode_attention(q, k, v, **keywords)
     return gpu.attention(q, k, v, **keywords)

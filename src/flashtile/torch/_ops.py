@@ -7,21 +7,27 @@ implementation for tracing, and the forward has an autograd formula that
 calls the backward op, so a compiled training step traces both.
 
 Schemas (``window_left``/``window_right`` = -1 mean unbounded; ``scale`` and
-``softcap`` None mean ``1/sqrt(d)`` and no cap)::
+``softcap`` None mean ``1/sqrt(d)`` and no cap; ``kv_lengths`` None means
+every key is valid)::
 
     attention_fwd(q, k, v, mask?, alibi_slopes?, causal, scale?, window_left,
-                  window_right, softcap?) -> (out, lse)
+                  window_right, softcap?, kv_lengths?) -> (out, lse)
     attention_bwd(dout, q, k, v, out, lse, mask?, alibi_slopes?, causal, scale?,
-                  window_left, window_right, softcap?) -> (dq, dk, dv)
+                  window_left, window_right, softcap?, kv_lengths?) -> (dq, dk, dv)
 
 ``q (B, Hq, Tq, d)``, ``k (B, Hkv, Tk, d)``, ``v (B, Hkv, Tk, dv)`` (or the same
 without ``B``) must be CPU float32, float64 or bfloat16; ``out`` is ``(..., Tq,
 dv)`` in the same dtype and ``lse`` ``(..., Tq)`` in the accumulation dtype
 (float32 for bfloat16). bfloat16 tensors reach the kernels without a copy (as
 ``ml_dtypes.bfloat16`` views of their memory). ``mask`` is bool (True = keep) or
-float (added to the scores), broadcastable to ``(..., Hq, Tq, Tk)``. Outputs
-are always fresh tensors: the kernels write into new NumPy buffers that
+float (added to the scores), broadcastable to ``(..., Hq, Tq, Tk)``;
+``kv_lengths (B,)`` integer valid keys per batch entry. Outputs are always
+fresh tensors: the kernels write into new NumPy buffers that
 ``torch.from_numpy`` wraps without a copy.
+
+:func:`forward` is the forward op's implementation; in eager inference
+(nothing to differentiate, trace or intercept) :func:`flashtile.torch.attention`
+calls it directly, which saves the dispatcher's cost (about 12 us a call).
 
 Use :func:`flashtile.torch.attention` rather than these ops directly: it
 checks devices and dtypes, handles float16/bfloat16 and GQA the way SDPA does,
@@ -36,12 +42,13 @@ from flashtile._validate import BFLOAT16
 
 _FWD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? alibi_slopes, bool causal, "
-    "float? scale, int window_left, int window_right, float? softcap) -> (Tensor, Tensor)"
+    "float? scale, int window_left, int window_right, float? softcap, Tensor? kv_lengths=None) "
+    "-> (Tensor, Tensor)"
 )
 _BWD_SCHEMA = (
     "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, "
     "Tensor? alibi_slopes, bool causal, float? scale, int window_left, int window_right, "
-    "float? softcap) -> (Tensor, Tensor, Tensor)"
+    "float? softcap, Tensor? kv_lengths=None) -> (Tensor, Tensor, Tensor)"
 )
 #: dtypes the ops take; flashtile.torch.attention upcasts float16 first.
 NATIVE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -84,10 +91,10 @@ def _np(t: torch.Tensor | None) -> np.ndarray | None:
         return None
     if t.dtype in (torch.float16, torch.bfloat16):
         t = t.float()
-    return t.detach().numpy()
+    return t.detach().numpy() if t.requires_grad else t.numpy()
 
 
-def _variants(mask, alibi_slopes, window_left, window_right, softcap) -> dict:
+def _variants(mask, alibi_slopes, window_left, window_right, softcap, kv_lengths) -> dict:
     """The flashtile keywords for the op's variant arguments (only those in use)."""
     kw = {}
     if mask is not None:
@@ -98,25 +105,38 @@ def _variants(mask, alibi_slopes, window_left, window_right, softcap) -> dict:
         kw["window"] = (window_left, window_right)
     if softcap is not None:
         kw["softcap"] = softcap
+    if kv_lengths is not None:
+        kw["kv_lengths"] = kv_lengths.numpy()
     return kw
 
 
-@torch.library.custom_op(
-    "flashtile::attention_fwd", mutates_args=(), device_types="cpu", schema=_FWD_SCHEMA
-)
-def attention_fwd(q, k, v, mask, alibi_slopes, causal, scale, window_left, window_right, softcap):
+def forward(
+    q, k, v, mask, alibi_slopes, causal, scale, window_left, window_right, softcap, kv_lengths
+):
     """``(out, lse)`` from :func:`flashtile.attention` (see the module docstring)."""
     _check_native(q)
-    kw = _variants(mask, alibi_slopes, window_left, window_right, softcap)
+    kw = _variants(mask, alibi_slopes, window_left, window_right, softcap, kv_lengths)
     out, lse = flashtile.attention(
         _data(q), _data(k), _data(v), causal=causal, scale=scale, return_lse=True, **kw
     )
     return _tensor(out), _tensor(lse)
 
 
+@torch.library.custom_op(
+    "flashtile::attention_fwd", mutates_args=(), device_types="cpu", schema=_FWD_SCHEMA
+)
+def attention_fwd(
+    q, k, v, mask, alibi_slopes, causal, scale, window_left, window_right, softcap, kv_lengths=None
+):
+    """``(out, lse)``: :func:`forward`."""
+    return forward(
+        q, k, v, mask, alibi_slopes, causal, scale, window_left, window_right, softcap, kv_lengths
+    )
+
+
 @attention_fwd.register_fake
 def _attention_fwd_fake(
-    q, k, v, mask, alibi_slopes, causal, scale, window_left, window_right, softcap
+    q, k, v, mask, alibi_slopes, causal, scale, window_left, window_right, softcap, kv_lengths=None
 ):
     _check_native(q)
     # new_empty is contiguous, as the real outputs are (strides must match).
@@ -128,11 +148,12 @@ def _attention_fwd_fake(
     "flashtile::attention_bwd", mutates_args=(), device_types="cpu", schema=_BWD_SCHEMA
 )
 def attention_bwd(
-    dout, q, k, v, out, lse, mask, alibi_slopes, causal, scale, window_left, window_right, softcap
-):
+    dout, q, k, v, out, lse, mask, alibi_slopes, causal, scale, window_left, window_right, softcap,
+    kv_lengths=None,
+):  # fmt: skip
     """``(dq, dk, dv)`` from :func:`flashtile.attention_backward` (score tiles recomputed)."""
     _check_native(q)
-    kw = _variants(mask, alibi_slopes, window_left, window_right, softcap)
+    kw = _variants(mask, alibi_slopes, window_left, window_right, softcap, kv_lengths)
     grads = flashtile.attention_backward(
         *(_data(t) for t in (q, k, v, out)), _np(lse), _data(dout), causal=causal, scale=scale,
         **kw,
@@ -142,29 +163,30 @@ def attention_bwd(
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(
-    dout, q, k, v, out, lse, mask, alibi_slopes, causal, scale, window_left, window_right, softcap
-):
+    dout, q, k, v, out, lse, mask, alibi_slopes, causal, scale, window_left, window_right, softcap,
+    kv_lengths=None,
+):  # fmt: skip
     _check_native(q)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, alibi_slopes, causal, scale, window_left, window_right, softcap = inputs
+    q, k, v, mask, alibi_slopes, causal, scale, window_left, window_right, softcap, lengths = inputs
     out, lse = output
     # Only O(T) state is kept: the backward recomputes score tiles from lse.
-    ctx.save_for_backward(q, k, v, out, lse, mask, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, mask, alibi_slopes, lengths)
     ctx.args = (causal, scale, window_left, window_right, softcap)
     # lse is returned for inspection and merging, not for differentiating.
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, mask, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, mask, alibi_slopes, lengths = ctx.saved_tensors
     dq, dk, dv = torch.ops.flashtile.attention_bwd(
-        dout, q, k, v, out, lse, mask, alibi_slopes, *ctx.args
+        dout, q, k, v, out, lse, mask, alibi_slopes, *ctx.args, lengths
     )
-    # No gradients for the mask, slopes and the non-tensor arguments.
-    return dq, dk, dv, None, None, None, None, None, None, None
+    # No gradients for the mask, slopes, lengths and the non-tensor arguments.
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -62,7 +62,7 @@ def as_constant(t) -> torch.Tensor | None:
 
 
 def _device(t: torch.Tensor, name: str) -> Refusal | None:
-    if t.device.type == "cpu":
+    if t.is_cpu:
         return None
     return Refusal(
         ValueError,
@@ -131,6 +131,28 @@ def _gpu(q, k, v, mask) -> Refusal | None:
         checks.check_gpu_call(q, k, v, mask)
     except (TypeError, ValueError) as exc:
         return Refusal(type(exc), str(exc))
+    return None
+
+
+def _kv_lengths(kv_lengths, qs, gpu: bool) -> Refusal | None:
+    """Valid keys per batch entry: ``(B,)`` integers on the CPU (or CUDA on the
+    GPU path), for 4-D inputs."""
+    if kv_lengths is None:
+        return None
+    try:
+        lengths = as_constant(kv_lengths)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        return Refusal(TypeError, f"kv_lengths cannot be made a tensor: {exc}")
+    if not (gpu and lengths.is_cuda) and (refused := _device(lengths, "kv_lengths")):
+        return refused
+    if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+        return Refusal(TypeError, f"kv_lengths must hold integers, got {lengths.dtype}")
+    if len(qs) != 4 or tuple(lengths.shape) != (qs[0],):
+        return Refusal(
+            ValueError,
+            f"kv_lengths has shape {tuple(lengths.shape)}; it needs (B, H, T, d) inputs and "
+            f"one length per batch entry, (B,) = ({qs[0] if len(qs) == 4 else 'B'},)",
+        )
     return None
 
 
@@ -227,6 +249,7 @@ def refusal(
     mask=None,
     enable_gqa=False,
     return_lse=False,
+    kv_lengths=None,
 ) -> Refusal | None:
     """Why :func:`flashtile.torch.attention` refuses this call, or None when it runs it.
 
@@ -235,7 +258,8 @@ def refusal(
     (:func:`flashtile._validate.check_sdpa_layout`), for a CUDA call
     (:func:`is_cuda_call`) the Triton kernels' own limits
     (:func:`flashtile.triton.checks.check_gpu_call`, or a missing Triton),
-    then the constants (mask, slopes), then the numbers and the window.
+    then the constants (mask, slopes, kv_lengths), then the numbers and the
+    window.
     """
     gpu = is_cuda_call(q, k, v)
     return (
@@ -248,6 +272,7 @@ def refusal(
         or _constant(mask, "mask", floating_only=False, gpu=gpu)
         or (mask is not None and _mask_shape(mask, q, k))
         or _constant(alibi_slopes, "alibi_slopes", floating_only=True, gpu=gpu)
+        or _kv_lengths(kv_lengths, q.shape, gpu)
         or _number(scale, "scale")
         or _number(softcap, "softcap")
         or _window(window)

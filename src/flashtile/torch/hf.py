@@ -51,6 +51,7 @@ class _Visibility(NamedTuple):
     mask: torch.Tensor | None
     causal: bool
     window: tuple[int | None, int] | None
+    kv_lengths: torch.Tensor | None = None
 
 
 def _resolve_causal(module: torch.nn.Module, is_causal: bool | None) -> bool:
@@ -102,7 +103,29 @@ def _visibility(
     mask = attention_mask
     if position_bias is not None:
         mask = _with_position_bias(position_bias.to(query.dtype), attention_mask)
+    elif tq == 1 and (lengths := _filled_lengths(mask, query.shape[0], key.shape[-2])) is not None:
+        return _Visibility(key, value, None, False, None, lengths)
     return _Visibility(key, value, mask, bool(causal), window)
+
+
+def _filled_lengths(mask, batch: int, tk: int) -> torch.Tensor | None:
+    """``(B,)`` key counts when a decoding step's bool mask keeps a prefix of the keys.
+
+    A static cache hands over its whole preallocated buffer ``(B, Hkv,
+    max_len, d)`` and hides the unfilled slots with the mask, whose row is then
+    ``[True] * n + [False] * (max_len - n)``. As ``kv_lengths`` the kernels read
+    only the ``n`` filled keys, in place, instead of the whole buffer. Any
+    other mask (left padding, a window) gives None and is applied as a mask.
+    """
+    if mask is None or mask.dtype != torch.bool or mask.ndim != 4:
+        return None
+    if mask.shape[1:] != (1, 1, tk) or mask.shape[0] not in (1, batch):
+        return None
+    rows = mask[:, 0, 0]
+    lengths = rows.sum(-1)
+    if not torch.equal(rows, torch.arange(tk, device=rows.device) < lengths[:, None]):
+        return None
+    return lengths.expand(batch)
 
 
 def _check_options(dropout: float, output_attentions: bool) -> None:
@@ -176,7 +199,9 @@ def tiled_attention_forward(
         attention_mask: None, or a 4-D mask broadcastable to ``(B, Hq, Tq, Tk)``: bool
             (True = keep, what the registered ``sdpa_mask`` builds) or float (additive).
             When given it is the whole visibility rule: causality, padding, sliding
-            window and KV-cache offsets are already in it.
+            window and KV-cache offsets are already in it. A decoding step's mask
+            that keeps a prefix of the keys (a static cache's filled slots) is
+            passed as ``kv_lengths`` instead, so the unfilled slots are never read.
         dropout: must be 0 (flashtile has no attention dropout).
         scaling: score scale, ``1/sqrt(d)`` if None.
         is_causal: overrides ``module.is_causal``; used only when there is no mask, then
@@ -212,6 +237,7 @@ def tiled_attention_forward(
         mask=seen.mask,
         enable_gqa=bool(key.shape[-3] != query.shape[-3]),
         return_lse=s_aux is not None,
+        kv_lengths=seen.kv_lengths,
     )
     out = result if s_aux is None else _apply_sinks(*result, s_aux)
     return out.transpose(1, 2).contiguous(), None

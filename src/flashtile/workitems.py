@@ -1,0 +1,154 @@
+"""Work items: which thread computes which part of a call, in which order.
+
+Numba's ``prange`` hands each thread one contiguous run of items (static
+schedule), so every list here ends in :func:`balance`, which orders items so
+that the runs carry similar work. Forward items are ``(sequence, kv head,
+query block)``, backward items ``(sequence, kv head, part)``, decode items
+``(sequence, kv head, key chunk, slot)``. The sizes that go into them (tiles,
+threads) are :mod:`flashtile.planning`'s choice.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .cpu.tiles import SEQ_BATCH, SEQ_KV_LEN, SEQ_TK, SEQ_TQ, KernelVariants
+from .masks import TILE_EMPTY, block_key_range
+
+#: The forward's default block_q halves until every thread gets this many items.
+ITEMS_PER_THREAD = 4
+#: Decoding: keys per tile. A 256-key K tile of d=128 float32 is 128 KiB, so
+#: the tile, its V tile and the prefetched next pair stay in L2.
+DECODE_TILE = 256
+#: A decode chunk is never shorter than this (unless the sequence is): below
+#: it the per-chunk work (loading the queries, writing a partial) stops being small.
+MIN_SPLIT_KEYS = 512
+#: Automatic splitting aims at this many chunks per thread, so that the
+#: static schedule can balance sequences of different lengths.
+CHUNKS_PER_THREAD = 4
+
+
+def forward_items(seqs, n_kv, variants: KernelVariants, block_q, block_k) -> np.ndarray:
+    """Work items ``(sequence, kv head, i0)``, balanced for a static schedule.
+
+    An item's cost is its rows times the keys it computes: its key span, or
+    with a block map the kept key blocks in it.
+    """
+    items, spans = enumerate_items(seqs, n_kv, variants, block_q)
+    rows = np.minimum(block_q, seqs[items[:, 0], SEQ_TQ] - items[:, 2])
+    if variants.states.size > 0:
+        keys = block_k * kept_blocks(seqs, n_kv, items, spans, variants.states, block_q, block_k)
+    else:
+        keys = spans[:, 1] - spans[:, 0]
+    return balance(items, rows * keys + 1)
+
+
+def enumerate_items(seqs, n_kv, variants: KernelVariants, block_q):
+    """``(items (N, 3), spans (N, 2))``: every item and the key range it can see."""
+    va = variants
+    items, spans = [], []
+    for s, row in enumerate(seqs.tolist()):
+        tq, tk, kv_len = row[SEQ_TQ], row[SEQ_TK], row[SEQ_KV_LEN]
+        for i0 in range(0, tq, block_q):
+            i1 = min(i0 + block_q, tq)
+            lo, hi = block_key_range(i0, i1, tq, tk, va.causal, va.left, va.right, kv_len)
+            for hk in range(n_kv):
+                items.append((s, hk, i0))
+                spans.append((lo, max(lo, hi)))
+    return (
+        np.array(items, dtype=np.int64).reshape(-1, 3),
+        np.array(spans, dtype=np.int64).reshape(-1, 2),
+    )
+
+
+def kept_blocks(seqs, n_kv, items, spans, states, block_q, block_k):
+    """Key blocks each item computes with a block map: kept ones in its span.
+
+    A block counts when any query head of the item's group keeps it, as in
+    the kernel (:func:`.cpu.tiles.tile_state`).
+    """
+    kept = states != TILE_EMPTY  # (Bm, Hm, nq, nk)
+    if kept.shape[1] > 1:  # per query head: a kv head computes its group's union
+        kept = kept.reshape(kept.shape[0], n_kv, -1, *kept.shape[2:]).any(axis=2)
+    before = np.zeros(kept.shape[:3] + (kept.shape[3] + 1,), dtype=np.int64)
+    np.cumsum(kept, axis=3, out=before[..., 1:])  # kept blocks before block j
+    b = seqs[items[:, 0], SEQ_BATCH] % kept.shape[0]
+    h = items[:, 1] % kept.shape[1]
+    qb = items[:, 2] // block_q
+    kb_lo = spans[:, 0] // block_k
+    kb_hi = np.maximum(kb_lo, -(-spans[:, 1] // block_k))
+    return before[b, h, qb, kb_hi] - before[b, h, qb, kb_lo]
+
+
+def balance(items: np.ndarray, costs: np.ndarray) -> np.ndarray:
+    """Order items so that contiguous equal-count chunks carry similar work.
+
+    Numba's ``prange`` hands each thread one contiguous run of items. Sorting
+    by cost and interleaving from both ends (largest, smallest, second
+    largest, ...) puts a heavy and a light item next to each other, so every
+    run gets about the same total (causal, windows, varlen lengths).
+    """
+    order = np.argsort(-costs, kind="stable")
+    zig = np.empty_like(order)
+    half = (len(order) + 1) // 2
+    zig[0::2] = order[:half]
+    zig[1::2] = order[half:][::-1]
+    return np.ascontiguousarray(items[zig])
+
+
+def backward_items(seqs, n_kv, block_q, threads) -> tuple[np.ndarray, int]:
+    """``(sequence, kv head, part)`` items and the number of parts.
+
+    One part per ``(sequence, kv head)`` when there are enough of them for
+    the threads; otherwise each is split into parts that take every P-th
+    query block, so a single head (or MQA at batch 1) still uses every core.
+    """
+    pairs = len(seqs) * n_kv
+    most_blocks = int((-(-seqs[:, SEQ_TQ] // block_q)).max(initial=1))
+    parts = 1 if pairs >= threads or pairs == 0 else min(-(-threads // pairs), most_blocks)
+    items = np.array(
+        [(s, hk, p) for s in range(len(seqs)) for hk in range(n_kv) for p in range(parts)],
+        dtype=np.int64,
+    ).reshape(-1, 3)
+    costs = (seqs[items[:, 0], SEQ_TQ] * seqs[items[:, 0], SEQ_TK]).astype(np.float64)
+    return balance(items, costs), parts
+
+
+def plan_splits(ranges, kv_heads, num_splits, threads, tile=DECODE_TILE):
+    """Split each sequence's visible keys into chunks: the decode work items.
+
+    Args:
+        ranges: ``(B, 2)`` visible keys ``[lo, hi)`` per sequence.
+        num_splits: chunks per sequence, or None: chunks of equal length
+            (a multiple of ``tile``, at least MIN_SPLIT_KEYS) sized so that
+            the whole batch makes about CHUNKS_PER_THREAD chunks per thread.
+
+    Returns:
+        ``items (N, 5)`` int64 rows ``(b, kv head, j_lo, j_hi, slot)`` in the
+        order the threads should take them, and ``spans (B * Hkv, 2)``:
+        the first slot and the count of each ``(b, kv head)``'s partials.
+    """
+    lengths = ranges[:, 1] - ranges[:, 0]
+    if num_splits is None:
+        total = kv_heads * int(lengths.sum())
+        chunk = max(MIN_SPLIT_KEYS, -(-total // (CHUNKS_PER_THREAD * threads)))
+        chunk = -(-chunk // tile) * tile
+        splits = np.maximum(1, -(-lengths // chunk))
+        chunks = np.full(len(lengths), chunk, dtype=np.int64)
+    else:
+        # More chunks than keys would only add empty partials.
+        splits = np.minimum(num_splits, np.maximum(lengths, 1))
+        chunks = np.maximum(1, -(-lengths // splits))
+    # Slots run (b, kv head, chunk)-major, so each pair's partials are adjacent.
+    pair_b = np.repeat(np.arange(len(lengths)), kv_heads)
+    pair_splits = splits[pair_b]
+    first = np.concatenate([[0], np.cumsum(pair_splits)[:-1]])
+    slot_pair = np.repeat(np.arange(len(pair_b)), pair_splits)
+    b = pair_b[slot_pair]
+    chunk_index = np.arange(len(slot_pair)) - first[slot_pair]
+    j_lo = np.minimum(ranges[b, 0] + chunk_index * chunks[b], ranges[b, 1])
+    j_hi = np.minimum(j_lo + chunks[b], ranges[b, 1])
+    items = np.stack([b, slot_pair % kv_heads, j_lo, j_hi, np.arange(len(b))], axis=1)
+    spans = np.stack([first, pair_splits], axis=1).astype(np.int64)
+    costs = (items[:, 3] - items[:, 2]) + 64  # + the fixed cost of a chunk
+    return balance(items, costs), spans
