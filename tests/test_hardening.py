@@ -328,3 +328,21 @@ def test_float32_kv_cache_refuses_float64_values_past_its_range():
     assert cache.lengths.tolist() == [0]  # nothing written
     cache.append(np.ones((1, 1, 1, 2)), np.full((1, 1, 1, 2), 3e38))  # fits float32
     np.testing.assert_allclose(cache.attend(np.ones((1, 1, 1, 2))), np.float32(3e38))
+
+
+def test_decode_shaped_call_past_float32_range_is_computed_again_in_float64():
+    # One query against many keys runs on the decode kernel without a pass over
+    # the keys first; its non-finite lse sends it back to the checked forward.
+    from flashtile.api import check_call
+    from flashtile.planning import decode_shaped
+
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 8, 1, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, 600, 16)).astype(np.float32) for _ in range(2))
+    assert decode_shaped(check_call(q, k, v, True, 1e38, {}))
+    out, lse = ft.attention(q, k, v, causal=True, scale=1e38, return_lse=True)
+    want, want_lse = ft.attention(*(a.astype(np.float64) for a in (q, k, v)), causal=True,
+                                  scale=1e38, return_lse=True)  # fmt: skip
+    assert np.isfinite(out).all() and np.allclose(out, want, rtol=1e-5, atol=1e-6)
+    with np.errstate(over="ignore"):  # lse past float32's range is inf, by the policy
+        assert lse.dtype == np.float32 and np.array_equal(lse, want_lse.astype(np.float32))
