@@ -99,41 +99,61 @@ def pow2_int(typingctx, n):
     return types.float32(n), codegen
 
 
-@njit(fastmath=FASTMATH, cache=True)
-def exp2_into_f32(row, dst, shift, n):
-    """``dst[:n] = 2**(row[:n] - shift)`` (``dst`` may be ``row``: in place).
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _exp2_f32(x, shift):
+    """``2**(x - shift)`` in float32 by the polynomial above (one element)."""
+    x = x - shift
+    x = _LOW if x < _LOW else x  # NaN stays NaN (the comparison is False)
+    x = _HIGH if x > _HIGH else x  # 2**127 at most: finite, and flags a re-base
+    xi = np.int32(x)  # truncates toward zero: f = x - xi lies in (-1, 0]
+    f = x - np.float32(xi)
+    p = _C6
+    p = p * f + _C5
+    p = p * f + _C4
+    p = p * f + _C3
+    p = p * f + _C2
+    p = p * f + _C1
+    p = p * f + _C0
+    return p * pow2_int(xi)
 
-    Returns the float32 sum of the values (the block's normaliser); a
-    ``uint16`` ``dst`` receives them rounded to bf16 (:func:`.half.narrow`),
-    in the same pass.
+
+@njit(fastmath=FASTMATH, cache=True)
+def exp2_shifted_f32(row, shift, n):
+    """``row[:n] = 2**(row[:n] - shift)`` in place; returns the float32 sum
+    (the block's normaliser).
+
+    In place, not ``dst = f(row)`` with ``dst`` the same array: LLVM cannot
+    prove two array arguments distinct, its runtime overlap check fails for
+    identical ones, and the loop then runs scalar (2x slower kernels).
     """
     total = np.float32(0.0)
     for j in range(n):
-        x = row[j] - shift
-        x = _LOW if x < _LOW else x  # NaN stays NaN (the comparison is False)
-        x = _HIGH if x > _HIGH else x  # 2**127 at most: finite, and flags a re-base
-        xi = np.int32(x)  # truncates toward zero: f = x - xi lies in (-1, 0]
-        f = x - np.float32(xi)
-        p = _C6
-        p = p * f + _C5
-        p = p * f + _C4
-        p = p * f + _C3
-        p = p * f + _C2
-        p = p * f + _C1
-        p = p * f + _C0
-        v = p * pow2_int(xi)
+        v = _exp2_f32(row[j], shift)
+        row[j] = v
+        total += v
+    return total
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def exp2_bf16_f32(row, dst, shift, n):
+    """``dst[:n] = 2**(row[:n] - shift)`` rounded to bf16 bits (``uint16``,
+    :func:`.half.narrow`), a buffer of its own; returns the float32 sum of
+    the unrounded values."""
+    total = np.float32(0.0)
+    for j in range(n):
+        v = _exp2_f32(row[j], shift)
         dst[j] = narrow(v, dst)
         total += v
     return total
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def exp2_into_f64(row, dst, shift, n):
-    """float64 twin of :func:`exp2_into_f32` using ``math.exp2``."""
+def exp2_shifted_f64(row, shift, n):
+    """float64 twin of :func:`exp2_shifted_f32` using ``math.exp2``."""
     total = 0.0
     for j in range(n):
         v = math.exp2(row[j] - shift)
-        dst[j] = v
+        row[j] = v
         total += v
     return total
 
@@ -141,6 +161,8 @@ def exp2_into_f64(row, dst, shift, n):
 def exp2_into(row, dst, shift, n):
     """``dst[:n] = 2**(row[:n] - shift)``; returns the sum. Dispatches on dtype.
 
+    ``dst`` is a ``uint16`` bf16 buffer, or else ``row`` itself (a float
+    ``dst`` is computed in place in ``row``: see :func:`exp2_shifted_f32`).
     Only callable from compiled code (the overload below picks the twin).
     """
     raise NotImplementedError("exp2_into is only available inside Numba kernels")
@@ -148,16 +170,11 @@ def exp2_into(row, dst, shift, n):
 
 @overload(exp2_into, fastmath=FASTMATH)
 def _exp2_into_overload(row, dst, shift, n):
+    if dst.dtype == types.uint16:
+        return lambda row, dst, shift, n: exp2_bf16_f32(row, dst, np.float32(shift), n)
     if row.dtype == types.float32:
-
-        def impl(row, dst, shift, n):
-            return exp2_into_f32(row, dst, np.float32(shift), n)
-    else:
-
-        def impl(row, dst, shift, n):
-            return exp2_into_f64(row, dst, shift, n)
-
-    return impl
+        return lambda row, dst, shift, n: exp2_shifted_f32(row, np.float32(shift), n)
+    return lambda row, dst, shift, n: exp2_shifted_f64(row, shift, n)
 
 
 def exp2_shifted(row, shift, n):
@@ -170,4 +187,6 @@ def exp2_shifted(row, shift, n):
 
 @overload(exp2_shifted, fastmath=FASTMATH)
 def _exp2_shifted_overload(row, shift, n):
-    return lambda row, shift, n: exp2_into(row, row, shift, n)
+    if row.dtype == types.float32:
+        return lambda row, shift, n: exp2_shifted_f32(row, np.float32(shift), n)
+    return lambda row, shift, n: exp2_shifted_f64(row, shift, n)
