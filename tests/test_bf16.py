@@ -261,3 +261,14 @@ def test_bf16_bound_reads_the_bits():
     a = np.array([1.0, -3e38, np.nan, -np.inf, 2.5], dtype=BF16)
     assert finite_max_abs(a) == float(np.abs(a[[0, 1, 4]].astype(np.float64)).max())
     assert finite_max_abs(a[2:4]) == 0.0 and finite_max_abs(a[::4]) == 2.5
+
+
+def test_tiny_scale_with_huge_values_keeps_float32_products(rng, path):
+    # bf16 products sum q . k before the scale: 1e40 overflows float32 there.
+    q, k, v = bf16_qkv(rng, 1, 2, 2, 5, 9, 16)
+    q, k = (a.astype(np.float32) * np.float32(1e20) for a in (q, k))
+    q, k = q.astype(BF16), k.astype(BF16)
+    out = ft.attention(q, k, v, scale=8e-40)
+    want, _ = dense_attention(*(a.astype(np.float64) for a in (q, k, v)), scale=8e-40)
+    assert np.isfinite(out.astype(np.float32)).all()
+    assert rel_err(out.astype(np.float64), want) < 1e-2

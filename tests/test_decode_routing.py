@@ -62,6 +62,9 @@ def test_the_rule():
     q3 = z((1, 4, 3, 8))
     assert not planning.decode_shaped(_call(q3, k, k, True, kv_lengths=short))
     assert planning.decode_shaped(_call(q3, k, k, False, kv_lengths=short))
+    # A right side of 0 without causal limits keys by position just as causal does.
+    assert not planning.decode_shaped(_call(q3, k, k, False, kv_lengths=short, window=(None, 0)))
+    assert planning.decode_shaped(_call(q, k, k, False, kv_lengths=short, window=(None, 4)))
 
 
 CASES = [  # (B, Hq, Hkv, Tq, Tk, d, variants)
@@ -145,3 +148,12 @@ def test_hook_reads_only_a_static_cache_s_filled_slots(routed):
         q, k[:, :, :filled], v[:, :, :filled], enable_gqa=True
     )
     torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_right_window_of_zero_with_short_kv_lengths_is_exact():
+    # Routed to the decode kernel this call moved its queries (error 0.03).
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 4, 3, 16))
+    k, v = (rng.standard_normal((1, 1, 600, 16)) for _ in range(2))
+    kw = {"window": (None, 0), "kv_lengths": np.array([300])}
+    assert _rel(flashtile.attention(q, k, v, **kw), naive_attention(q, k, v, **kw)[0]) < 1e-12

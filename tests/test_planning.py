@@ -134,3 +134,11 @@ def test_block_map_matches_the_final_tiles_and_is_writeable(rng):
     assert plan.variants.states.flags.writeable
     plan = planning.plan_forward(check_call(q, q, q, False, None, {"mask": bm}), 50, 50)
     assert plan.variants.states.shape[2:] == (2, 2)
+
+
+def test_tile_sizes_are_checked_before_the_schedule_cache():
+    q = np.zeros((1, 2, 8, 4), np.float32)
+    ft.attention(q, q, q, block_q=16)  # caches the schedule of block_q=16
+    for bad in (16.0, True):
+        with pytest.raises(TypeError, match="block_q must be a positive integer"):
+            ft.attention(q, q, q, block_q=bad)

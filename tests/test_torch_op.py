@@ -339,3 +339,13 @@ def test_flags_are_bools_and_masks_plain_tensors():
     bias = torch.nn.Parameter(torch.zeros(5, 7, dtype=torch.float64))  # a plain subclass
     with torch.no_grad():
         torch.testing.assert_close(ftt.attention(q, k, v, mask=bias), ftt.attention(q, k, v))
+
+
+def test_vmap_over_the_operator_matches_a_loop():
+    # Under vmap the tensors are batched wrappers: the op must go through the dispatcher.
+    q, k, v = (torch.randn(3, 2, 5, 4, dtype=torch.float64) for _ in range(3))
+    got = torch.func.vmap(lambda a, b, c: ftt.attention(a, b, c, causal=True))(q, k, v)
+    want = torch.stack(
+        [ftt.attention(a, b, c, causal=True) for a, b, c in zip(q, k, v, strict=True)]
+    )
+    torch.testing.assert_close(got, want)

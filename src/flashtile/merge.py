@@ -50,21 +50,27 @@ def merge_states(out_a, lse_a, out_b, lse_b):
             f"must cover the same queries with the same value width"
         )
     for lse, name in ((lse_a, "lse_a"), (lse_b, "lse_b")):
-        if np.isposinf(lse).any():
-            # +inf is no normaliser of finite scores; its weight would be inf/inf = NaN.
-            raise ValueError(
-                f"{name} holds +inf at {np.argwhere(np.isposinf(lse))[0].tolist()}: an lse is "
-                f"finite, or -inf for a partial that saw no key (+inf means the scores "
-                f"overflowed; compute them in float64)"
-            )
+        refuse_posinf(np, lse, name)
     lse_dtype = np.result_type(lse_a, lse_b)
     with np.errstate(divide="ignore"):
         out, lse = merge_partials(np, out_a, lse_a, out_b, lse_b)
     return out.astype(np.result_type(out_a, out_b), copy=False), lse.astype(lse_dtype, copy=False)
 
 
+def refuse_posinf(xp, lse, name: str) -> None:
+    """ValueError when ``lse`` (NumPy, or torch with ``xp = torch``) holds +inf:
+    no normaliser of finite scores, its merge weight would be inf/inf = NaN."""
+    if xp.isposinf(lse).any():
+        where = xp.argwhere(xp.isposinf(lse))[0].tolist()
+        raise ValueError(
+            f"{name} holds +inf at {where}: an lse is finite, or -inf for a partial that saw "
+            f"no key (+inf means the scores overflowed float32; compute them in float64)"
+        )
+
+
 def merge_partials(xp, out_a, lse_a, out_b, lse_b):
-    """The arithmetic of :func:`merge_states`, unchecked, for NumPy arrays (``xp = numpy``)
+    """The arithmetic of :func:`merge_states`, unchecked (callers refuse +inf
+    lse with :func:`refuse_posinf`), for NumPy arrays (``xp = numpy``)
     or torch tensors on any device (``xp = torch``; what ring attention on GPUs merges).
 
     Shapes as in :func:`merge_states`; the result has the inputs' promoted dtype.

@@ -48,7 +48,7 @@ from .cpu.tiles import (
 )
 from .kvlayout import CacheLayout
 from .masks import block_key_range, block_mask
-from .precision import score_bound, work_dtype
+from .precision import FLOAT32_SCORE_LIMIT, bounds, work_dtype
 from .variants import Variants
 from .workitems import (
     DECODE_TILE,
@@ -166,6 +166,9 @@ def plan_backward(call: Call, block_q=None, block_k=None) -> KernelPlan:
 
 
 def _plan(call, block_q, block_k, backward):
+    for name, size in (("block_q", block_q), ("block_k", block_k)):
+        if size is not None:  # before the schedule cache, which would take 16.0 for 16
+            check_block_size(size, name)
     q4, k4, v4 = kernel_arrays(call)
     shapes, va = call.shapes, call.variants
     work = compute_dtype(q4.dtype)  # the state's dtype (float32 for bf16 arrays)
@@ -253,9 +256,9 @@ def kernel_arrays(call: Call):
     (:mod:`flashtile.precision`); bfloat16 stays bfloat16 where the CPU has
     bf16 products (:func:`bf16_products`)."""
     shapes = call.shapes
-    bound = score_bound(call.scale, call.q, call.k, call.variants, shapes.tq, shapes.tk)
+    bound, products = bounds(call.scale, call.q, call.k, call.variants, shapes.tq, shapes.tk)
     work = work_dtype(call.q.dtype, bound)
-    if work == np.float32 and bf16_products(call.q.dtype):
+    if work == np.float32 and products < FLOAT32_SCORE_LIMIT and bf16_products(call.q.dtype):
         work = BFLOAT16
     return tuple(_as4d(a, work) for a in (call.q, call.k, call.v))
 
@@ -459,8 +462,9 @@ def decode_shaped(call: Call, block_q=None, block_k=None) -> bool:
         return False
     if va.kv_lengths is None or bool((va.kv_lengths == shapes.tk).all()):
         return True
-    positional = va.left >= 0 or va.right > 0 or va.alibi is not None
-    return not (positional or (va.causal and shapes.tq > 1))
+    # A right side >= 0 (causal is right = 0) limits keys by position, as do a
+    # left side and ALiBi distances; with one query only the left side and ALiBi.
+    return not (va.left >= 0 or va.alibi is not None or (va.right >= 0 and shapes.tq > 1))
 
 
 def plan_decode_call(call: Call) -> DecodePlan:

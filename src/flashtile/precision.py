@@ -75,9 +75,18 @@ def score_bound(scale: float, q: np.ndarray, k: np.ndarray, va: Variants, tq: in
     log2(e) * q`` and the multiplier itself. ``q (..., d)`` and ``k``: the
     call's arrays (float16 ones are bounded by their dtype).
     """
+    return bounds(scale, q, k, va, tq, tk)[0]
+
+
+def bounds(scale: float, q: np.ndarray, k: np.ndarray, va: Variants, tq: int, tk: int):
+    """``(score_bound, product_bound)``: :func:`score_bound`, and a bound on the
+    unscaled products ``|q . k|`` in log2 units. bf16 tile products sum
+    ``q . k`` in float32 before the gemm applies the scale
+    (:func:`flashtile.cpu.half.split_scale`), so they need the second one
+    inside float32's range too (a tiny ``scale`` with huge values)."""
     big_q, big_k = (FLOAT16_MAX if a.dtype == np.float16 else finite_max_abs(a) for a in (q, k))
-    product = abs(scale) * max(1.0, big_q) * max(1.0, q.shape[-1] * big_k)
-    return LOG2E * (product + additive_bound(va, tq, tk))
+    raw = max(1.0, big_q) * max(1.0, q.shape[-1] * big_k)
+    return LOG2E * (abs(scale) * raw + additive_bound(va, tq, tk)), LOG2E * raw
 
 
 def work_dtype(dtype: np.dtype, bound: float) -> np.dtype:

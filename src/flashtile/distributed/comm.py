@@ -20,8 +20,18 @@ class Ring:
     prev: int
 
 
-def check_device(backend: str, *tensors: torch.Tensor) -> torch.device:
-    """The one device of ``tensors``, checked against the group's ``backend``.
+def backend_for(config: str, device_type: str) -> str:
+    """The backend a group uses for ``device_type`` tensors, from its config:
+    ``"gloo"`` (one for all), or ``"cpu:gloo,cuda:nccl"`` (one per device)."""
+    if ":" not in config:
+        return config
+    entries = dict(entry.split(":", 1) for entry in config.split(","))
+    return entries.get(device_type, "none")
+
+
+def check_device(config: str, *tensors: torch.Tensor) -> torch.device:
+    """The one device of ``tensors``, checked against the group's backend
+    ``config`` (:func:`backend_for`).
 
     CPU tensors travel through gloo (or any backend but NCCL) and run
     flashtile's CPU kernels; CUDA tensors travel through NCCL and run its
@@ -35,6 +45,7 @@ def check_device(backend: str, *tensors: torch.Tensor) -> torch.device:
             f"tensors with a gloo group, CUDA tensors with an NCCL group)"
         )
     (device,) = devices
+    backend = backend_for(config, device.type)
     if device.type not in ("cpu", "cuda"):
         raise ValueError(
             f"the tensors are on {device}: flashtile.distributed runs CPU tensors (gloo) and "
@@ -62,7 +73,7 @@ def ring_of(group, *tensors: torch.Tensor) -> tuple[Ring, torch.device]:
             "torch.distributed.init_process_group('gloo') first (torchrun sets the "
             "environment it reads)"
         )
-    device = check_device(str(dist.get_backend(group)), *tensors)
+    device = check_device(str(dist.get_backend_config(group)), *tensors)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     nxt, prev = (rank + 1) % size, (rank - 1) % size
     if group is not None:  # point-to-point ops take global ranks

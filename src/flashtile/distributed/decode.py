@@ -16,7 +16,7 @@ import numbers
 import torch
 import torch.distributed as dist
 
-from flashtile.merge import merge_partials
+from flashtile.merge import merge_partials, refuse_posinf
 
 from . import kernels
 from .comm import ring_of
@@ -101,6 +101,7 @@ def context_parallel_decode(
             softcap=softcap,
         )
     work = work_dtype(q.dtype)
+    refuse_posinf(torch, lse, "this rank's lse")  # merging it would give NaN
     mine = torch.cat([out.to(work), lse.to(work)[..., None]], dim=-1)
     parts = [torch.empty_like(mine) for _ in range(ring.size)]
     dist.all_gather(parts, mine, group=ring.group)

@@ -6,7 +6,7 @@ Forward, on every rank, for ``step = 0 .. P-1`` (the K/V shard of rank
     post: send this K/V to rank+1, receive the next from rank-1   (before computing)
     for each block of local queries x these keys (:mod:`.blocks`):
         (o, l) = flashtile.attention(block)                          # exact over the block
-        (out, lse)[rows] = merge_states((out, lse)[rows], (o, l))   # float32 / float64
+        (out, lse)[rows] = merge((out, lse)[rows], (o, l))   # float32 / float64
     wait
 
 Backward, from the saved global ``out`` and ``lse`` (no probabilities kept):
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashtile.merge import merge_partials
+from flashtile.merge import merge_partials, refuse_posinf
 
 from .comm import Ring, shift, wait
 from .kernels import LocalKernels, work_dtype
@@ -91,6 +91,7 @@ def ring_forward(setup: Setup, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
                 _rows(qc, blk), _cols(kc, blk), _cols(vc, blk), **blk.kwargs(), **setup.keywords
             )
             o, o_lse = o.to(work), o_lse.to(work)
+            refuse_posinf(torch, o_lse, "a block's lse")  # merging it would give NaN
             if any(seen[blk.q0 : blk.q1]):
                 o, o_lse = merge_partials(torch, _rows(out, blk), _rows(lse, blk), o, o_lse)
             # else: merging into the empty state would give (o, o_lse) bit for bit

@@ -150,7 +150,7 @@ def _eager_inference(q, k, v) -> bool:
     """Whether the op's implementation may run without the dispatcher: plain
     tensors, no gradient wanted, and nothing that records or intercepts ops
     (``torch.compile``, ``torch.jit.trace``, a dispatch mode such as
-    FakeTensorMode or a FLOP counter)."""
+    FakeTensorMode or a FLOP counter, a ``torch.func`` transform)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
     return (
@@ -160,7 +160,12 @@ def _eager_inference(q, k, v) -> bool:
         and not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
         and _get_current_dispatch_mode() is None
+        and not _functorch_active()  # vmap's batched tensors have no storage to read
     )
+
+
+#: Whether a torch.func transform (vmap, grad, ...) is running (False where torch lacks the test).
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
 def _on_gpu(q, k, v, **keywords):
