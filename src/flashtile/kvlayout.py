@@ -63,7 +63,8 @@ def _check_cache_array(arr, name: str) -> np.ndarray:
     arr = np.asarray(arr)
     if arr.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
-            f"{name} has dtype {arr.dtype}; a KV cache holds float16, float32 or float64"
+            f"{name} has dtype {arr.dtype}; a KV cache holds float16, bfloat16 (ml_dtypes), "
+            f"float32 or float64"
         )
     if arr.ndim != 4:
         raise ValueError(

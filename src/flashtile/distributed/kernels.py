@@ -42,7 +42,8 @@ class LocalKernels:
     :func:`flashtile.attention` (``causal``, ``window``, ``scale``,
     ``softcap``, ``alibi_slopes`` as a NumPy array or None; GQA whenever the
     head counts differ); ``decode(q, k_cache, v_cache, **kw) -> (out, lse)``
-    those of :func:`flashtile.decode_attention`.
+    those of :func:`flashtile.decode_attention`; ``check(q, k, v)`` raises
+    for inputs the kernels cannot take (called before any message is posted).
     """
 
     name: str
@@ -50,6 +51,7 @@ class LocalKernels:
     attend: Callable
     grads: Callable
     decode: Callable
+    check: Callable
 
 
 def _numpy(x):
@@ -78,7 +80,11 @@ def _cpu_decode(q, k_cache, v_cache, **kw):
     return torch.from_numpy(np.ascontiguousarray(out)), torch.from_numpy(lse)
 
 
-CPU = LocalKernels("cpu", work_dtype, _cpu_attend, _cpu_grads, _cpu_decode)
+def _cpu_check(q, k, v) -> None:
+    """Nothing beyond the entry points' own checks (:func:`.inputs.check_variants`)."""
+
+
+CPU = LocalKernels("cpu", work_dtype, _cpu_attend, _cpu_grads, _cpu_decode, _cpu_check)
 
 
 def _gpu_keywords(q, k, kw: dict) -> dict:
@@ -104,7 +110,14 @@ def _gpu_decode(q, k_cache, v_cache, **kw):
     return flashtile.triton.decode_attention(q, k_cache, v_cache, return_lse=True, **kw)
 
 
-GPU = LocalKernels("triton", lambda dtype: dtype, _gpu_attend, _gpu_grads, _gpu_decode)
+def _gpu_check(q, k, v) -> None:
+    """The Triton kernels' limits (no float64, head dims up to 256, one device)."""
+    from flashtile.triton import checks  # imports triton: only for CUDA tensors
+
+    checks.check_gpu_call(q, k, v)
+
+
+GPU = LocalKernels("triton", lambda dtype: dtype, _gpu_attend, _gpu_grads, _gpu_decode, _gpu_check)
 
 
 def for_device(device: torch.device) -> LocalKernels:

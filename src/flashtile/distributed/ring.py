@@ -79,6 +79,8 @@ def ring_attention(
     check_layout(layout)
     check_qkv(q, k, v, enable_gqa, "ring_attention")
     ring, device = ring_of(group, q, k, v)
+    local = kernels.for_device(device)
+    local.check(q, k, v)  # before any message is posted
     if alibi_slopes is not None and ring.size > 1:
         raise ValueError(
             "ring_attention does not support alibi_slopes over more than one rank: the ALiBi "
@@ -89,7 +91,5 @@ def ring_attention(
     alibi_slopes = slopes_array(alibi_slopes)
     check_variants(q, scale, softcap, alibi_slopes, ring.size)
     keywords = {"scale": scale, "softcap": softcap, "alibi_slopes": alibi_slopes}
-    out, lse = RingAttention.apply(
-        q, k, v, Setup(ring, steps, keywords, kernels.for_device(device), procs=ring.size)
-    )
+    out, lse = RingAttention.apply(q, k, v, Setup(ring, steps, keywords, local, procs=ring.size))
     return (out, lse) if return_lse else out

@@ -89,6 +89,8 @@ def ulysses_attention(
     check_layout(layout)
     check_qkv(q, k, v, enable_gqa, "ulysses_attention")
     ring, device = ring_of(group, q, k, v)
+    local = kernels.for_device(device)
+    local.check(q, k, v)  # before any message is posted
     hq, hkv, t_local = q.shape[1], k.shape[1], q.shape[2]
     if hq % ring.size or hkv % ring.size:
         raise ValueError(
@@ -104,9 +106,7 @@ def ulysses_attention(
     steps = (tuple(plan_blocks(whole, whole, *band(causal, window))),)
     keywords = {"scale": scale, "softcap": softcap, "alibi_slopes": slopes}
     qh, kh, vh = (seq_to_heads(x, ring, layout) for x in (q, k, v))
-    out, lse = RingAttention.apply(
-        qh, kh, vh, Setup(None, steps, keywords, kernels.for_device(device), procs=ring.size)
-    )
+    out, lse = RingAttention.apply(qh, kh, vh, Setup(None, steps, keywords, local, procs=ring.size))
     out = heads_to_seq(out, ring, layout)
     if not return_lse:
         return out

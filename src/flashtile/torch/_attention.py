@@ -35,7 +35,8 @@ def attention(
     return_lse: bool = False,
     kv_lengths: torch.Tensor | None = None,
 ):
-    """Exact attention on CPU torch tensors, differentiable w.r.t. ``q``, ``k``, ``v``.
+    """Exact attention on torch tensors (CPU, or CUDA through the Triton kernels),
+    differentiable w.r.t. ``q``, ``k``, ``v``.
 
     A drop-in for SDPA's common uses, computed by flashtile's fused kernels:
     no ``Tq x Tk`` tensor exists, forward or backward. The forward keeps only

@@ -19,10 +19,12 @@ redirects it, so flashtile registers as ``"tiled"``.
 On a GPU the layers' CUDA tensors go, through the operator, to flashtile's
 Triton kernels: prefill and training to :func:`flashtile.triton.attention`,
 a decoding step without gradients (at most 8 new queries) to the split-KV
-:func:`flashtile.triton.decode_attention`. Those kernels take no mask: a call
-with one (transformers builds a 4-D mask for padded batches and for patterns
-other than plain causal) raises the operator's ValueError, which says so;
-run such batches unpadded or with ``attn_implementation="sdpa"``.
+:func:`flashtile.triton.decode_attention` (a static cache's step, which
+passes its filled length as ``kv_lengths``, runs the forward kernel). Those
+kernels take no mask: a call with one (transformers builds a 4-D mask for
+padded batches and for patterns other than plain causal) raises the
+operator's ValueError, which says so; run such batches unpadded or with
+``attn_implementation="sdpa"``.
 
 transformers is imported only inside ``register_transformers``, so importing
 ``flashtile.torch`` does not pull it in.
