@@ -61,8 +61,17 @@ def as_constant(t) -> torch.Tensor | None:
     return converted
 
 
-def _device(t: torch.Tensor, name: str) -> Refusal | None:
-    if t.is_cpu:
+def _converted(t, name: str) -> torch.Tensor | Refusal:
+    """``t`` as a tensor (:func:`as_constant`), or the Refusal when it cannot be one."""
+    try:
+        return as_constant(t)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        return Refusal(TypeError, f"{name} cannot be made a tensor: {exc}")
+
+
+def _device(t: torch.Tensor, name: str, gpu: bool) -> Refusal | None:
+    """CPU tensors always; CUDA ones on the GPU path (q, k, v all on CUDA)."""
+    if t.is_cpu or (gpu and t.is_cuda):
         return None
     return Refusal(
         ValueError,
@@ -81,7 +90,7 @@ def _tensors(q, k, v, gpu: bool) -> Refusal | None:
                 f"{name} is a {type(t).__name__}, not a torch.Tensor: flashtile.torch.attention "
                 f"takes tensors (use flashtile.attention for NumPy arrays)",
             )
-        if not gpu and (refused := _device(t, name)):
+        if refused := _device(t, name, gpu):
             return refused
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in ACCEPTED_DTYPES:
         return Refusal(
@@ -139,11 +148,10 @@ def _kv_lengths(kv_lengths, qs, gpu: bool) -> Refusal | None:
     GPU path), for 4-D inputs."""
     if kv_lengths is None:
         return None
-    try:
-        lengths = as_constant(kv_lengths)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        return Refusal(TypeError, f"kv_lengths cannot be made a tensor: {exc}")
-    if not (gpu and lengths.is_cuda) and (refused := _device(lengths, "kv_lengths")):
+    lengths = _converted(kv_lengths, "kv_lengths")
+    if isinstance(lengths, Refusal):
+        return lengths
+    if refused := _device(lengths, "kv_lengths", gpu):
         return refused
     if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
         return Refusal(TypeError, f"kv_lengths must hold integers, got {lengths.dtype}")
@@ -186,10 +194,9 @@ def _constant(t, name: str, floating_only: bool, gpu: bool) -> Refusal | None:
     floating, no gradient wanted."""
     if t is None:
         return None
-    try:
-        t = as_constant(t)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        return Refusal(TypeError, f"{name} cannot be made a tensor: {exc}")
+    t = _converted(t, name)
+    if isinstance(t, Refusal):
+        return t
     if torch.overrides.has_torch_function((t,)):
         # e.g. torch.nn.attention.bias.CausalBias: its values live in
         # __torch_function__, not in its storage, which the kernels would read.
@@ -199,7 +206,7 @@ def _constant(t, name: str, floating_only: bool, gpu: bool) -> Refusal | None:
             f"__torch_function__: pass a plain tensor (for a causal bias, causal=True is "
             f"causal_lower_right; causal_upper_left is SDPA's is_causal)",
         )
-    if not (gpu and t.is_cuda) and (refused := _device(t, name)):
+    if refused := _device(t, name, gpu):
         return refused
     if t.requires_grad and torch.is_grad_enabled():
         return Refusal(
