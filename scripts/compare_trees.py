@@ -1,8 +1,9 @@
 """Before/after guard for a change to the kernels: two flashtile source trees
 timed side by side in ONE process.
 
-usage: python scripts/compare_trees.py OLD_SRC NEW_SRC [rounds] [--decode]
+usage: python scripts/compare_trees.py OLD_SRC NEW_SRC [rounds] [--decode] [--only TEXT]
 (e.g. ``git worktree add /tmp/base <rev>`` and ``/tmp/base/src`` as OLD_SRC).
+With ``NUMBA_NUM_THREADS=1`` the default mode times CPU seconds on one thread.
 
 ``--decode`` times only decoding (GQA 32/8, d 128: Tk=8192, Tk=65536 and
 Tk=65536 in shuffled pages of 16 keys), first on one thread in CPU seconds
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import time
 
+import ml_dtypes
 import numpy as np
 
 
@@ -47,9 +49,13 @@ def load_trees(old_src: str, new_src: str) -> dict:
     return {tag: importlib.import_module(f"flashtile_{tag}") for tag in ("old", "new")}
 
 
-#: (label, T, d, causal, mode): the core preset's cases and one decode case.
+#: (label, T, d, causal, mode): the core preset's cases, bfloat16 ones and one
+#: decode case (a label with "bf16" runs on ml_dtypes.bfloat16 inputs).
 CASES = [
     ("fwd T=4096 full", 4096, 64, False, "fwd"),
+    ("fwd bf16 T=4096 full", 4096, 64, False, "fwd"),
+    ("fwd bf16 T=4096 causal", 4096, 64, True, "fwd"),
+    ("fwd+bwd bf16 T=2048 causal", 2048, 64, True, "bwd"),
     ("fwd T=4096 causal", 4096, 64, True, "fwd"),
     ("fwd T=1024 causal", 1024, 64, True, "fwd"),
     ("fwd T=1024 full", 1024, 64, False, "fwd"),
@@ -69,8 +75,9 @@ def make_inputs() -> dict:
             k = rng.standard_normal((1, 8, t, d), dtype=np.float32)
             data[label] = (q, k, k.copy())
         else:
+            dtype = ml_dtypes.bfloat16 if "bf16" in label else np.float32
             data[label] = tuple(
-                rng.standard_normal((1, 8, t, d), dtype=np.float32) for _ in range(3)
+                rng.standard_normal((1, 8, t, d), dtype=np.float32).astype(dtype) for _ in range(3)
             )
     return data
 
@@ -85,19 +92,26 @@ def run(ft, q, k, v, causal, mode) -> tuple:
 
 
 def main(old_src: str, new_src: str, rounds: int) -> None:
+    import numba
+
     mods, data = load_trees(old_src, new_src), make_inputs()
     for label, _, _, causal, mode in CASES:  # warm-up (compiles) and agreement
         old, new = (run(mods[tag], *data[label], causal, mode) for tag in ("old", "new"))
+        tol = 2e-2 if "bf16" in label else 1e-4  # one bf16 rounding apart at most
         for x, y in zip(old, new, strict=True):
-            assert np.allclose(x, y, rtol=1e-4, atol=1e-5), label
+            x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+            assert np.allclose(x, y, rtol=tol, atol=tol / 10), label
     times = {(case[0], tag): [] for case in CASES for tag in ("old", "new")}
+    # One thread (NUMBA_NUM_THREADS=1): CPU seconds, so that time slicing by
+    # other jobs on a shared machine does not count; else wall seconds.
+    clock = time.process_time if numba.get_num_threads() == 1 else time.perf_counter
     for r in range(rounds):
         order = [(case, tag) for case in CASES for tag in ("old", "new")]
         random.Random(r).shuffle(order)
         for (label, _, _, causal, mode), tag in order:
-            t0 = time.perf_counter()
+            t0 = clock()
             run(mods[tag], *data[label], causal, mode)
-            times[(label, tag)].append(time.perf_counter() - t0)
+            times[(label, tag)].append(clock() - t0)
     print(f"{'case':32s} {'old ms':>9s} {'new ms':>9s} {'new/old':>8s}  spread of old")
     for label, *_ in CASES:
         old, new = times[(label, "old")], times[(label, "new")]
@@ -151,6 +165,10 @@ def main_decode(old_src: str, new_src: str, rounds: int) -> None:
 
 
 if __name__ == "__main__":
+    if "--only" in sys.argv:  # --only TEXT: the cases whose label contains TEXT
+        at = sys.argv.index("--only")
+        CASES[:] = [c for c in CASES if sys.argv[at + 1] in c[0]]
+        del sys.argv[at : at + 2]
     args = [a for a in sys.argv[1:] if a != "--decode"]
     rounds = int(args[2]) if len(args) > 2 else 11
     (main_decode if "--decode" in sys.argv else main)(args[0], args[1], rounds)

@@ -221,7 +221,7 @@ import json, time
 import numpy as np
 from flashtile.cpu.rowops import row_max
 t0 = time.perf_counter()
-row_max(np.zeros(8, dtype=np.float32), 8)
+row_max(np.zeros((1, 8), dtype=np.float32), 0, 0, 8)
 t1 = time.perf_counter()
 print(json.dumps({"forward": t1 - t0, "forward+backward": t1 - t0}))
 """

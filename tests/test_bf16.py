@@ -17,7 +17,7 @@ from numba import njit
 import flashtile as ft
 import flashtile.cpu.blas as blas
 from dense import dense_attention, dense_attention_backward, rel_err
-from flashtile.cpu.half import bf16_bits, bf16_value
+from flashtile.cpu.half import bf16_bits, bf16_operand_bits, bf16_value
 
 torch = pytest.importorskip("torch")
 
@@ -170,6 +170,12 @@ def _round_trip(x, bits, back):
         back[i] = bf16_value(bits[i])
 
 
+@njit
+def _operand_bits(x, bits):
+    for i in range(x.size):
+        bits[i] = bf16_operand_bits(x[i])
+
+
 def test_bf16_bit_conversions_match_ml_dtypes(rng):
     # Ties (low half exactly 0x8000) both ways, infinities, NaN, denormals.
     special = np.array([0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x00008000, 0x80018000], np.uint32)
@@ -187,6 +193,13 @@ def test_bf16_bit_conversions_match_ml_dtypes(rng):
     nan_bits = np.empty(1, np.uint16)
     _round_trip(np.array([np.nan], np.float32), nan_bits, np.empty(1, np.float32))
     assert np.isnan(nan_bits.view(BF16).astype(np.float32)[0])
+    # Operands (P, dS) round the same, but for float32 denormals, which the
+    # CPU's conversion instruction may flush to zero.
+    operand = np.empty(x.size, np.uint16)
+    _operand_bits(x, operand)
+    normal = (np.abs(x) >= np.finfo(np.float32).tiny) | (x == 0)
+    assert np.array_equal(operand[normal], bits[normal])
+    assert np.all(np.abs(operand[~normal].view(BF16).astype(np.float32)) < 1.2e-38)
 
 
 def test_torch_bf16_reaches_the_kernels_without_a_copy(rng, monkeypatch):

@@ -251,11 +251,12 @@ def test_a_score_far_above_every_earlier_tile(jump):
 def test_exp2_kernel_accuracy_and_edges():
     from numba import njit
 
-    from flashtile.cpu.rowops import exp2_shifted
+    from flashtile.cpu.rowops import exp2_into
 
     @njit
     def run(x, shift):
-        total = exp2_shifted(x, shift, x.size)
+        tile = x.reshape((1, x.size))
+        total = exp2_into(tile, tile, 0, 0, x.size, shift)
         return x, total
 
     x = np.linspace(-126.0, 0.0, 100_001).astype(np.float32)
@@ -266,6 +267,32 @@ def test_exp2_kernel_accuracy_and_edges():
     edge, _ = run(np.array([-np.inf, -500.0, np.nan, 300.0], dtype=np.float32), np.float32(0.0))
     assert edge[0] == 0.0 and edge[1] == 0.0 and np.isnan(edge[2])
     assert np.isfinite(edge[3]) and edge[3] > 1e38  # clamped, never wrapped around
+
+
+def test_exp2_bf16_probabilities_and_row_max():
+    """The bf16 path's shorter polynomial rounds like the exact exponential
+    (within one bf16 step), sums like it, and the row max keeps NaN."""
+    import ml_dtypes
+    from numba import njit
+
+    from flashtile.cpu.rowops import exp2_into, row_max
+
+    @njit
+    def run(s, p, lo, hi, shift):
+        return exp2_into(s, p, 0, lo, hi, shift)
+
+    x = np.linspace(-126.0, 0.0, 60_001).astype(np.float32)[None, :]
+    p = np.full(x.shape, 7, dtype=np.uint16)
+    total = run(x, p, 3, x.shape[1] - 2, np.float32(0.0))
+    want = np.exp2(x[0, 3:-2].astype(np.float64))
+    got = p[0, 3:-2].view(ml_dtypes.bfloat16).astype(np.float64)
+    assert np.max(np.abs(got / want - 1)) <= 2.0**-8  # one bf16 rounding at most
+    assert abs(total / want.sum() - 1) < 1e-5
+    assert (p[0, :3] == 7).all() and (p[0, -2:] == 7).all()  # [lo, hi) only
+    row = np.full((2, 37), -np.inf, dtype=np.float32)
+    row[1, 20] = np.nan
+    assert row_max(row, 0, 0, 37) == -np.inf and np.isnan(row_max(row, 1, 0, 37))
+    assert row_max(x, 0, 5, 9) == x[0, 8]
 
 
 def test_concurrent_calls_agree_and_restore_blas_threads(rng):

@@ -27,8 +27,8 @@ from numba import njit, prange
 from ..masks import TILE_EMPTY, TILE_PARTIAL
 from . import FASTMATH
 from .blas import gemm
-from .half import narrow, prob_buffer, prob_tile, split_scale, widen
-from .rowops import exp2_into
+from .half import narrow, narrow_operand, prob_buffer, prob_tile, split_scale, widen
+from .rowops import exp2_into, zero_outside
 from .tile_step import score_product
 from .tiles import (
     LOG2E,
@@ -62,27 +62,23 @@ def probs_tile(s, p, lse2, tanh_buf, tile, j0, variants, full, read_bool):
     """
     rows, bc = s.shape
     transform = needs_transform(variants)
-    for r in range(rows):
-        row, p_row = s[r], p[r]
+    for r in range(rows):  # indexed, not row views (see .tile_step.prepare_row)
         i, h = row_query(tile, r)
         lo, hi = 0, bc
         if not full:
             lo, hi = row_bounds(tile, i, j0, j0 + bc, variants)
         if tanh_buf.size > 0:  # outside [lo, hi) the chain factor must be finite
-            tanh_buf[r, :lo] = 0.0
-            tanh_buf[r, hi:] = 0.0
+            zero_outside(tanh_buf, r, lo, hi)
         if hi <= lo or lse2[r] == -np.inf:
-            p_row[:] = 0
+            zero_outside(p, r, 0, 0)
             if tanh_buf.size > 0:
-                tanh_buf[r, :] = 0.0
+                zero_outside(tanh_buf, r, 0, 0)
             continue
-        seg = row[lo:hi]
         if transform:
             tanh_row = tanh_buf[r, lo:hi] if tanh_buf.size > 0 else tanh_buf[0:0, 0]
-            transform_row(seg, j0 + lo, tile, i, h, variants, read_bool, tanh_row)
-        exp2_into(seg, p_row[lo:hi], lse2[r], hi - lo)
-        p_row[:lo] = 0
-        p_row[hi:] = 0
+            transform_row(s[r, lo:hi], j0 + lo, tile, i, h, variants, read_bool, tanh_row)
+        exp2_into(s, p, r, lo, hi, lse2[r])
+        zero_outside(p, r, lo, hi)
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -124,10 +120,10 @@ def grad_rows(
             t_row = tanh[r]
             for c in range(cw):
                 g = widen(p_row[c]) * (dp_row[c] - dr) * (1.0 - t_row[c] * t_row[c])
-                ds_row[c] = narrow(g, ds_row)
+                ds_row[c] = narrow_operand(g, ds_row)
         else:
             for c in range(cw):
-                ds_row[c] = narrow(widen(p_row[c]) * (dp_row[c] - dr), ds_row)
+                ds_row[c] = narrow_operand(widen(p_row[c]) * (dp_row[c] - dr), ds_row)
     gemm(gemm_fn, dsg, k_tile[:cw], dq_tile[r0:r1], False, False, 1.0)  # dQ_i += dS K_j
     gemm(gemm_fn, dsg, q_raw[r0:r1], dk_tile[:cw], True, False, 1.0)  # dK_j += dS^T Q_i
 

@@ -14,7 +14,8 @@ source serves float32, float64 and bf16 storage:
 
 * :func:`widen`: an element as a number (bf16 -> float32; floats unchanged);
 * :func:`narrow`: a number as an element of a given array (rounded to bf16
-  for ``uint16``; floats unchanged);
+  for ``uint16``; floats unchanged); :func:`narrow_operand` the same for a
+  product's operand, by the CPU's conversion instruction where it has one;
 * :func:`split_scale`: where the score scale goes (into the float query
   tile, or, for bf16 operands, into the ``gemm``'s ``alpha`` so the queries
   are not rounded a second time);
@@ -26,11 +27,42 @@ source serves float32, float64 and bf16 storage:
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba import types
+from numba.core import config
 from numba.extending import intrinsic, overload
 
 from . import FASTMATH
+
+
+class _BFloat(ir.types._BaseFloatType):
+    """LLVM's ``bfloat`` type, which llvmlite's IR builder does not name."""
+
+    null = "0.0"
+    intrinsic_name = "bf16"
+
+    def __str__(self):
+        return "bfloat"
+
+
+_BFloat._create_instance()
+
+
+def _converts_bf16() -> bool:
+    """Whether the CPU Numba compiles for rounds float32 to bf16 in one
+    instruction (AVX512-BF16's ``vcvtneps2bf16``, or AVX-NE-CONVERT).
+
+    Elsewhere LLVM would lower ``fptrunc`` to ``bfloat`` as a call to a
+    runtime helper that Numba does not link, so the rounding is then spelled
+    out in integer operations. Numba's cache is keyed by the CPU's name and
+    features, so code built one way is never loaded on the other kind.
+    """
+    features = (config.CPU_FEATURES or binding.get_host_cpu_features().flatten()).split(",")
+    return "+avx512bf16" in features or "+avxneconvert" in features
+
+
+#: One instruction rounds float32 to bf16 here (:func:`_converts_bf16`).
+HARDWARE_BF16 = _converts_bf16()
 
 
 @intrinsic
@@ -47,28 +79,58 @@ def bf16_value(typingctx, bits):
     return types.float32(bits), codegen
 
 
-@intrinsic
-def bf16_bits(typingctx, x):
-    """The bf16 pattern (uint16) nearest to the float32 ``x``, ties to even.
+def _round_to_bf16(builder, f):
+    """IR: the bf16 pattern (i16) nearest to the float32 value ``f``, ties to even.
 
     Adds ``0x7fff`` plus the lowest kept bit, then drops the low 16 bits; a
     NaN keeps its sign and top mantissa bits and is made quiet (adding could
     carry it into infinity).
     """
+    i32, i16 = ir.IntType(32), ir.IntType(16)
+    u = builder.bitcast(f, i32)
+    lsb = builder.and_(builder.lshr(u, i32(16)), i32(1))
+    rounded = builder.lshr(builder.add(u, builder.add(lsb, i32(0x7FFF))), i32(16))
+    quiet_nan = builder.or_(builder.lshr(u, i32(16)), i32(0x40))
+    is_nan = builder.icmp_unsigned(">", builder.and_(u, i32(0x7FFFFFFF)), i32(0x7F800000))
+    return builder.trunc(builder.select(is_nan, quiet_nan, rounded), i16)
+
+
+def _float32_arg(builder, x):
+    return x if x.type == ir.FloatType() else builder.fptrunc(x, ir.FloatType())
+
+
+@intrinsic
+def bf16_bits(typingctx, x):
+    """The bf16 pattern (uint16) nearest to the float32 ``x``, ties to even,
+    exactly as ``ml_dtypes`` rounds (denormals included): for what a caller
+    receives (outputs, gradients)."""
     if not isinstance(x, types.Float):
         return None
 
     def codegen(context, builder, signature, args):
-        i32, i16 = ir.IntType(32), ir.IntType(16)
-        f = args[0]
-        if f.type != ir.FloatType():
-            f = builder.fptrunc(f, ir.FloatType())
-        u = builder.bitcast(f, i32)
-        lsb = builder.and_(builder.lshr(u, i32(16)), i32(1))
-        rounded = builder.lshr(builder.add(u, builder.add(lsb, i32(0x7FFF))), i32(16))
-        quiet_nan = builder.or_(builder.lshr(u, i32(16)), i32(0x40))
-        is_nan = builder.icmp_unsigned(">", builder.and_(u, i32(0x7FFFFFFF)), i32(0x7F800000))
-        return builder.trunc(builder.select(is_nan, quiet_nan, rounded), i16)
+        return _round_to_bf16(builder, _float32_arg(builder, args[0]))
+
+    return types.uint16(x), codegen
+
+
+@intrinsic
+def bf16_operand_bits(typingctx, x):
+    """:func:`bf16_bits` for a product's operand inside a kernel (``P``, ``dS``).
+
+    Where the CPU has the instruction (:data:`HARDWARE_BF16`) LLVM's
+    ``fptrunc`` to ``bfloat`` emits it: one instruction for eight or sixteen
+    values against some ten integer operations, the same rounding, except
+    that float32 denormals (below 1.2e-38) become zero, a difference no
+    product of probabilities or score gradients can see.
+    """
+    if not isinstance(x, types.Float):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f = _float32_arg(builder, args[0])
+        if HARDWARE_BF16:
+            return builder.bitcast(builder.fptrunc(f, _BFloat()), ir.IntType(16))
+        return _round_to_bf16(builder, f)
 
     return types.uint16(x), codegen
 
@@ -96,6 +158,18 @@ def narrow(x, like):
 def _narrow(x, like):
     if like.dtype == types.uint16:
         return lambda x, like: bf16_bits(np.float32(x))
+    return lambda x, like: x
+
+
+def narrow_operand(x, like):
+    """:func:`narrow` for a product's operand (bf16 via :func:`bf16_operand_bits`)."""
+    raise NotImplementedError("narrow_operand is only available inside Numba kernels")
+
+
+@overload(narrow_operand, fastmath=FASTMATH, inline="always")
+def _narrow_operand(x, like):
+    if like.dtype == types.uint16:
+        return lambda x, like: bf16_operand_bits(np.float32(x))
     return lambda x, like: x
 
 

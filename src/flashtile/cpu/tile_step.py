@@ -31,7 +31,7 @@ from . import FASTMATH
 from .blas import gemm, gemm_scaled
 from .half import narrow, prob_tile, widen
 from .memory import prefetch_rows
-from .rowops import exp2_into, row_max
+from .rowops import exp2_into, row_max, zero_outside
 from .tiles import (
     LN2,
     SEG_COLUMNS,
@@ -61,15 +61,16 @@ def one_segment():
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def prepare_row(row, r, segs, tile, variants, full):
-    """Lay out stacked row ``r`` of a score tile for the softmax; return columns ``[lo, hi)``.
+def prepare_row(s, r, segs, tile, variants, full):
+    """Lay out stacked row ``r`` of the score tile ``s``; return its columns ``[lo, hi)``.
 
     ``segs`` (columns ``SEG_*``) says which keys the tile's columns hold: one
     segment for a plain tile, several when kept blocks of a block mask were
     gathered. With one segment, columns outside the positional bounds are
     left out of ``[lo, hi)``; with several, hidden columns are set to
     ``-inf`` (they exponentiate to exact zeros) and ``[lo, hi)`` is the whole
-    row. Variants are applied to the visible columns.
+    row. Variants are applied to the visible columns. (A row view is taken
+    only where a variant needs one: each costs two atomic reference counts.)
     """
     i, h = row_query(tile, r)
     transform = needs_transform(variants)
@@ -80,8 +81,9 @@ def prepare_row(row, r, segs, tile, variants, full):
             lo, hi = row_bounds(tile, i, j0, j0 + n, variants)
         if transform and hi > lo:
             read_bool = segs[0, SEG_STATE] == TILE_PARTIAL
-            transform_row(row[lo:hi], j0 + lo, tile, i, h, variants, read_bool, row[:0])
+            transform_row(s[r, lo:hi], j0 + lo, tile, i, h, variants, read_bool, s[r, :0])
         return lo, hi
+    row = s[r]
     for g in range(segs.shape[0]):
         off, j0, n = segs[g, SEG_OFFSET], segs[g, SEG_KEY], segs[g, SEG_LENGTH]
         a, c = row_bounds(tile, i, j0, j0 + n, variants)
@@ -94,23 +96,22 @@ def prepare_row(row, r, segs, tile, variants, full):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def rebase_row(row, p_row, r, lo, hi, q_row, k_rows, s_mult, segs, tile, variants, full):
+def rebase_row(s, p, r, lo, hi, q_row, k_rows, s_mult, segs, tile, variants, full):
     """Recompute row ``r``'s scores ``s_mult * k_rows[lo:hi] @ q_row`` with every variant,
-    exponentiate them into ``p_row`` (may be ``row``) against a new reference
+    exponentiate them into ``p`` (may be ``s``) against a new reference
     ``max + HEADROOM``; return ``(reference, row sum)``.
 
     The rare path of :func:`softmax_tile`; kept out of line so that the hot
     loops stay small.
     """
     for c in range(lo, hi):
-        acc = row.dtype.type(0.0)
+        acc = s.dtype.type(0.0)
         for t in range(q_row.shape[0]):
             acc += widen(q_row[t]) * widen(k_rows[c, t])
-        row[c] = acc * s_mult
-    prepare_row(row, r, segs, tile, variants, full)
-    seg = row[lo:hi]
-    m_new = row_max(seg, hi - lo) + HEADROOM
-    return m_new, exp2_into(seg, p_row[lo:hi], m_new, hi - lo)
+        s[r, c] = acc * s_mult
+    prepare_row(s, r, segs, tile, variants, full)
+    m_new = row_max(s, r, lo, hi) + HEADROOM
+    return m_new, exp2_into(s, p, r, lo, hi, m_new)
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -142,37 +143,33 @@ def softmax_tile(s, p, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, varian
     """
     rows = s.shape[0]
     plain = full and not changes_scores(variants)
-    for r in range(rows):
-        row, p_row = s[r], p[r]
+    for r in range(rows):  # indexed, not row views (see prepare_row)
         if plain:
             lo, hi = 0, s.shape[1]
         else:
-            lo, hi = prepare_row(row, r, segs, tile, variants, full)
+            lo, hi = prepare_row(s, r, segs, tile, variants, full)
         alpha[r] = 1.0
         if hi <= lo:
-            p_row[:] = 0
+            zero_outside(p, r, 0, 0)
             continue
-        seg, p_seg = row[lo:hi], p_row[lo:hi]
-        n = hi - lo
         m_new = m[r]
         if m_new == -np.inf:  # first visible tile: set the reference
-            mx = row_max(seg, n)
+            mx = row_max(s, r, lo, hi)
             if mx == -np.inf:  # every score hidden by a mask: still empty
-                p_row[:] = 0
+                zero_outside(p, r, 0, 0)
                 continue
             m_new = mx + HEADROOM
-            total = exp2_into(seg, p_seg, m_new, n)
+            total = exp2_into(s, p, r, lo, hi, m_new)
         else:
-            total = exp2_into(seg, p_seg, m_new, n)
+            total = exp2_into(s, p, r, lo, hi, m_new)
             # (bf16 bits of P >= 0 order as their values: the max works on them)
-            if total > 1.0 and row_max(p_seg, n) > narrow(1.0, p_seg):
+            if total > 1.0 and row_max(p, r, lo, hi) > narrow(1.0, p):
                 # A score passed the reference: rebuild this row and raise it.
                 m_new, total = rebase_row(
-                    row, p_row, r, lo, hi, q_tile[r], k_tile, s_mult, segs, tile, variants, full
+                    s, p, r, lo, hi, q_tile[r], k_tile, s_mult, segs, tile, variants, full
                 )
             alpha[r] = 1.0 if m_new == m[r] else math.exp2(m[r] - m_new)
-        p_row[:lo] = 0
-        p_row[hi:] = 0
+        zero_outside(p, r, lo, hi)
         ell[r] = ell[r] * alpha[r] + total
         m[r] = m_new
 
@@ -245,7 +242,8 @@ def fold_key_tile(
     softmax_tile(s, p, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, variants, full)
     for r in range(s.shape[0]):
         if alpha[r] != 1.0:  # most rows keep their reference: nothing to rescale
-            acc[r] *= alpha[r]
+            for c in range(acc.shape[1]):
+                acc[r, c] *= alpha[r]
     if top > 0:
         if top_w > 0:
             gemm(gemm_fn, p[:top, :top_w], v_tile[:top_w], acc[:top], False, False, 1.0)
