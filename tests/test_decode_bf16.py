@@ -153,3 +153,18 @@ def test_kv_cache_stores_bf16_and_decodes_it(rng):
     with pytest.raises(ValueError, match="beyond bfloat16's range"):
         cache.append(np.full((2, 2, 1, 8), 3.4e38, np.float32), np.zeros((2, 2, 1, 8)))
     assert cache.lengths.tolist() == [prompt + 1] * 2
+
+
+def test_context_parallel_decode_reads_torch_bf16_caches_in_place(rng):
+    torch = pytest.importorskip("torch")
+    from flashtile.distributed.kernels import _cpu_decode, _numpy
+
+    q, k, v = _problem(rng, batch=2, tq=1)
+    kt, vt = (torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) for a in (k, v))
+    assert np.shares_memory(_numpy(kt, keep_bf16=True), k)
+    out, lse = _cpu_decode(torch.from_numpy(q), kt, vt, cache_seqlens=torch.tensor([300, 9]))
+    want, want_lse = flashtile.decode_attention(
+        q, k, v, cache_seqlens=np.array([300, 9]), return_lse=True
+    )
+    np.testing.assert_array_equal(out.numpy(), want)
+    np.testing.assert_array_equal(lse.numpy(), want_lse)
