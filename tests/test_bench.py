@@ -414,7 +414,12 @@ def test_decode_preset_runs_end_to_end(monkeypatch, capsys):
         "| Tk=256, paged 16",
         "| Tk=256, paged 256",
         "| Tk=256, float16 cache",
+        "| Tk=256, bfloat16 cache",
     ]
+    bf16 = [line for line in lines if line.startswith("* target: Tk=256, bfloat16 cache: ")]
+    assert "time(float32 cache) / time(bfloat16 cache) = " in bf16[0]
+    assert "(target >= 1.7: " in bf16[0] and "; stretch 1.9)" in bf16[0]
+    assert "read ceiling GB/s of its bytes = " in bf16[1]
     assert any(line.startswith("* target: Tk=256, paged 16: time(paged)") for line in lines)
 
 

@@ -12,7 +12,8 @@ import pytest
 
 import flashtile
 from dense import dense_attention, dense_variant_attention
-from flashtile.cpu.memory import half_row_to_float
+from flashtile.cpu.decode import copy_row
+from flashtile.cpu.memory import Float16Bits
 from flashtile.planning import plan_splits
 from flashtile.reference import decode_attention as reference_decode
 
@@ -164,10 +165,10 @@ def test_float16_cache_is_widened_exactly(rng):
     np.testing.assert_allclose(paged, out, **TOL32)
 
 
-def test_half_row_to_float_is_exact_for_every_float16():
+def test_float16_rows_are_widened_exactly_for_every_pattern():
     bits16 = np.arange(1 << 16, dtype=np.uint16)
     got = np.empty(1 << 16, dtype=np.float32)
-    half_row_to_float(bits16, got)
+    copy_row(bits16, got, Float16Bits())
     want = bits16.view(np.float16).astype(np.float32)
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(got), nan)
@@ -270,7 +271,7 @@ def test_kv_cache_page_pool_and_reset(rng):
 def test_kv_cache_argument_errors():
     with pytest.raises(ValueError, match="capacity must be a positive integer"):
         flashtile.KVCache(1, 1, 4, 0)
-    with pytest.raises(TypeError, match="float16, float32 or float64"):
+    with pytest.raises(TypeError, match=r"float16, ml_dtypes\.bfloat16, float32 or float64"):
         flashtile.KVCache(1, 1, 4, 8, dtype=np.int32)
     cache = flashtile.KVCache(2, 2, 4, 8)
     with pytest.raises(ValueError, match=r"expected \(2, 2, T, 4\)"):

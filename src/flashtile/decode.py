@@ -49,8 +49,9 @@ def decode_attention(
             ``cache_seqlens[b] - Tq + i`` (bottom-right, per sequence).
         k_cache, v_cache: ``(B, Hkv, T_max, d / dv)`` contiguous, or
             ``(num_pages, Hkv, page_size, d / dv)`` with ``block_table``
-            (see :mod:`flashtile.kvlayout`); float32, float64, or float16
-            (widened tile by tile, computed in float32). C-contiguous.
+            (see :mod:`flashtile.kvlayout`); float32, float64, or float16 /
+            ``ml_dtypes.bfloat16`` (read as 16 bits and widened tile by tile,
+            computed in float32; never copied). C-contiguous.
             ``Hkv`` divides ``Hq`` (GQA/MQA: each kv head is read once for
             its group of query heads).
         cache_seqlens: ``(B,)`` valid keys per sequence (default: all).
@@ -69,7 +70,8 @@ def decode_attention(
         the compute dtype) if asked. A query that sees no key gets zeros
         and ``lse = -inf``.
 
-    The compute dtype is float64 when the cache is float64, else float32;
+    The compute dtype is float64 when the cache is float64, else float32
+    (``lse`` is float32 then, also for bf16 or float16 queries);
     ``q`` is cast to it. Where float32 scores passed float32's range (a huge
     ``scale`` or huge values), the step is computed again in float64
     (:mod:`flashtile.precision`; ``lse`` stays float32).

@@ -1,7 +1,7 @@
 """``KVCache``: keys and values of a batch of sequences, grown in place.
 
 A small, explicit cache for serving loops and tests: contiguous or paged,
-float32, float64 or float16 storage, per-sequence lengths, and :meth:`KVCache.attend`
+float32, float64, float16 or bfloat16 storage, per-sequence lengths, and :meth:`KVCache.attend`
 to run :func:`flashtile.decode_attention` on itself. The arrays are public
 (``k``, ``v``, ``block_table``, ``lengths``) so they can be passed to
 ``decode_attention`` directly or inspected.
@@ -17,9 +17,15 @@ import math
 import numbers
 import os
 
+import ml_dtypes
 import numpy as np
 
+from ._validate import BFLOAT16
 from .decode import decode_attention
+
+#: Storage dtypes; the 16-bit ones are read as such by the decode kernel
+#: (half the bytes per step) and computed in float32.
+STORAGE_DTYPES = (np.dtype(np.float16), BFLOAT16, np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _positive(value, name: str) -> int:
@@ -42,7 +48,7 @@ def _check_fits(batch, shape, dims, table_entries, pool, dtype: np.dtype) -> Non
             f"a KVCache of batch={batch}, {shape[1]} kv_heads, dims {dims} and shape "
             f"{shape} ({dtype}) needs {need / 2**30:.3g} GiB, more than this machine's "
             f"memory: lower batch, kv_heads, capacity or head_dim, or use a paged cache "
-            f"(page_size, num_pages) or float16 storage"
+            f"(page_size, num_pages) or 16-bit storage (float16, ml_dtypes.bfloat16)"
         )
 
 
@@ -61,9 +67,9 @@ class KVCache:
         batch, kv_heads, head_dim: the cache's ``B``, ``Hkv`` and ``d``.
         capacity: the most tokens one sequence may hold.
         value_dim: ``dv`` (default ``head_dim``).
-        dtype: storage, ``np.float32`` (default), ``np.float16`` (half the
-            memory and the bytes read per step; computed in float32) or
-            ``np.float64``.
+        dtype: storage, ``np.float32`` (default), ``np.float16`` or
+            ``ml_dtypes.bfloat16`` (half the memory and the bytes read per
+            step; computed in float32) or ``np.float64``.
         page_size: None for a contiguous ``(B, Hkv, capacity, d)`` cache, or
             the tokens per page of a paged ``(num_pages, Hkv, page_size, d)``
             pool with a ``block_table (B, ceil(capacity / page_size))``.
@@ -92,8 +98,10 @@ class KVCache:
         capacity = _positive(capacity, "capacity")
         value_dim = head_dim if value_dim is None else _positive(value_dim, "value_dim")
         self.dtype = np.dtype(dtype)
-        if self.dtype not in (np.float16, np.float32, np.float64):
-            raise TypeError(f"dtype must be float16, float32 or float64, got {self.dtype}")
+        if self.dtype not in STORAGE_DTYPES:
+            raise TypeError(
+                f"dtype must be float16, ml_dtypes.bfloat16, float32 or float64, got {self.dtype}"
+            )
         self.capacity = capacity
         if page_size is None:
             if num_pages is not None:
@@ -139,7 +147,7 @@ class KVCache:
 
         ``batch_index`` picks the ``n`` sequences (default: all ``B``, in
         order). Values are cast to the storage dtype; finite values beyond
-        its range (float16's, or float32's for float64 input) are refused
+        its range (float16's or bfloat16's, or float32's for float64 input) are refused
         rather than stored as inf (NaN and inf are stored as given: attention
         then returns NaN for the queries that see them). If any sequence would
         pass its capacity, or the page pool would run dry, nothing is written
@@ -153,18 +161,19 @@ class KVCache:
             raise ValueError(f"k has shape {k.shape}; expected ({len(rows)}, {hkv}, T, {d})")
         if v.shape != k.shape[:3] + (dv,):
             raise ValueError(f"v has shape {v.shape}; expected {k.shape[:3] + (dv,)}")
-        if k.dtype.kind != "f" or v.dtype.kind != "f":
+        if not all(a.dtype.kind == "f" or a.dtype == BFLOAT16 for a in (k, v)):
             raise TypeError(f"k and v must be floating point, got {k.dtype} and {v.dtype}")
         for name, a in (("k", k), ("v", v)):
-            if a.dtype.itemsize <= self.dtype.itemsize:  # the cast is exact
+            if a.dtype.itemsize <= self.dtype.itemsize:  # the cast cannot overflow
                 continue
             with np.errstate(over="ignore"):
                 over = np.isfinite(a) & np.isinf(a.astype(self.dtype))
             if over.any():
-                wider = "float32" if self.dtype == np.float16 else "float64"
+                wider = "float32" if self.dtype.itemsize == 2 else "float64"
+                top = float(ml_dtypes.finfo(self.dtype).max)
                 raise ValueError(
                     f"{name} holds {np.abs(a[over]).max():.6g}, beyond {self.dtype}'s range "
-                    f"(+-{float(np.finfo(self.dtype).max):.6g}): it would be stored as inf and "
+                    f"(+-{top:.6g}): it would be stored as inf and "
                     f"poison attention; nothing was written. Use {wider} storage "
                     f"(dtype=np.{wider})"
                 )

@@ -472,8 +472,9 @@ def plan_decode_call(call: Call) -> DecodePlan:
     values are a contiguous cache of ``Tk`` keys (``kv_lengths`` valid). No
     score bound first (it would read the keys once more): the caller checks
     the step's ``lse`` afterwards, as decoding does (:mod:`flashtile.precision`)."""
-    work = compute_dtype(call.q.dtype)
-    q4, k4, v4 = (_as4d(a, work) for a in (call.q, call.k, call.v))
+    # The cache as given (a 16-bit one is read as such: no widened copy per call).
+    q4 = _as4d(call.q, compute_dtype(call.q.dtype))
+    k4, v4 = (_as4d(a, a.dtype) for a in (call.k, call.v))
     n, tk = q4.shape[0], k4.shape[2]
     lengths = call.variants.kv_lengths
     seqlens = np.full(n, tk, dtype=np.int64) if lengths is None else lengths

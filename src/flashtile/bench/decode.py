@@ -5,7 +5,8 @@ read per second, as a fraction of a **read ceiling measured with it**: a
 multithreaded streaming sum of the same arrays (the same bytes, so the same
 cache and page behaviour), timed in the same interleaved rounds as the
 decode call, by torch's ``sum`` (its thread pool) and by a Numba ``prange``
-sum, whichever is faster. torch SDPA on the same tensors (4-D,
+sum, whichever is faster (for a 16-bit cache: the ceiling of *its* bytes).
+torch SDPA on the same tensors (4-D,
 ``enable_gqa=True``) is shown beside it. Every case checks its answer
 (against SDPA, or the contiguous cache for the paged ones) before timing,
 and the contenders are timed interleaved (:mod:`.timing`), so a noisy
@@ -17,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from functools import partial
 
+import ml_dtypes
 import numpy as np
 from numba import get_num_threads, njit, prange
 
@@ -33,6 +35,8 @@ HQ, HKV, D = 32, 8, 128
 CEILING_FLOORS = {65536: (0.75, 0.85), 8192: (0.70, None)}
 PAGED_LIMITS = {16: 1.25, 256: 1.1}
 BATCH_LIMIT = 1.2
+#: time(float32 cache) / time(bfloat16 cache): (floor, stretch); half the bytes.
+BF16_SPEEDUP = (1.7, 1.9)
 
 
 @dataclasses.dataclass
@@ -131,8 +135,8 @@ def run_decode_cases(lengths=(8192, 65536), reps: int = 9, seed: int = 0) -> lis
     """Time every decode case; ``lengths``: the single-sequence cache lengths.
 
     The longest length also gets the paged caches (pages of 16 and 256 keys),
-    the float16 cache and the batch of 16, each judged against the contiguous
-    one-sequence call timed interleaved with it.
+    the float16 and bfloat16 caches and the batch of 16, each judged against
+    the contiguous float32 one-sequence call timed interleaved with it.
     """
     try:
         import torch
@@ -162,14 +166,25 @@ def run_decode_cases(lengths=(8192, 65536), reps: int = 9, seed: int = 0) -> lis
             times, read = timed_with_read(calls, (pk, pv), torch, reps)
             row = DecodeRow(f"Tk={t}, paged {page}", k.nbytes * 2, times["paged"], read=read)
             rows.append(dataclasses.replace(row, baseline=times["contiguous"]))
-        k16, v16 = k.astype(np.float16), v.astype(np.float16)
-        half = partial(decode_attention, q, k16, v16)
-        times, read = timed_with_read({"float16": half, "float32": ours}, (k16, v16), torch, reps)
-        row = DecodeRow(f"Tk={t}, float16 cache", k16.nbytes * 2, times["float16"], read=read)
-        rows.append(dataclasses.replace(row, baseline=times["float32"]))
-        del k16, v16
+        for name in ("float16", "bfloat16"):
+            rows.append(_half_row(q, k, v, name, ours, torch, reps))
         rows.append(_batch_row(rng, torch, reps, t, ours, k.nbytes * 2))
     return rows
+
+
+def _half_row(q, k, v, name: str, single, torch, reps: int) -> DecodeRow:
+    """The cache ``k, v`` stored as ``name`` (16 bits), timed interleaved with
+    ``single`` (the float32 cache) and a read of its own bytes; checked
+    against the float32 call on the rounded values first."""
+    dtype = np.dtype(ml_dtypes.bfloat16 if name == "bfloat16" else name)
+    k16, v16 = k.astype(dtype), v.astype(dtype)
+    half = partial(decode_attention, q, k16, v16)
+    want = decode_attention(q, k16.astype(np.float32), v16.astype(np.float32))
+    _check(half(), want, f"{name} cache against float32 on its values")
+    del want
+    times, read = timed_with_read({name: half, "float32": single}, (k16, v16), torch, reps)
+    row = DecodeRow(f"Tk={k.shape[2]}, {name} cache", k16.nbytes * 2, times[name], read=read)
+    return dataclasses.replace(row, baseline=times["float32"])
 
 
 def _batch_row(rng, torch, reps: int, longest: int, single, single_bytes: int) -> DecodeRow:
@@ -244,6 +259,13 @@ def target_lines(rows: list[DecodeRow]) -> list[str]:
             limit = PAGED_LIMITS[int(r.case.rsplit(" ", 1)[1])]
             what = f"{r.case}: time(paged) / time(contiguous)"
             lines.append(target_line(what, r.flashtile / r.baseline, limit, at_least=False))
+        elif r.case.endswith("bfloat16 cache"):
+            what = f"{r.case}: time(float32 cache) / time(bfloat16 cache)"
+            floor, stretch = BF16_SPEEDUP
+            speedup = r.baseline / r.flashtile
+            lines.append(target_line(what, speedup, floor, at_least=True, stretch=stretch))
+            what = f"{r.case}: GB/s / read ceiling GB/s of its bytes"
+            lines.append(target_line(what, r.fraction, None, at_least=True))
         elif r.case.startswith("B=16"):
             what = f"{r.case}: time(batch) / time(its valid bytes at one-sequence speed)"
             lines.append(target_line(what, r.flashtile / r.baseline, BATCH_LIMIT, at_least=False))
@@ -267,9 +289,10 @@ def run_decode_bench(out, reps: int = 9, lengths=(8192, 65536)) -> int:
     for line in header_lines(machine_info(threads), None):
         print(line, file=out)
     print(
-        f"decode  : q (B, {HQ}, 1, {D}) against a GQA cache (B, {HKV}, Tk, {D}), fp32, "
-        f"{numba.get_num_threads()} threads; read ceiling per case: a parallel sum of the "
-        f"same bytes (torch or Numba, the faster), timed interleaved; medians of {reps}; "
+        f"decode  : q (B, {HQ}, 1, {D}) against a GQA cache (B, {HKV}, Tk, {D}), fp32 "
+        f"(16-bit rows: the same values rounded), {numba.get_num_threads()} threads; "
+        f"read ceiling per case: a parallel sum of the same bytes (torch or Numba, the "
+        f"faster), timed interleaved; medians of {reps}; "
         f"load {' '.join(f'{x:.1f}' for x in os.getloadavg())}",
         file=out,
     )

@@ -13,8 +13,10 @@ The cache is always addressed through pages: key ``j`` of sequence ``b``
 lives in block ``table[b, j // P]`` at row ``j % P`` of the ``(blocks, Hkv,
 P, d)`` arrays. A contiguous ``(B, Hkv, T_max, d)`` cache is the special case
 ``P = T_max`` with ``table[b] = [b]``. A tile of keys inside one page is
-used in place; a tile spanning pages (small pages) or stored as float16 is
-gathered, and widened, into a scratch tile first. Either way each tile is
+used in place; a tile spanning pages (small pages) or stored in 16 bits
+(float16 or bfloat16, told apart by a compile-time format flag, see
+:func:`.memory.cache_operands`) is gathered, and widened, into a scratch
+tile first. Either way each tile is
 folded by the forward's tile step (:func:`.tile_step.attend_tile`: the same
 online softmax, variants and epilogue), and the next rows are prefetched
 (:mod:`.memory`): the next tile while this one is computed, or, for small
@@ -26,11 +28,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange, types
+from numba import njit, prange
 from numba.extending import overload
 
 from . import FASTMATH
-from .memory import half_row_to_float, prefetch_rows
+from .memory import FloatValues, is_flag, load_value, prefetch_rows
 from .tile_step import attend_tile, finish_rows, one_segment
 from .tiles import (
     LOG2E,
@@ -46,12 +48,13 @@ from .tiles import (
 PREFETCH_PAGES = 1
 
 
-def load_tile(src, table_row, hk, page, j0, j1, buf, j_end):
+def load_tile(src, fmt, table_row, hk, page, j0, j1, buf, j_end):
     """Rows of keys ``[j0, j1)`` (one sequence, kv head ``hk``) in the compute dtype.
 
-    ``src (blocks, Hkv, P, width)``. Rows inside one page come back in place
-    (a view); rows spanning pages are copied into ``buf`` and a float16
-    cache (uint16 bit patterns) is widened into it.
+    ``src (blocks, Hkv, P, width)`` in the format ``fmt`` (a flag of
+    :mod:`.memory`). Float rows inside one page come back in place (a
+    view); rows spanning pages are copied into ``buf`` and 16-bit patterns
+    (uint16) are widened into it.
 
     Each small page is a separate stream that the hardware prefetcher only
     picks up halfway, so the copy prefetches the next page (below ``j_end``)
@@ -66,28 +69,19 @@ def load_tile(src, table_row, hk, page, j0, j1, buf, j_end):
     raise NotImplementedError("load_tile is only available inside Numba kernels")
 
 
-def copy_row(src, dst):
-    """``dst[:] = src`` for 1-D arrays, widening float16 bit patterns (uint16)."""
-    raise NotImplementedError("copy_row is only available inside Numba kernels")
-
-
-@overload(copy_row, fastmath=FASTMATH)
-def _copy_row_overload(src, dst):
-    if src.dtype == types.uint16:
-        return lambda src, dst: half_row_to_float(src, dst)
-
-    def impl(src, dst):
-        for c in range(src.shape[0]):  # a loop: slice assignment copies twice
-            dst[c] = src[c]
-
-    return impl
+@njit(fastmath=FASTMATH, cache=True)
+def copy_row(src, dst, fmt):
+    """``dst[:] = src`` for 1-D arrays, widening 16-bit patterns (uint16) by
+    the format flag ``fmt`` (:func:`.memory.load_value`)."""
+    for c in range(src.shape[0]):  # a loop: slice assignment copies twice
+        dst[c] = load_value(src, c, fmt)
 
 
 @overload(load_tile, fastmath=FASTMATH)
-def _load_tile_overload(src, table_row, hk, page, j0, j1, buf, j_end):
-    half = src.dtype == types.uint16
+def _load_tile_overload(src, fmt, table_row, hk, page, j0, j1, buf, j_end):
+    half = not is_flag(fmt, FloatValues)
 
-    def impl(src, table_row, hk, page, j0, j1, buf, j_end):
+    def impl(src, fmt, table_row, hk, page, j0, j1, buf, j_end):
         if not half and j0 % page + (j1 - j0) <= page:
             off = j0 % page
             return src[table_row[j0 // page], hk, off : off + j1 - j0]
@@ -103,9 +97,9 @@ def _load_tile_overload(src, table_row, hk, page, j0, j1, buf, j_end):
                 for t in range(run):
                     if t < reach:
                         prefetch_rows(nxt, t, t + 1)
-                    copy_row(rows[t], out[t])
+                    copy_row(rows[t], out[t], fmt)
             else:
-                copy_row(rows.reshape(rows.size), out.reshape(out.size))
+                copy_row(rows.reshape(rows.size), out.reshape(out.size), fmt)
             j += run
         return buf[: j1 - j0]
 
@@ -127,14 +121,15 @@ def prefetch_keys(k, v, table_row, hk, page, j0, j1):
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def decode_kernel(
-    q, k, v, table, seqlens, items, part_out, part_lse, scale, variants, tile_keys, gemm_fn
+    q, k, v, fmt, table, seqlens, items, part_out, part_lse, scale, variants, tile_keys, gemm_fn
 ):
     """Partial attention of each item's queries over its key chunk.
 
     Args:
         q: ``(B, Hq, Tq, d)`` in the compute dtype.
         k, v: ``(blocks, Hkv, P, d / dv)`` cache pages, in the compute dtype,
-            or uint16 (float16 bit patterns, widened tile by tile).
+            or uint16 (16-bit patterns, widened tile by tile).
+        fmt: the caches' format flag (:func:`.memory.cache_operands`).
         table: ``(B, pages)`` int64 block table (see the module docstring).
         seqlens: ``(B,)`` int64 valid keys per sequence; query ``i`` of
             sequence ``b`` sits at position ``seqlens[b] - Tq + i``.
@@ -180,8 +175,8 @@ def decode_kernel(
                 # gathered instead; a whole tile ahead measured slower there.)
                 j1 = min(j1, j0 - j0 % page + page)
                 prefetch_keys(k, v, table_row, hk, page, j1, min(j1 + tile_keys, hi))
-            k_tile = load_tile(k, table_row, hk, page, j0, j1, k_buf, hi)
-            v_tile = load_tile(v, table_row, hk, page, j0, j1, v_buf, hi)
+            k_tile = load_tile(k, fmt, table_row, hk, page, j0, j1, k_buf, hi)
+            v_tile = load_tile(v, fmt, table_row, hk, page, j0, j1, v_buf, hi)
             s = s_buf[: rows * (j1 - j0)].reshape((rows, j1 - j0))
             full = tile_sees_all(tile, j0, j1, variants)
             segs[0, SEG_KEY], segs[0, SEG_LENGTH] = j0, j1 - j0

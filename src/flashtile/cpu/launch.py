@@ -122,6 +122,7 @@ def run_decode(plan) -> tuple[np.ndarray, np.ndarray]:
     """``(out (B, Hq, Tq, dv), lse (B, Hq, Tq))`` of a decode plan, in the work dtype."""
     from .blas import gemm_for
     from .decode import decode_kernel, merge_partials
+    from .memory import cache_operands
 
     q, layout = plan.q, plan.layout
     batch, hq, tq, _ = q.shape
@@ -131,15 +132,11 @@ def run_decode(plan) -> tuple[np.ndarray, np.ndarray]:
     part_lse = np.empty((len(plan.items), rows), dtype=q.dtype)
     out = np.empty((batch, hq, tq, dv), dtype=q.dtype)
     lse = np.empty((batch, hq, tq), dtype=q.dtype)
-    # Numba has no float16: the kernel widens the bit patterns itself.
-    k, v = layout.k, layout.v
-    if k.dtype == BFLOAT16:  # widened here until the decode kernel reads bf16 itself
-        k, v = k.astype(np.float32), v.astype(np.float32)
-    if k.dtype == np.float16:
-        k, v = k.view(np.uint16), v.view(np.uint16)
+    # Numba has no 16-bit floats: the kernel widens the bit patterns itself.
+    k, v, fmt = cache_operands(layout.k, layout.v)
     gemm_fn = gemm_for(q.dtype, rows=rows)
     _call(
-        plan.threads, gemm_fn, decode_kernel, q, k, v, layout.table, layout.seqlens,
+        plan.threads, gemm_fn, decode_kernel, q, k, v, fmt, layout.table, layout.seqlens,
         plan.items, part_out, part_lse, plan.scale, plan.variants, plan.tile_keys, gemm_fn,
     )  # fmt: skip
     merge_partials(part_out, part_lse, plan.spans, out, lse)

@@ -1,4 +1,4 @@
-"""Memory helpers for the decode kernel: software prefetch and float16 loads.
+"""Memory helpers for the decode kernel: software prefetch and 16-bit cache loads.
 
 Decoding is a stream: each K/V row is read once, with a few FMAs per byte.
 The hardware prefetchers alone leave each core waiting on DRAM between tiles
@@ -7,19 +7,34 @@ asks for the *next* tile's cache lines while the current one is computed,
 which closes most of that gap (20.9 GB/s in the same run).
 
 Numba has no float16 arrays, so a float16 cache travels as its ``uint16``
-bit patterns and :func:`half_row_to_float` widens them with LLVM's own
+bit patterns and :func:`load_half` widens them with LLVM's own
 ``half`` type (18 G elements/s per core here, against 4 for a bit-twiddling
-version in Numba, whose int32 arithmetic is promoted to int64).
+version in Numba, whose int32 arithmetic is promoted to int64). A bfloat16
+cache travels as ``uint16`` too; its patterns are the top halves of float32s,
+widened by a 16-bit shift (:func:`.half.bf16_value`).
+
+Both formats reach the kernel as ``uint16``, so the kernel cannot tell them
+apart from the array: :func:`cache_operands` (the one rule) pairs each cache
+with a *format flag*, an instance of :class:`FloatValues`,
+:class:`Float16Bits` or :class:`BFloat16Bits`. Each is its own Numba type,
+so the conversion is chosen at compile time and a flag that does not match
+the array's dtype fails to compile instead of misreading the bits.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import ml_dtypes
+import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.core.errors import TypingError
+from numba.extending import intrinsic, overload
 
 from . import FASTMATH
+from .half import bf16_value
 
 #: Bytes per cache line on x86-64.
 CACHE_LINE = 64
@@ -86,8 +101,51 @@ def load_half(typingctx, arr, index):
     return sig, codegen
 
 
-@njit(fastmath=FASTMATH, cache=True)
-def half_row_to_float(src, dst):
-    """``dst[:] = the float16 values whose bit patterns are src (uint16)``, exactly."""
-    for c in range(src.shape[0]):
-        dst[c] = load_half(src, c)
+def load_value(row, c, fmt):
+    """``row[c]`` as a number, read in the format ``fmt`` (a flag below): float
+    values as they are, 16-bit patterns (``uint16``) widened exactly to
+    float32. A flag that does not fit the row's dtype does not compile."""
+    raise NotImplementedError("load_value is only available inside Numba kernels")
+
+
+def is_flag(fmt, flag) -> bool:
+    """Whether the Numba type ``fmt`` is the format flag class ``flag``."""
+    return isinstance(fmt, types.BaseNamedTuple) and fmt.instance_class is flag
+
+
+@overload(load_value, fastmath=FASTMATH, inline="always")
+def _load_value(row, c, fmt):
+    bits = row.dtype == types.uint16
+    if bits and is_flag(fmt, Float16Bits):
+        return lambda row, c, fmt: load_half(row, c)
+    if bits and is_flag(fmt, BFloat16Bits):
+        return lambda row, c, fmt: bf16_value(row[c])
+    if bits or not is_flag(fmt, FloatValues):  # never guess what 16 bits mean
+        raise TypingError(f"a {row.dtype} cache does not match the format flag {fmt}")
+    return lambda row, c, fmt: row[c]
+
+
+class FloatValues(NamedTuple):
+    """Format flag: the cache holds float32 or float64 values, read as they are."""
+
+
+class Float16Bits(NamedTuple):
+    """Format flag: the ``uint16`` cache holds float16 bit patterns."""
+
+
+class BFloat16Bits(NamedTuple):
+    """Format flag: the ``uint16`` cache holds bfloat16 bit patterns."""
+
+
+_BITS = {np.dtype(np.float16): Float16Bits(), np.dtype(ml_dtypes.bfloat16): BFloat16Bits()}
+
+
+def cache_operands(k, v):
+    """``(k, v, flag)`` as the decode kernel takes a cache of any supported dtype:
+    float32/float64 arrays as they are with :class:`FloatValues`, 16-bit
+    ones as ``uint16`` views of the same memory (no copy) with the flag of
+    their format."""
+    flag = _BITS.get(k.dtype)
+    if flag is None:
+        return k, v, FloatValues()
+    return k.view(np.uint16), v.view(np.uint16), flag

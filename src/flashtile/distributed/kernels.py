@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -54,13 +55,18 @@ class LocalKernels:
     check: Callable
 
 
-def _numpy(x):
-    """A tensor argument as NumPy (bfloat16, which NumPy lacks, widened to float32)."""
+def _numpy(x, keep_bf16=False):
+    """A tensor argument as NumPy: bfloat16, which NumPy lacks, as an
+    ``ml_dtypes.bfloat16`` view of the same memory with ``keep_bf16`` (a KV
+    cache, read as bf16 by the decode kernel), else widened to float32."""
     if not isinstance(x, torch.Tensor):
         return x
+    x = x.detach().contiguous()
     if x.dtype == torch.bfloat16:
+        if keep_bf16:
+            return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         x = x.float()
-    return x.detach().contiguous().numpy()
+    return x.numpy()
 
 
 def _cpu_attend(q, k, v, **kw):
@@ -75,8 +81,8 @@ def _cpu_grads(q, k, v, out, lse, dout, **kw):
 
 def _cpu_decode(q, k_cache, v_cache, **kw):
     kw = {key: _numpy(val) for key, val in kw.items()}
-    arrays = (_numpy(t) for t in (q, k_cache, v_cache))
-    out, lse = flashtile.decode_attention(*arrays, return_lse=True, **kw)
+    caches = (_numpy(t, keep_bf16=True) for t in (k_cache, v_cache))
+    out, lse = flashtile.decode_attention(_numpy(q), *caches, return_lse=True, **kw)
     return torch.from_numpy(np.ascontiguousarray(out)), torch.from_numpy(lse)
 
 
