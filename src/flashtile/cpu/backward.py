@@ -114,16 +114,17 @@ def grad_rows(
     gemm(gemm_fn, pg, dog, dv_tile[:cw], True, False, 1.0)  # dV_j += P^T dO_i
     gemm(gemm_fn, dog, v_tile[:cw], dp[r0:r1, :cw], False, True, 0.0)  # dP = dO_i V_j^T
     # Rows of the C-contiguous tiles (unit stride known: vectorised).
+    # Indexed, not row views: each view costs two atomic reference counts.
     for r in range(r0, r1):
-        p_row, dp_row, ds_row, dr = p[r], dp[r], ds[r], delta[r]
+        row, dr = np.uintp(r), delta[r]
         if tanh.size:  # dS = P * (dP - D), through softcap's tanh
-            t_row = tanh[r]
             for c in range(cw):
-                g = widen(p_row[c]) * (dp_row[c] - dr) * (1.0 - t_row[c] * t_row[c])
-                ds_row[c] = narrow_operand(g, ds_row)
+                t = tanh[row, c]
+                g = widen(p[row, c]) * (dp[row, c] - dr) * (1.0 - t * t)
+                ds[row, c] = narrow_operand(g, ds)
         else:
             for c in range(cw):
-                ds_row[c] = narrow_operand(widen(p_row[c]) * (dp_row[c] - dr), ds_row)
+                ds[row, c] = narrow_operand(widen(p[row, c]) * (dp[row, c] - dr), ds)
     gemm(gemm_fn, dsg, k_tile[:cw], dq_tile[r0:r1], False, False, 1.0)  # dQ_i += dS K_j
     gemm(gemm_fn, dsg, q_raw[r0:r1], dk_tile[:cw], True, False, 1.0)  # dK_j += dS^T Q_i
 

@@ -181,9 +181,10 @@ def _exp2_for_bf16(x, shift):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def exp2_shifted_f32(s, r, lo, hi, shift):
+def exp2_shifted_f32(s, p, r, lo, hi, shift):
     """``s[r, lo:hi] = 2**(s[r, lo:hi] - shift)`` in place; returns the float32
-    sum (the block's normaliser).
+    sum (the block's normaliser). ``p`` is not used (the signature of
+    :func:`exp2_into`).
 
     In place, not ``dst = f(row)`` with ``dst`` the same array: LLVM cannot
     prove two array arguments distinct, its runtime overlap check fails for
@@ -196,11 +197,11 @@ def exp2_shifted_f32(s, r, lo, hi, shift):
     ``range(lo, hi)``, and that per-element select kept the loop scalar
     (0.3 G elements/s against 2.7).
     """
-    total = np.float32(0.0)
+    total, c = np.float32(0.0), np.float32(shift)
     row = np.uintp(r)
     for t in range(hi - lo):
         j = np.uintp(lo + t)
-        v = _exp2_f32(s[row, j], shift)
+        v = _exp2_f32(s[row, j], c)
         s[row, j] = v
         total += v
     return total
@@ -211,18 +212,18 @@ def exp2_bf16_f32(s, p, r, lo, hi, shift):
     """``p[r, lo:hi] = 2**(s[r, lo:hi] - shift)`` rounded to bf16 bits
     (``uint16``, :func:`.half.narrow_operand`), a buffer of its own; returns the
     float32 sum of the unrounded values."""
-    total = np.float32(0.0)
+    total, c = np.float32(0.0), np.float32(shift)
     row = np.uintp(r)
     for t in range(hi - lo):
         j = np.uintp(lo + t)
-        v = _exp2_for_bf16(s[row, j], shift)
+        v = _exp2_for_bf16(s[row, j], c)
         p[row, j] = narrow_operand(v, p)
         total += v
     return total
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def exp2_shifted_f64(s, r, lo, hi, shift):
+def exp2_shifted_f64(s, p, r, lo, hi, shift):
     """float64 twin of :func:`exp2_shifted_f32` using ``math.exp2``."""
     total = 0.0
     row = np.uintp(r)
@@ -247,8 +248,11 @@ def exp2_into(s, p, r, lo, hi, shift):
 
 @overload(exp2_into, fastmath=FASTMATH)
 def _exp2_into_overload(s, p, r, lo, hi, shift):
+    # The implementations themselves, not a lambda that calls them: a wrapper
+    # holds its array arguments across the call, two atomic reference counts
+    # per array per row that LLVM cannot drop.
     if p.dtype == types.uint16:
-        return lambda s, p, r, lo, hi, shift: exp2_bf16_f32(s, p, r, lo, hi, np.float32(shift))
+        return exp2_bf16_f32.py_func
     if s.dtype == types.float32:
-        return lambda s, p, r, lo, hi, shift: exp2_shifted_f32(s, r, lo, hi, np.float32(shift))
-    return lambda s, p, r, lo, hi, shift: exp2_shifted_f64(s, r, lo, hi, shift)
+        return exp2_shifted_f32.py_func
+    return exp2_shifted_f64.py_func

@@ -120,17 +120,20 @@ def tile_sees_all(tile, j0, j1, variants):
     )
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=True, inline="always")
 def row_query(tile, r):
     """``(i, h)``: the query and the query head of the tile's stacked row ``r``.
 
     Callers compute it once per row and pass it on: the per-row helpers run
     once per row and key segment, where an integer division per call shows.
+    This and the other per-row helpers are inlined: a call passes the
+    variants' arrays, and each array argument costs two atomic reference
+    counts per call.
     """
     return tile.i0 + r % tile.br, tile.h0 + r // tile.br
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=True, inline="always")
 def row_bounds(tile, i, j0, j1, variants):
     """Columns ``[a, b)`` of a tile over keys ``[j0, j1)`` that query ``i`` sees.
 
@@ -168,14 +171,14 @@ def diagonal_split(tile, group, full, j0, j1, variants):
     return top, top_w
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=True, inline="always")
 def changes_scores(variants):
     """Whether a variant changes visible scores (softcap, ALiBi, additive mask)."""
     va = variants
     return va.softcap > 0.0 or va.alibi.size > 0 or va.mask_add.size > 0
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=True, inline="always")
 def needs_transform(variants):
     """Whether :func:`transform_row` has anything to do (a bool mask too)."""
     return changes_scores(variants) or variants.mask_bool.size > 0
