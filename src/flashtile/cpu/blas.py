@@ -298,10 +298,13 @@ def gemm_scaled(fn, a, b, c, trans_a, trans_b, alpha, beta):
 
 
 @functools.cache
-def _controller(library: str) -> ThreadpoolController:
-    """The loaded BLAS libraries, scanned (~3 ms) once ``library`` is loaded."""
+def _blas_controllers(library: str) -> tuple:
+    """threadpoolctl's controllers of the loaded BLAS libraries, scanned (~3 ms)
+    once ``library`` is loaded. Each reads and sets its library's thread count
+    with one ctypes call, where ``ThreadpoolController.limit`` re-reads every
+    library's state first (35-46 us a call)."""
     _entry(library, np.dtype(np.float32))
-    return ThreadpoolController()
+    return tuple(c for c in ThreadpoolController().lib_controllers if c.user_api == "blas")
 
 
 _pin_lock = threading.Lock()
@@ -325,7 +328,10 @@ def single_threaded_blas(entry=None):
     with _pin_lock:
         if _pin_depth == 0:
             library = getattr(entry, "library", None) or backend()
-            _pin_saved = _controller(library).limit(limits=1, user_api="blas")
+            _pin_saved = [(c, c.get_num_threads()) for c in _blas_controllers(library)]
+            for c, n in _pin_saved:
+                if n != 1:
+                    c.set_num_threads(1)
         _pin_depth += 1
     try:
         yield
@@ -333,5 +339,7 @@ def single_threaded_blas(entry=None):
         with _pin_lock:
             _pin_depth -= 1
             if _pin_depth == 0:
-                _pin_saved.restore_original_limits()
+                for c, n in _pin_saved:
+                    if n != 1:
+                        c.set_num_threads(n)
                 _pin_saved = None
