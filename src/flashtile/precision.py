@@ -57,9 +57,7 @@ def finite_max_abs(a: np.ndarray) -> float:
 #: are at or above +inf's (all below the sign bit, so signed compares work).
 _MAGNITUDE_BITS = {
     np.dtype(np.float32): (np.int32, np.int32(0x7FFFFFFF), np.int32(0x7F800000)),
-    np.dtype(np.float64): (
-        np.int64, np.int64(0x7FFFFFFFFFFFFFFF), np.int64(0x7FF0000000000000)
-    ),
+    np.dtype(np.float64): (np.int64, np.int64(0x7FFFFFFFFFFFFFFF), np.int64(0x7FF0000000000000)),
 }
 
 
