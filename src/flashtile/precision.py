@@ -134,7 +134,10 @@ def decode_overflowed(lse: np.ndarray, seqlens: np.ndarray, bound) -> bool:
     """
     if lse.dtype == np.float64:
         return False
-    odd = ~np.isfinite(lse) & ~(np.isneginf(lse) & (seqlens == 0)[:, None, None])
+    finite = np.isfinite(lse)
+    if finite.all():  # the common case, in one pass
+        return False
+    odd = ~finite & ~(np.isneginf(lse) & (seqlens == 0)[:, None, None])
     return bool(odd.any()) and bound() >= FLOAT32_SCORE_LIMIT
 
 
