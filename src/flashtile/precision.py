@@ -20,6 +20,7 @@ still need the right dtype.
 from __future__ import annotations
 
 import math
+import struct
 
 import numba
 import numpy as np
@@ -39,26 +40,32 @@ def finite_max_abs(a: np.ndarray) -> float:
     """``max |a|`` over the finite entries of ``a``, as a Python float (0 if none)."""
     if a.size == 0:
         return 0.0
-    if a.dtype == BFLOAT16:  # on the bits: ml_dtypes' own max is some 40x slower
-        return _bf16_finite_max_abs(a)
     bits = _MAGNITUDE_BITS.get(a.dtype)
     if bits is not None and a.flags.c_contiguous:  # one pass instead of max and min
-        view, magnitude, inf = bits
-        top = _top_finite_magnitude(a.reshape(-1).view(view), magnitude, inf)
-        return float(np.array(top, dtype=view).view(a.dtype))
+        view, magnitude, inf, as_float = bits
+        return as_float(_top_finite_magnitude(a.reshape(-1).view(view), magnitude, inf))
+    if a.dtype == BFLOAT16:  # on the bits: ml_dtypes' own max is some 40x slower
+        return _bf16_finite_max_abs(a)
     hi, lo = float(a.max()), float(a.min())
     if math.isfinite(hi) and math.isfinite(lo):  # the common case: two fast passes
         return max(hi, -lo)
     return float(np.max(np.abs(a), where=np.isfinite(a), initial=0.0))
 
 
-#: dtype -> (signed integer view, magnitude bits, bits of +inf): a finite
-#: float's magnitude orders as its sign-cleared bits, and those of inf and NaN
-#: are at or above +inf's (all below the sign bit, so signed compares work).
+#: dtype -> (signed integer view, magnitude bits, bits of +inf, bits -> float):
+#: a finite float's magnitude orders as its sign-cleared bits, and those of
+#: inf and NaN are at or above +inf's (all below the sign bit, so signed
+#: compares work).
 _MAGNITUDE_BITS = {
-    np.dtype(np.float32): (np.int32, np.int32(0x7FFFFFFF), np.int32(0x7F800000)),
-    np.dtype(np.float64): (np.int64, np.int64(0x7FFFFFFFFFFFFFFF), np.int64(0x7FF0000000000000)),
-}
+    np.dtype(np.float32): (
+        np.int32, np.int32(0x7FFFFFFF), np.int32(0x7F800000),
+        lambda top: struct.unpack("=f", struct.pack("=i", top))[0],
+    ),
+    np.dtype(np.float64): (
+        np.int64, np.int64(0x7FFFFFFFFFFFFFFF), np.int64(0x7FF0000000000000),
+        lambda top: struct.unpack("=d", struct.pack("=q", top))[0],
+    ),
+}  # fmt: skip
 
 
 @numba.njit(cache=True)  # no fastmath: exact integer compares

@@ -33,7 +33,8 @@ kernel serves both backends).
 
 Inside a ``prange`` every kernel thread already owns a core, so unless the
 kernel calls a sequential MKL, :func:`single_threaded_blas` pins every loaded
-BLAS to one thread for the duration of the call; otherwise OpenBLAS spawns
+BLAS the kernels can call (not NumPy's 64-bit-integer OpenBLAS) to one thread
+for the duration of the call; otherwise OpenBLAS spawns
 its own threads inside the OpenMP region and warns "Detect OpenMP Loop and
 this application may hang".
 """
@@ -304,7 +305,23 @@ def _blas_controllers(library: str) -> tuple:
     with one ctypes call, where ``ThreadpoolController.limit`` re-reads every
     library's state first (35-46 us a call)."""
     _entry(library, np.dtype(np.float32))
-    return tuple(c for c in ThreadpoolController().lib_controllers if c.user_api == "blas")
+    return tuple(
+        c for c in ThreadpoolController().lib_controllers if c.user_api == "blas" and _lp64(c)
+    )
+
+
+#: 32-bit-integer (LP64) sgemm symbols: what SciPy's ``cython_blas`` and oneMKL's
+#: LP64 interface export. An OpenBLAS without them is an ILP64 build
+#: (``..._64_`` symbols, NumPy's own), which the kernels never call.
+_LP64_SGEMM = ("sgemm_", "scipy_sgemm_", "sgemm")
+
+
+def _lp64(controller) -> bool:
+    """Whether the kernels can call this BLAS: not an ILP64-only OpenBLAS.
+    Setting OpenBLAS's thread count costs microseconds, so only those are pinned."""
+    if controller.internal_api != "openblas":
+        return True
+    return any(hasattr(controller.dynlib, name) for name in _LP64_SGEMM)
 
 
 _pin_lock = threading.Lock()
