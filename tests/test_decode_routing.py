@@ -45,12 +45,15 @@ def test_the_rule():
     assert not planning.decode_shaped(_call(q, k[:, :, :-1], k[:, :, :-1]))  # too few keys
     many = z((1, 4, planning.DECODE_MAX_QUERIES + 1, 8))
     assert not planning.decode_shaped(_call(many, k, k))
-    # One row per kv head (MHA, one query) stays on the forward kernel while
-    # its (batch, kv head) pairs fill the threads; a single pair does not.
+    # One query per head goes to the decode kernel, MHA too; several MHA
+    # queries stay on the forward kernel while their (batch, kv head) pairs
+    # fill the threads, and a single pair does not.
     mha = z((planning.numba.get_num_threads(), 2, 1, 8))
     kk = z((mha.shape[0], 2, 512, 8))
-    assert not planning.decode_shaped(_call(mha, kk, kk))
-    one = _call(mha[:1, :1], kk[:1, :1], kk[:1, :1])
+    assert planning.decode_shaped(_call(mha, kk, kk))
+    mha2 = np.concatenate([mha, mha], axis=2)
+    assert not planning.decode_shaped(_call(mha2, kk, kk))
+    one = _call(mha2[:1, :1], kk[:1, :1], kk[:1, :1])
     assert planning.decode_shaped(one) == (planning.numba.get_num_threads() > 1)
     assert not planning.decode_shaped(_call(q, k, k), block_q=16)  # forward tiles asked for
     assert not planning.decode_shaped(_call(q, k, k, mask=z((1, 512), dtype=bool)))

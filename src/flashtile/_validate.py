@@ -163,6 +163,11 @@ def check_softcap(softcap) -> float | None:
 SDPA_LAYOUT = "(B, H, T, d) tensors as SDPA does (or (H, T, d))"
 
 
+def _shapes(q, k, v) -> str:
+    """The three shapes, for messages (built only when one is raised)."""
+    return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+
+
 def check_sdpa_layout(
     q, k, v, *, enable_gqa: bool, ranks=(3, 4), layout=SDPA_LAYOUT, who="flashtile.torch.attention"
 ) -> None:
@@ -175,10 +180,10 @@ def check_sdpa_layout(
     alike; raises ValueError naming the shapes and the fix (``who`` is the
     function named in the message about ranks).
     """
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    if not (q.ndim == k.ndim == v.ndim and q.ndim in ranks):
-        raise ValueError(f"{shapes}: {who} takes {layout}, all with the same rank")
-    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    qs, ks, vs = tuple(q.shape), tuple(k.shape), tuple(v.shape)  # read once: torch sizes are slow
+    if not (len(qs) == len(ks) == len(vs) and len(qs) in ranks):
+        raise ValueError(f"{_shapes(q, k, v)}: {who} takes {layout}, all with the same rank")
+    hq, hk, hv = qs[-3], ks[-3], vs[-3]
     if hk == 0 or hq == 0:
         raise ValueError(f"q has {hq} heads and k {hk}: attention needs at least one head each")
     if hk != hv:
@@ -190,27 +195,26 @@ def check_sdpa_layout(
         )
     if hq % hk:
         raise ValueError(f"enable_gqa needs Hq divisible by Hkv, got Hq={hq} and Hkv={hk}")
-    if not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
+    if not (qs[:-3] == ks[:-3] == vs[:-3]):
         raise ValueError(
-            f"batch dims differ ({shapes}): they are not broadcast (SDPA does); expand the "
-            f"smaller ones, e.g. k.expand(B, -1, -1, -1)"
+            f"batch dims differ ({_shapes(q, k, v)}): they are not broadcast (SDPA does); "
+            f"expand the smaller ones, e.g. k.expand(B, -1, -1, -1)"
         )
-    if q.shape[-1] != k.shape[-1]:
+    if qs[-1] != ks[-1]:
         raise ValueError(
-            f"q and k have head dims {q.shape[-1]} and {k.shape[-1]} ({shapes}): "
+            f"q and k have head dims {qs[-1]} and {ks[-1]} ({_shapes(q, k, v)}): "
             f"queries and keys must have the same last dimension"
         )
-    if k.shape[-2] != v.shape[-2]:
+    if ks[-2] != vs[-2]:
         raise ValueError(
-            f"k has {k.shape[-2]} keys but v has {v.shape[-2]} values ({shapes}): "
+            f"k has {ks[-2]} keys but v has {vs[-2]} values ({_shapes(q, k, v)}): "
             f"every key needs exactly one value row"
         )
-    sizes = (("Tq", q.shape[-2]), ("Tk", k.shape[-2]), ("d", q.shape[-1]), ("dv", v.shape[-1]))
-    for label, size in sizes:
+    for label, size in (("Tq", qs[-2]), ("Tk", ks[-2]), ("d", qs[-1]), ("dv", vs[-1])):
         if size == 0:
             raise ValueError(
-                f"{label} is 0 ({shapes}): empty sequences and zero-width heads are not "
-                f"supported (an empty batch is)"
+                f"{label} is 0 ({_shapes(q, k, v)}): empty sequences and zero-width heads are "
+                f"not supported (an empty batch is)"
             )
 
 

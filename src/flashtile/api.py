@@ -26,6 +26,8 @@ slopes) are computed in float64 and cast back (:mod:`flashtile.precision`).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ._validate import (
@@ -40,7 +42,7 @@ from ._validate import (
 from .cpu.launch import run_backward, run_decode, run_forward
 from .planning import Call, decode_shaped, plan_backward, plan_decode_call, plan_forward
 from .precision import decode_overflowed, narrow_lse, score_bound
-from .variants import clear_padded_keys, resolve_variants
+from .variants import Variants, clear_padded_keys, resolve_variants
 
 
 def check_call(q, k, v, causal, scale, variants: dict, cu_seqlens=None) -> Call:
@@ -59,12 +61,21 @@ def check_call(q, k, v, causal, scale, variants: dict, cu_seqlens=None) -> Call:
     if cu_seqlens is not None:
         cu_seqlens = check_cu_seqlens_pair(*cu_seqlens, shapes)
     scale = resolve_scale(scale, shapes.d)
-    va = resolve_variants(shapes, causal=causal, **variants)
+    if variants:
+        va = resolve_variants(shapes, causal=causal, **variants)
+    else:  # no variant keywords: one shared record per flag (it is frozen)
+        va = _plain_variants(check_flag(causal, "causal"))
     kpm = variants.get("key_padding_mask")
     if kpm is not None:  # its keys are still read in their tiles (kv_lengths' are not)
         kept = clear_padded_keys(k, v, np.asarray(kpm))
         k, v = (a.reshape(b.shape) for a, b in zip(kept, (k, v), strict=True))
     return Call(q, k, v, shapes, va, scale, cu_seqlens)
+
+
+@functools.cache
+def _plain_variants(causal: bool) -> Variants:
+    """:func:`resolve_variants` of a call without variant keywords (it reads no sizes)."""
+    return resolve_variants(None, causal=causal)
 
 
 def _check_gradient_inputs(call, out, lse, dout):

@@ -27,7 +27,6 @@ cached by them, so a serving loop that repeats a few shapes plans each once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -89,12 +88,13 @@ SERIAL_WORK = 1 << 19
 #: Decode-shaped calls (:func:`decode_shaped`): at most DECODE_MAX_QUERIES
 #: queries against at least DECODE_MIN_KEYS keys, where the split-KV decode
 #: kernel beats the forward kernel: where it stacks a GQA/MQA group's
-#: queries into 2..DECODE_MAX_ROWS rows per kv head, or where the forward
-#: has fewer (batch, kv head) items than threads (the decode kernel splits
-#: the keys instead). Measured on the 2-core machine under load, one thread
-#: (time on decode / time on forward): GQA 16/4 and 32/8, one query, 512-8192
-#: keys 0.64-0.69; one row per kv head (MHA, one query) 1.1-1.4, so MHA
-#: steps with enough heads stay on the forward kernel; 32 rows 1.0-1.15.
+#: queries into 2..DECODE_MAX_ROWS rows per kv head, for one query per head
+#: (MHA too), or where the forward has fewer (batch, kv head) items than
+#: threads (the decode kernel splits the keys instead). Measured on the
+#: 2-core machine under load, one thread (time on decode / time on forward):
+#: GQA 16/4 and 32/8, one query, 512-8192 keys 0.64-0.69; 32 rows 1.0-1.15;
+#: MHA, one query, kernels alone 1.1-1.4, but whole calls 0.58-0.91 (12
+#: heads, 512-8192 keys): the forward pays a pass over k for the score bound.
 DECODE_MAX_QUERIES = 16
 DECODE_MAX_ROWS = 16
 DECODE_MIN_KEYS = 512
@@ -121,8 +121,7 @@ class Call(NamedTuple):
     cu_seqlens: tuple[np.ndarray, np.ndarray] | None = None
 
 
-@dataclass(frozen=True)
-class KernelPlan:
+class KernelPlan(NamedTuple):  # a tuple: built on every call, in a fraction of a dataclass's time
     """Everything one forward or backward kernel call reads.
 
     Attributes:
@@ -440,7 +439,7 @@ def decode_shaped(call: Call, block_q=None, block_k=None) -> bool:
     The rule (constants and measurements at DECODE_MAX_QUERIES): a batched
     call (not packed) without a mask or explicit tile sizes (those are the
     forward kernel's), at most DECODE_MAX_QUERIES queries against at least
-    DECODE_MIN_KEYS keys, and either a GQA/MQA group of at most
+    DECODE_MIN_KEYS keys, and either one query, a GQA/MQA group of at most
     DECODE_MAX_ROWS stacked rows or fewer ``(batch, kv head)`` pairs than
     threads. The decode kernel places query ``i`` at ``kv_len - Tq + i``,
     the forward at ``Tk - Tq + i``: with ``kv_lengths`` shorter than ``Tk``
@@ -457,7 +456,7 @@ def decode_shaped(call: Call, block_q=None, block_k=None) -> bool:
     heads = shapes.batch[-1] if shapes.batch else 1
     group = heads if call.k.ndim < 3 else head_group(heads, call.k.shape[-3])
     pairs = (shapes.batch[0] if len(shapes.batch) > 1 else 1) * (heads // group)
-    stacked = group > 1 and group * shapes.tq <= DECODE_MAX_ROWS
+    stacked = (group > 1 or shapes.tq == 1) and group * shapes.tq <= DECODE_MAX_ROWS
     if not (stacked or pairs < numba.get_num_threads()):
         return False
     if va.kv_lengths is None or bool((va.kv_lengths == shapes.tk).all()):

@@ -20,7 +20,9 @@ still need the right dtype.
 from __future__ import annotations
 
 import math
+import struct
 
+import numba
 import numpy as np
 
 from ._validate import BFLOAT16, compute_dtype
@@ -38,12 +40,46 @@ def finite_max_abs(a: np.ndarray) -> float:
     """``max |a|`` over the finite entries of ``a``, as a Python float (0 if none)."""
     if a.size == 0:
         return 0.0
+    bits = _MAGNITUDE_BITS.get(a.dtype)
+    if bits is not None and a.flags.c_contiguous:  # one pass instead of max and min
+        view, magnitude, inf, as_float = bits
+        return as_float(_top_finite_magnitude(a.reshape(-1).view(view), magnitude, inf))
     if a.dtype == BFLOAT16:  # on the bits: ml_dtypes' own max is some 40x slower
         return _bf16_finite_max_abs(a)
     hi, lo = float(a.max()), float(a.min())
     if math.isfinite(hi) and math.isfinite(lo):  # the common case: two fast passes
         return max(hi, -lo)
     return float(np.max(np.abs(a), where=np.isfinite(a), initial=0.0))
+
+
+#: dtype -> (signed integer view, magnitude bits, bits of +inf, bits -> float):
+#: a finite float's magnitude orders as its sign-cleared bits, and those of
+#: inf and NaN are at or above +inf's (all below the sign bit, so signed
+#: compares work).
+_MAGNITUDE_BITS = {
+    np.dtype(np.float32): (
+        np.int32, np.int32(0x7FFFFFFF), np.int32(0x7F800000),
+        lambda top: struct.unpack("=f", struct.pack("=i", top))[0],
+    ),
+    np.dtype(np.float64): (
+        np.int64, np.int64(0x7FFFFFFFFFFFFFFF), np.int64(0x7FF0000000000000),
+        lambda top: struct.unpack("=d", struct.pack("=q", top))[0],
+    ),
+}  # fmt: skip
+
+
+@numba.njit(cache=True)  # no fastmath: exact integer compares
+def _top_finite_magnitude(bits, magnitude, inf):
+    """The largest ``bits & magnitude`` below ``inf`` (0 if none): the bits of
+    ``max |a|`` over the finite entries, in one pass that vectorises (the
+    selects and the maximum stay in the integer type of ``bits``)."""
+    zero = bits.dtype.type(0)
+    top = zero
+    for i in range(bits.size):
+        x = bits[i] & magnitude
+        x = x if x < inf else zero
+        top = x if x > top else top
+    return top
 
 
 def _bf16_finite_max_abs(a: np.ndarray) -> float:
@@ -105,12 +141,18 @@ def decode_overflowed(lse: np.ndarray, seqlens: np.ndarray, bound) -> bool:
     """
     if lse.dtype == np.float64:
         return False
-    odd = ~np.isfinite(lse) & ~(np.isneginf(lse) & (seqlens == 0)[:, None, None])
+    finite = np.isfinite(lse)
+    if finite.all():  # the common case, in one pass
+        return False
+    odd = ~finite & ~(np.isneginf(lse) & (seqlens == 0)[:, None, None])
     return bool(odd.any()) and bound() >= FLOAT32_SCORE_LIMIT
 
 
 def narrow_lse(lse: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``lse`` in the compute dtype of inputs of ``dtype`` (float32 for float16
     and float32 inputs also when float64 was needed); past float32's range: inf."""
+    narrow = compute_dtype(dtype)
+    if lse.dtype == narrow:  # the common case: nothing to cast (errstate costs microseconds)
+        return lse
     with np.errstate(over="ignore"):
-        return lse.astype(compute_dtype(dtype), copy=False)
+        return lse.astype(narrow)

@@ -33,7 +33,8 @@ kernel serves both backends).
 
 Inside a ``prange`` every kernel thread already owns a core, so unless the
 kernel calls a sequential MKL, :func:`single_threaded_blas` pins every loaded
-BLAS to one thread for the duration of the call; otherwise OpenBLAS spawns
+BLAS the kernels can call (not NumPy's 64-bit-integer OpenBLAS) to one thread
+for the duration of the call; otherwise OpenBLAS spawns
 its own threads inside the OpenMP region and warns "Detect OpenMP Loop and
 this application may hang".
 """
@@ -298,10 +299,29 @@ def gemm_scaled(fn, a, b, c, trans_a, trans_b, alpha, beta):
 
 
 @functools.cache
-def _controller(library: str) -> ThreadpoolController:
-    """The loaded BLAS libraries, scanned (~3 ms) once ``library`` is loaded."""
+def _blas_controllers(library: str) -> tuple:
+    """threadpoolctl's controllers of the loaded BLAS libraries, scanned (~3 ms)
+    once ``library`` is loaded. Each reads and sets its library's thread count
+    with one ctypes call, where ``ThreadpoolController.limit`` re-reads every
+    library's state first (35-46 us a call)."""
     _entry(library, np.dtype(np.float32))
-    return ThreadpoolController()
+    return tuple(
+        c for c in ThreadpoolController().lib_controllers if c.user_api == "blas" and _lp64(c)
+    )
+
+
+#: 32-bit-integer (LP64) sgemm symbols: what SciPy's ``cython_blas`` and oneMKL's
+#: LP64 interface export. An OpenBLAS without them is an ILP64 build
+#: (``..._64_`` symbols, NumPy's own), which the kernels never call.
+_LP64_SGEMM = ("sgemm_", "scipy_sgemm_", "sgemm")
+
+
+def _lp64(controller) -> bool:
+    """Whether the kernels can call this BLAS: not an ILP64-only OpenBLAS.
+    Setting OpenBLAS's thread count costs microseconds, so only those are pinned."""
+    if controller.internal_api != "openblas":
+        return True
+    return any(hasattr(controller.dynlib, name) for name in _LP64_SGEMM)
 
 
 _pin_lock = threading.Lock()
@@ -325,7 +345,10 @@ def single_threaded_blas(entry=None):
     with _pin_lock:
         if _pin_depth == 0:
             library = getattr(entry, "library", None) or backend()
-            _pin_saved = _controller(library).limit(limits=1, user_api="blas")
+            _pin_saved = [(c, c.get_num_threads()) for c in _blas_controllers(library)]
+            for c, n in _pin_saved:
+                if n != 1:
+                    c.set_num_threads(1)
         _pin_depth += 1
     try:
         yield
@@ -333,5 +356,7 @@ def single_threaded_blas(entry=None):
         with _pin_lock:
             _pin_depth -= 1
             if _pin_depth == 0:
-                _pin_saved.restore_original_limits()
+                for c, n in _pin_saved:
+                    if n != 1:
+                        c.set_num_threads(n)
                 _pin_saved = None

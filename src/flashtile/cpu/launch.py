@@ -10,6 +10,9 @@ second), so they are imported on first use, not with ``flashtile``.
 
 from __future__ import annotations
 
+import functools
+import types
+
 import numba
 import numpy as np
 
@@ -26,6 +29,23 @@ def _swap_threads(n):
     return saved
 
 
+@functools.cache
+def _kernels() -> types.SimpleNamespace:
+    """The kernel modules' entry points, imported once on first use (an import
+    statement in each call costs about a microsecond)."""
+    from .backward import backward_kernel
+    from .blas import gemm_for, single_threaded_blas
+    from .decode import decode_kernel, merge_partials
+    from .forward import forward_kernel
+    from .memory import cache_operands
+
+    return types.SimpleNamespace(
+        backward_kernel=backward_kernel, gemm_for=gemm_for, forward_kernel=forward_kernel,
+        single_threaded_blas=single_threaded_blas, decode_kernel=decode_kernel,
+        merge_partials=merge_partials, cache_operands=cache_operands,
+    )  # fmt: skip
+
+
 def _call(threads, gemm_fn, kernel, *args):
     """``kernel(*args)`` on the plan's ``threads`` (:func:`flashtile.planning.call_threads`).
 
@@ -36,9 +56,7 @@ def _call(threads, gemm_fn, kernel, *args):
     depends on its thread count). With one thread, Numba's count is set to 1
     for the call, so the pool is never woken.
     """
-    from .blas import single_threaded_blas
-
-    with single_threaded_blas(gemm_fn):
+    with _kernels().single_threaded_blas(gemm_fn):
         if threads > 1:
             return kernel(*args)
         saved = _swap_threads(1)
@@ -55,21 +73,19 @@ def run_forward(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ``out`` has the dtype of ``plan.q4`` (bfloat16 too: the kernel reads and
     writes its bits as ``uint16``, :mod:`.half`); ``lse`` the work dtype.
     """
-    from .blas import gemm_for
-    from .forward import forward_kernel
-
+    kernels = _kernels()
     q4, k4, v4 = plan.q4, plan.k4, plan.v4
     out = np.empty(q4.shape[:-1] + (v4.shape[-1],), dtype=q4.dtype)
     lse = np.empty(q4.shape[:-1], dtype=compute_dtype(q4.dtype))
     visited = np.empty(len(plan.items), dtype=np.int64)
     if q4.size == 0:  # B = 0 or H = 0: nothing to compute (the kernel divides by H)
         return out, lse, visited
-    gemm_fn = gemm_for(q4.dtype)
+    gemm_fn = kernels.gemm_for(q4.dtype)
     bits = (q4, k4, v4, out)
     if q4.dtype == BFLOAT16:  # Numba has no bf16: the same memory as uint16
         bits = tuple(a.view(np.uint16) for a in bits)
     _call(
-        plan.threads, gemm_fn, forward_kernel, *bits, lse, visited, plan.seqs, plan.items,
+        plan.threads, gemm_fn, kernels.forward_kernel, *bits, lse, visited, plan.seqs, plan.items,
         plan.scale, plan.variants, plan.block_q, plan.block_k, gemm_fn,
     )  # fmt: skip
     return out, lse, visited
@@ -83,9 +99,7 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
     with the plan's sizes); the parts' ``dk``/``dv`` are summed in a fixed
     order, so the result is deterministic.
     """
-    from .backward import backward_kernel
-    from .blas import gemm_for
-
+    kernels = _kernels()
     q4, k4, v4 = plan.q4, plan.k4, plan.v4
     work = compute_dtype(q4.dtype)  # lse and the dk/dv sums (float32 for bf16)
 
@@ -100,7 +114,7 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
     dv_parts = np.zeros((plan.parts, *v4.shape), work)
     if q4.size == 0:  # B = 0 or H = 0: nothing to compute (the kernel divides by H)
         return dq, dk_parts[0], dv_parts[0]
-    gemm_fn = gemm_for(q4.dtype)
+    gemm_fn = kernels.gemm_for(q4.dtype)
     bits = (q4, k4, v4, out4)
     if q4.dtype == BFLOAT16:  # Numba has no bf16: the same memory as uint16
         bits = tuple(a.view(np.uint16) for a in bits)
@@ -108,8 +122,9 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
     else:
         dq_bits = dq
     _call(
-        plan.threads, gemm_fn, backward_kernel, *bits, lse4, dout4, dq_bits, dk_parts, dv_parts,
-        plan.seqs, plan.items, plan.scale, plan.variants, plan.block_q, plan.block_k, gemm_fn,
+        plan.threads, gemm_fn, kernels.backward_kernel, *bits, lse4, dout4, dq_bits, dk_parts,
+        dv_parts, plan.seqs, plan.items, plan.scale, plan.variants, plan.block_q, plan.block_k,
+        gemm_fn,
     )  # fmt: skip
     dk, dv = dk_parts[0], dv_parts[0]
     for p in range(1, plan.parts):  # a fixed order: deterministic sums
@@ -120,10 +135,7 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 def run_decode(plan) -> tuple[np.ndarray, np.ndarray]:
     """``(out (B, Hq, Tq, dv), lse (B, Hq, Tq))`` of a decode plan, in the work dtype."""
-    from .blas import gemm_for
-    from .decode import decode_kernel, merge_partials
-    from .memory import cache_operands
-
+    kernels = _kernels()
     q, layout = plan.q, plan.layout
     batch, hq, tq, _ = q.shape
     dv = layout.v.shape[3]
@@ -133,11 +145,11 @@ def run_decode(plan) -> tuple[np.ndarray, np.ndarray]:
     out = np.empty((batch, hq, tq, dv), dtype=q.dtype)
     lse = np.empty((batch, hq, tq), dtype=q.dtype)
     # Numba has no 16-bit floats: the kernel widens the bit patterns itself.
-    k, v, fmt = cache_operands(layout.k, layout.v)
-    gemm_fn = gemm_for(q.dtype, rows=rows)
+    k, v, fmt = kernels.cache_operands(layout.k, layout.v)
+    gemm_fn = kernels.gemm_for(q.dtype, rows=rows)
     _call(
-        plan.threads, gemm_fn, decode_kernel, q, k, v, fmt, layout.table, layout.seqlens,
+        plan.threads, gemm_fn, kernels.decode_kernel, q, k, v, fmt, layout.table, layout.seqlens,
         plan.items, part_out, part_lse, plan.scale, plan.variants, plan.tile_keys, gemm_fn,
     )  # fmt: skip
-    merge_partials(part_out, part_lse, plan.spans, out, lse)
+    kernels.merge_partials(part_out, part_lse, plan.spans, out, lse)
     return out, lse

@@ -4,10 +4,11 @@ It refuses what :func:`._support.refusal` names (the rule the SDPA router
 reads too: layout, devices, dtypes, GQA only when asked for), turns the
 variant keywords into the op's flat arguments and calls
 ``flashtile::attention_fwd`` (:mod:`._ops`), whose autograd formula calls
-``flashtile::attention_bwd``. A call with nothing to differentiate, trace or
-intercept (eager inference: plain tensors, no gradient wanted, no
-``torch.compile``, no tracing, no dispatch mode) runs the op's
-implementation directly, without the dispatcher's cost.
+``flashtile::attention_bwd``. A call with nothing to trace or intercept
+(eager mode: plain tensors, no ``torch.compile``, no tracing, no dispatch
+mode) skips the dispatcher's cost: without a gradient wanted it runs the op's
+implementation directly, with one the same autograd formula as an
+``autograd.Function`` (:class:`._ops.EagerAttention`).
 """
 
 from __future__ import annotations
@@ -135,8 +136,11 @@ def attention(
         None if scale is None else float(scale), left, right,
         None if softcap is None else float(softcap), kv_lengths,
     )  # fmt: skip
-    if _eager_inference(q, k, v):
-        out, lse = _ops.forward(*args)
+    if _eager(q, k, v):
+        wants_grad = torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad
+        )
+        out, lse = _ops.EagerAttention.apply(*args) if wants_grad else _ops.forward(*args)
     else:
         out, lse = torch.ops.flashtile.attention_fwd(*args)
     out = out.to(in_dtype)
@@ -147,13 +151,12 @@ def attention(
 DECODE_MAX_TQ = 8
 
 
-def _eager_inference(q, k, v) -> bool:
-    """Whether the op's implementation may run without the dispatcher: plain
-    tensors, no gradient wanted, and nothing that records or intercepts ops
-    (``torch.compile``, ``torch.jit.trace``, a dispatch mode such as
-    FakeTensorMode or a FLOP counter, a ``torch.func`` transform)."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return False
+def _eager(q, k, v) -> bool:
+    """Whether the op may run without the dispatcher (its implementation, or
+    with a gradient wanted :class:`._ops.EagerAttention`): plain tensors and
+    nothing that records or intercepts ops (``torch.compile``,
+    ``torch.jit.trace``, a dispatch mode such as FakeTensorMode or a FLOP
+    counter, a ``torch.func`` transform)."""
     return (
         type(q) is torch.Tensor
         and type(k) is torch.Tensor

@@ -25,9 +25,11 @@ float (added to the scores), broadcastable to ``(..., Hq, Tq, Tk)``;
 fresh tensors: the kernels write into new NumPy buffers that
 ``torch.from_numpy`` wraps without a copy.
 
-:func:`forward` is the forward op's implementation; in eager inference
-(nothing to differentiate, trace or intercept) :func:`flashtile.torch.attention`
-calls it directly, which saves the dispatcher's cost (about 12 us a call).
+:func:`forward` and :func:`backward` are the ops' implementations. In eager
+mode (nothing to trace or intercept) :func:`flashtile.torch.attention` calls
+:func:`forward` directly when no gradient is wanted, which saves the
+dispatcher's cost (about 12 us a call), and :class:`EagerAttention` (the
+same autograd formula as an ``autograd.Function``) when one is.
 
 Use :func:`flashtile.torch.attention` rather than these ops directly: it
 checks devices and dtypes, handles float16/bfloat16 and GQA the way SDPA does,
@@ -151,6 +153,17 @@ def attention_bwd(
     dout, q, k, v, out, lse, mask, alibi_slopes, causal, scale, window_left, window_right, softcap,
     kv_lengths=None,
 ):  # fmt: skip
+    """``(dq, dk, dv)``: :func:`backward`."""
+    return backward(
+        dout, q, k, v, out, lse, mask, alibi_slopes, causal, scale, window_left, window_right,
+        softcap, kv_lengths,
+    )  # fmt: skip
+
+
+def backward(
+    dout, q, k, v, out, lse, mask, alibi_slopes, causal, scale, window_left, window_right, softcap,
+    kv_lengths,
+):  # fmt: skip
     """``(dq, dk, dv)`` from :func:`flashtile.attention_backward` (score tiles recomputed)."""
     _check_native(q)
     kw = _variants(mask, alibi_slopes, window_left, window_right, softcap, kv_lengths)
@@ -180,11 +193,12 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, dout, _dlse):
+def _backward(ctx, dout, _dlse, bwd=None):
+    """The forward's gradients through ``bwd``: the backward op, or (eager, no
+    graph to record) its implementation :func:`backward`."""
     q, k, v, out, lse, mask, alibi_slopes, lengths = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flashtile.attention_bwd(
-        dout, q, k, v, out, lse, mask, alibi_slopes, *ctx.args, lengths
-    )
+    bwd = torch.ops.flashtile.attention_bwd if bwd is None else bwd
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, mask, alibi_slopes, *ctx.args, lengths)
     # No gradients for the mask, slopes, lengths and the non-tensor arguments.
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
@@ -201,3 +215,24 @@ def _no_double_backward(ctx, *grads):
 
 
 attention_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+class EagerAttention(torch.autograd.Function):
+    """The forward op's autograd formula without the dispatcher, for eager CPU
+    training (plain tensors, nothing tracing or intercepting: the caller's
+    test). The same :func:`_setup_context` and :func:`_backward`; the backward
+    runs :func:`backward` directly unless a graph is recorded
+    (``create_graph=True``: then the backward op, which refuses a double
+    backward) or something intercepts it. This skips the custom op's Python
+    layers, about 100 us of a small call's forward and backward."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        output = forward(*args)
+        _setup_context(ctx, args, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        direct = not torch.is_grad_enabled() and type(dout) is torch.Tensor
+        return _backward(ctx, dout, dlse, backward if direct else None)
