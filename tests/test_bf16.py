@@ -17,7 +17,7 @@ from numba import njit
 import flashtile as ft
 import flashtile.cpu.blas as blas
 from dense import dense_attention, dense_attention_backward, rel_err
-from flashtile.cpu.half import bf16_bits, bf16_operand_bits, bf16_value
+from flashtile.cpu.half import bf16_bits, bf16_operand_bits, bf16_value, to_bfloat16
 
 torch = pytest.importorskip("torch")
 
@@ -190,6 +190,9 @@ def test_bf16_bit_conversions_match_ml_dtypes(rng):
     _round_trip(x, bits, back)
     assert np.array_equal(bits, x.astype(BF16).view(np.uint16))
     assert np.array_equal(back, x.astype(BF16).astype(np.float32))
+    rounded = to_bfloat16(x.reshape(2, -1))  # the gradients' compiled rounding
+    assert rounded.dtype == BF16 and rounded.shape == (2, x.size // 2)
+    assert np.array_equal(rounded.reshape(-1).view(np.uint16), bits)
     nan_bits = np.empty(1, np.uint16)
     _round_trip(np.array([np.nan], np.float32), nan_bits, np.empty(1, np.float32))
     assert np.isnan(nan_bits.view(BF16).astype(np.float32)[0])

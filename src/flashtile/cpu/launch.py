@@ -37,12 +37,13 @@ def _kernels() -> types.SimpleNamespace:
     from .blas import gemm_for, single_threaded_blas
     from .decode import decode_kernel, merge_partials
     from .forward import forward_kernel
+    from .half import to_bfloat16
     from .memory import cache_operands
 
     return types.SimpleNamespace(
         backward_kernel=backward_kernel, gemm_for=gemm_for, forward_kernel=forward_kernel,
         single_threaded_blas=single_threaded_blas, decode_kernel=decode_kernel,
-        merge_partials=merge_partials, cache_operands=cache_operands,
+        merge_partials=merge_partials, cache_operands=cache_operands, to_bfloat16=to_bfloat16,
     )  # fmt: skip
 
 
@@ -93,7 +94,8 @@ def run_forward(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(dq, dk, dv)`` shaped like ``plan.q4``, ``k4``, ``v4`` for a backward plan
-    (``dq`` in the dtype of ``q4``, ``dk``/``dv`` in the work dtype).
+    (``dq`` in the dtype of ``q4``, ``dk``/``dv`` in the work dtype, or
+    rounded to bf16 for bf16 inputs).
 
     ``out``, ``lse``, ``dout`` hold the caller's validated arrays (any layout
     with the plan's sizes); the parts' ``dk``/``dv`` are summed in a fixed
@@ -130,6 +132,8 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
     for p in range(1, plan.parts):  # a fixed order: deterministic sums
         dk += dk_parts[p]
         dv += dv_parts[p]
+    if q4.dtype == BFLOAT16:  # compiled rounding: ml_dtypes' astype is 5x slower
+        dk, dv = kernels.to_bfloat16(dk), kernels.to_bfloat16(dv)
     return dq, dk, dv
 
 
