@@ -211,17 +211,21 @@ def test_peak_rss_sees_a_large_allocation():
     assert memory.measure_traced(lambda: np.ones(size, dtype=np.uint8)) >= size
 
 
-# Compiles one small cached kernel instead of all of them: the mechanism (an
-# empty cache dir, then a second process that finds the cache) is the same,
-# and the full cold compile would add a minute to the suite. Only the first
-# call is timed: the imports' time varies more on a loaded machine than this
-# small kernel's compile costs.
+# Compiles three small cached kernels instead of all of them: the mechanism
+# (an empty cache dir, then a second process that finds the cache) is the
+# same, and the full cold compile would add a minute to the suite. Only the
+# calls are timed: the imports' time varies more on a loaded machine than
+# these kernels' compile costs. (One kernel's compile, ~0.4 s, was within the
+# noise of Numba's own first-use set-up, ~0.5 s cold or warm.)
 CHEAP_PROBE = """
 import json, time
 import numpy as np
-from flashtile.cpu.rowops import row_max
+from flashtile.cpu.rowops import exp2_bf16_f32, exp2_shifted_f32, row_max
+x, p = np.zeros((1, 8), dtype=np.float32), np.zeros((1, 8), dtype=np.uint16)
 t0 = time.perf_counter()
-row_max(np.zeros((1, 8), dtype=np.float32), 0, 0, 8)
+row_max(x, 0, 0, 8)
+exp2_shifted_f32(x, x, 0, 0, 8, 0.0)
+exp2_bf16_f32(x, p, 0, 0, 8, 0.0)
 t1 = time.perf_counter()
 print(json.dumps({"forward": t1 - t0, "forward+backward": t1 - t0}))
 """
