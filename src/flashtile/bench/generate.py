@@ -135,13 +135,19 @@ def build_models(case: ModelCase, implementation: str) -> dict:
     if case.family not in config_class:
         raise ValueError(f"family must be one of {list(config_class)}, got {case.family!r}")
     dropout = {"gpt2": {"attn_pdrop": 0.0}, "llama": {"attention_dropout": 0.0}}[case.family]
-    config = config_class[case.family](**case.config, **dropout)
     models = {}
     for name, impl in (("sdpa", "sdpa"), ("flashtile", implementation)):
         torch.manual_seed(SEED)
-        models[name] = transformers.AutoModelForCausalLM.from_config(
-            config, attn_implementation=impl
-        ).eval()
+        # One config each: from_config keeps the config object and records the
+        # implementation on it, so a shared one would switch the first model too.
+        config = config_class[case.family](**case.config, **dropout)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+        if model.config._attn_implementation != impl:
+            raise RuntimeError(
+                f"the {name} model runs attention {model.config._attn_implementation!r}, "
+                f"not {impl!r}: the comparison would not be one"
+            )
+        models[name] = model.eval()
     models["flashtile"].load_state_dict(models["sdpa"].state_dict())
     return models
 
