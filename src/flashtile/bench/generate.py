@@ -25,8 +25,11 @@ attention at all: the rest of a step (weights, the cache update) is the
 same for both models and bounds what faster attention can gain.
 
 tokens/s = ``new_tokens / median seconds per call``, batch 1, float32, with
-torch's own thread count (the kernels use Numba's). torch and transformers
-are imported only when the preset runs.
+torch's own thread count (the kernels use Numba's). The header shows
+``OMP_WAIT_POLICY``: torch and Numba each run an OpenMP pool whose idle
+threads spin by default, and on shared cores that spinning, not attention,
+can set the pace of a step (docs/decoding.md). torch and transformers are
+imported only when the preset runs.
 """
 
 from __future__ import annotations
@@ -322,7 +325,8 @@ def run_generate_bench(out, reps: int = 7, new_tokens=None, cache=None) -> int:
     print(
         f"generate: transformers {transformers.__version__}, batch 1, float32, greedy; "
         f"prefill untimed, {new_tokens} new tokens per timed call, {cache} cache, medians "
-        f"of {reps} interleaved rounds; load {' '.join(f'{x:.1f}' for x in os.getloadavg())}",
+        f"of {reps} interleaved rounds; load {' '.join(f'{x:.1f}' for x in os.getloadavg())}; "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}",
         file=out,
     )
     implementation = register_transformers()
