@@ -19,15 +19,25 @@ and once with ``attn_implementation="sdpa"``. Per model:
 3. **tokens identical**: the first token and every call's tokens must equal
    SDPA's; otherwise the run stops with an error that shows where they part.
 
+Each model's attention function is clocked inside the timed calls too
+(:func:`clocked_attention`), so the table shows how much of a step is
+attention at all: the rest of a step (weights, the cache update) is the
+same for both models and bounds what faster attention can gain.
+
 tokens/s = ``new_tokens / median seconds per call``, batch 1, float32, with
-torch's own thread count (the kernels use Numba's). torch and transformers
-are imported only when the preset runs.
+torch's own thread count (the kernels use Numba's). The header shows
+``OMP_WAIT_POLICY``: torch and Numba each run an OpenMP pool whose idle
+threads spin by default, and on shared cores that spinning, not attention,
+can set the pace of a step (docs/decoding.md). torch and transformers are
+imported only when the preset runs.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -96,13 +106,16 @@ CASES: tuple[ModelCase, ...] = (
 
 @dataclass
 class GenerateRow:
-    """One model's result: median seconds per timed call of ``new_tokens`` steps."""
+    """One model's result: median seconds per timed call of ``new_tokens`` steps,
+    and median seconds of each call spent inside the attention function."""
 
     case: ModelCase
     new_tokens: int
     cache: str
     flashtile: float
     sdpa: float
+    flashtile_attention: float = 0.0
+    sdpa_attention: float = 0.0
 
     def tokens_per_s(self, seconds: float) -> float:
         return self.new_tokens / seconds
@@ -135,13 +148,19 @@ def build_models(case: ModelCase, implementation: str) -> dict:
     if case.family not in config_class:
         raise ValueError(f"family must be one of {list(config_class)}, got {case.family!r}")
     dropout = {"gpt2": {"attn_pdrop": 0.0}, "llama": {"attention_dropout": 0.0}}[case.family]
-    config = config_class[case.family](**case.config, **dropout)
     models = {}
     for name, impl in (("sdpa", "sdpa"), ("flashtile", implementation)):
         torch.manual_seed(SEED)
-        models[name] = transformers.AutoModelForCausalLM.from_config(
-            config, attn_implementation=impl
-        ).eval()
+        # One config each: from_config keeps the config object and records the
+        # implementation on it, so a shared one would switch the first model too.
+        config = config_class[case.family](**case.config, **dropout)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+        if model.config._attn_implementation != impl:
+            raise RuntimeError(
+                f"the {name} model runs attention {model.config._attn_implementation!r}, "
+                f"not {impl!r}: the comparison would not be one"
+            )
+        models[name] = model.eval()
     models["flashtile"].load_state_dict(models["sdpa"].state_dict())
     return models
 
@@ -179,6 +198,39 @@ def decode(model, cache, first, prompt_len: int, steps: int):
     return tokens
 
 
+@contextmanager
+def clocked_attention(names):
+    """Wrap transformers' attention functions ``names`` with a clock meanwhile.
+
+    Yields ``{name: [seconds]}``, a one-element list per implementation that
+    accumulates the wall time spent inside its function (every layer, every
+    step); the originals are registered again on exit.
+    """
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    spent = {name: [0.0] for name in names}
+    inner = {name: ALL_ATTENTION_FUNCTIONS[name] for name in names}
+
+    def clocked(name):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner[name](*args, **kwargs)
+            finally:
+                spent[name][0] += time.perf_counter() - start
+
+        return call
+
+    for name in names:
+        AttentionInterface.register(name, clocked(name))
+    try:
+        yield spent
+    finally:
+        for name in names:
+            AttentionInterface.register(name, inner[name])
+
+
 def run_generate_case(
     case: ModelCase, implementation: str, new_tokens: int, rounds: int, cache_kind: str
 ) -> GenerateRow:
@@ -197,34 +249,44 @@ def run_generate_case(
     want = decode(*state["sdpa"], case.prompt, new_tokens)
     check_tokens(decode(*state["flashtile"], case.prompt, new_tokens), want, case.label)
 
-    got = {}
+    got, inside = {}, {name: [] for name in state}
+    implementations = {"flashtile": implementation, "sdpa": "sdpa"}
 
-    def timed(name):
+    def timed(name, clock):
         def call():
+            before = clock[0]
             got[name] = decode(*state[name], case.prompt, new_tokens)
+            inside[name].append(clock[0] - before)
 
         return call
 
-    times = interleaved_times({name: timed(name) for name in state}, rounds)
+    with clocked_attention(list(implementations.values())) as spent:
+        calls = {name: timed(name, spent[implementations[name]]) for name in state}
+        times = interleaved_times(calls, rounds)
     for name in state:  # the last timed call of each, against the reference tokens
         check_tokens(got[name], want, f"{case.label}, timed {name} call")
     return GenerateRow(
-        case, new_tokens, cache_kind, median(times["flashtile"]), median(times["sdpa"])
-    )
+        case, new_tokens, cache_kind, median(times["flashtile"]), median(times["sdpa"]),
+        median(inside["flashtile"]), median(inside["sdpa"]),
+    )  # fmt: skip
 
 
 def generate_table(rows: list[GenerateRow]) -> list[str]:
     """Markdown table lines."""
     lines = [
         "| model | prompt | new tokens | cache | flashtile tokens/s | sdpa tokens/s "
-        "| flashtile / sdpa | tokens |",
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | --- |",
+        "| flashtile / sdpa | attention ms/token: flashtile, sdpa (of a step) | tokens |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         ours, theirs = r.tokens_per_s(r.flashtile), r.tokens_per_s(r.sdpa)
+        inside = ", ".join(
+            f"{1e3 * part / r.new_tokens:.2f} ({part / whole:.0%})"
+            for part, whole in ((r.flashtile_attention, r.flashtile), (r.sdpa_attention, r.sdpa))
+        )
         lines.append(
             f"| {r.case.label} | {r.case.prompt} | {r.new_tokens} | {r.cache} | {ours:.1f} "
-            f"| {theirs:.1f} | {ours / theirs:.2f}x | identical |"
+            f"| {theirs:.1f} | {ours / theirs:.2f}x | {inside} | identical |"
         )
     return lines
 
@@ -263,7 +325,8 @@ def run_generate_bench(out, reps: int = 7, new_tokens=None, cache=None) -> int:
     print(
         f"generate: transformers {transformers.__version__}, batch 1, float32, greedy; "
         f"prefill untimed, {new_tokens} new tokens per timed call, {cache} cache, medians "
-        f"of {reps} interleaved rounds; load {' '.join(f'{x:.1f}' for x in os.getloadavg())}",
+        f"of {reps} interleaved rounds; load {' '.join(f'{x:.1f}' for x in os.getloadavg())}; "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}",
         file=out,
     )
     implementation = register_transformers()
