@@ -205,6 +205,19 @@ def test_bf16_bit_conversions_match_ml_dtypes(rng):
     assert np.all(np.abs(operand[~normal].view(BF16).astype(np.float32)) < 1.2e-38)
 
 
+def test_hardware_rounding_follows_numbas_target_features(monkeypatch):
+    # NUMBA_CPU_NAME=generic sets CPU_FEATURES to "": no conversion
+    # instruction may be assumed then (LLVM would call a missing helper).
+    from numba.core import config
+
+    from flashtile.cpu import half
+
+    monkeypatch.setattr(config, "CPU_FEATURES", "")
+    assert not half._converts_bf16()
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+avx512bf16")
+    assert half._converts_bf16()
+
+
 def test_torch_bf16_reaches_the_kernels_without_a_copy(rng, monkeypatch):
     import flashtile.torch as ftt
     from flashtile.torch import _ops

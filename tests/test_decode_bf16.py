@@ -153,6 +153,10 @@ def test_kv_cache_stores_bf16_and_decodes_it(rng):
     with pytest.raises(ValueError, match="beyond bfloat16's range"):
         cache.append(np.full((2, 2, 1, 8), 3.4e38, np.float32), np.zeros((2, 2, 1, 8)))
     assert cache.lengths.tolist() == [prompt + 1] * 2
+    half = flashtile.KVCache(1, 1, 4, 8, dtype=np.float16)  # bf16 reaches 3.4e38
+    with pytest.raises(ValueError, match="beyond float16's range"):
+        half.append(np.full((1, 1, 1, 4), 1e5, BF16), np.zeros((1, 1, 1, 4), BF16))
+    assert half.lengths.tolist() == [0]
 
 
 def test_context_parallel_decode_reads_torch_bf16_caches_in_place(rng):

@@ -369,3 +369,16 @@ def test_eager_training_path_equals_the_dispatched_op():
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
     for got, want in zip(grads, torch.autograd.grad(ref, (q, k, v), dout), strict=True):
         assert torch.equal(got, want)
+    # A dispatch mode active only around the backward still sees its op.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    seen = []
+    out = ftt.attention(q, k, v, causal=True, enable_gqa=True)
+    with Log():
+        out.sum().backward()
+    assert any("attention_bwd" in name for name in seen)

@@ -164,8 +164,8 @@ class KVCache:
         if not all(a.dtype.kind == "f" or a.dtype == BFLOAT16 for a in (k, v)):
             raise TypeError(f"k and v must be floating point, got {k.dtype} and {v.dtype}")
         for name, a in (("k", k), ("v", v)):
-            if a.dtype.itemsize <= self.dtype.itemsize:  # the cast cannot overflow
-                continue
+            if ml_dtypes.finfo(a.dtype).max <= ml_dtypes.finfo(self.dtype).max:
+                continue  # the cast cannot overflow (bf16 into float16 can: 3.4e38 > 65504)
             with np.errstate(over="ignore"):
                 over = np.isfinite(a) & np.isinf(a.astype(self.dtype))
             if over.any():

@@ -439,12 +439,13 @@ def decode_shaped(call: Call, block_q=None, block_k=None) -> bool:
     The rule (constants and measurements at DECODE_MAX_QUERIES): a batched
     call (not packed) without a mask or explicit tile sizes (those are the
     forward kernel's), at most DECODE_MAX_QUERIES queries against at least
-    DECODE_MIN_KEYS keys, and either one query, a GQA/MQA group of at most
-    DECODE_MAX_ROWS stacked rows or fewer ``(batch, kv head)`` pairs than
-    threads. The decode kernel places query ``i`` at ``kv_len - Tq + i``,
-    the forward at ``Tk - Tq + i``: with ``kv_lengths`` shorter than ``Tk``
-    they agree only when no window, ALiBi distance or causal limit depends
-    on it (no window, no slopes, and one query or no causal mask).
+    DECODE_MIN_KEYS keys, and either at most DECODE_MAX_ROWS stacked rows
+    per kv head (one query per head, or a GQA/MQA group times its queries)
+    or fewer ``(batch, kv head)`` pairs than threads. The decode kernel
+    places query ``i`` at ``kv_len - Tq + i``, the forward at ``Tk - Tq +
+    i``: with ``kv_lengths`` shorter than ``Tk`` they agree only when no
+    window, ALiBi distance or causal limit depends on it (no window, no
+    slopes, and one query or no causal mask).
     """
     shapes, va = call.shapes, call.variants
     if call.cu_seqlens is not None or block_q is not None or block_k is not None:

@@ -58,8 +58,10 @@ def _converts_bf16() -> bool:
     out in integer operations. Numba's cache is keyed by the CPU's name and
     features, so code built one way is never loaded on the other kind.
     """
-    features = (config.CPU_FEATURES or binding.get_host_cpu_features().flatten()).split(",")
-    return "+avx512bf16" in features or "+avxneconvert" in features
+    features = config.CPU_FEATURES  # Numba's rule: "" (e.g. NUMBA_CPU_NAME=generic) is no features
+    if features is None:
+        features = binding.get_host_cpu_features().flatten()
+    return "+avx512bf16" in features.split(",") or "+avxneconvert" in features.split(",")
 
 
 #: One instruction rounds float32 to bf16 here (:func:`_converts_bf16`).

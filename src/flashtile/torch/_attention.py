@@ -14,7 +14,6 @@ implementation directly, with one the same autograd formula as an
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..masks import normalize_window
 from . import _ops, _support
@@ -161,15 +160,8 @@ def _eager(q, k, v) -> bool:
         type(q) is torch.Tensor
         and type(k) is torch.Tensor
         and type(v) is torch.Tensor
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
-        and _get_current_dispatch_mode() is None
-        and not _functorch_active()  # vmap's batched tensors have no storage to read
+        and _ops.nothing_intercepts()
     )
-
-
-#: Whether a torch.func transform (vmap, grad, ...) is running (False where torch lacks the test).
-_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
 def _on_gpu(q, k, v, **keywords):

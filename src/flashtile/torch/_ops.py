@@ -38,6 +38,7 @@ and gives clearer errors.
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import flashtile
 from flashtile._validate import BFLOAT16
@@ -234,5 +235,22 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        direct = not torch.is_grad_enabled() and type(dout) is torch.Tensor
+        direct = not torch.is_grad_enabled() and type(dout) is torch.Tensor and nothing_intercepts()
         return _backward(ctx, dout, dlse, backward if direct else None)
+
+
+#: Whether a torch.func transform (vmap, grad, ...) is running (False where torch lacks the test).
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+def nothing_intercepts() -> bool:
+    """Whether no recorder or interceptor of ops is active (``torch.compile``,
+    ``torch.jit.trace``, a dispatch mode such as FakeTensorMode or a FLOP
+    counter, a ``torch.func`` transform): only then may a call skip the
+    dispatcher (the eager paths)."""
+    return (
+        not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and _get_current_dispatch_mode() is None
+        and not _functorch_active()  # vmap's batched tensors have no storage to read
+    )
