@@ -63,6 +63,24 @@ def test_each_format_flag_reads_its_own_bit_patterns_exactly():
         _copy(bits, np.empty(bits.size, dtype=np.float32), FloatValues())
 
 
+def test_float16_widening_without_the_instruction(monkeypatch):
+    # Targets without F16C (NUMBA_CPU_NAME=generic) widen in integer ops.
+    from flashtile.cpu import memory
+
+    monkeypatch.setattr(memory, "HARDWARE_F16", False)
+
+    @njit  # compiled here, after the patch (not from the cache)
+    def widen_all(bits, out):
+        for i in range(bits.size):
+            out[i] = memory.load_half(bits, i)
+
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    out = np.empty(bits.size, dtype=np.float32)
+    widen_all(bits, out)
+    assert _same_floats(out, bits.view(np.float16).astype(np.float32))
+    assert "vcvtph2ps" not in next(iter(widen_all.inspect_asm().values()))
+
+
 def _problem(rng, batch=3, hq=6, hkv=2, tq=3, d=16, t_max=300):
     q = rng.standard_normal((batch, hq, tq, d)).astype(np.float32)
     k = rng.standard_normal((batch, hkv, t_max, d)).astype(BF16)

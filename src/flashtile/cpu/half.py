@@ -49,19 +49,27 @@ class _BFloat(ir.types._BaseFloatType):
 _BFloat._create_instance()
 
 
-def _converts_bf16() -> bool:
-    """Whether the CPU Numba compiles for rounds float32 to bf16 in one
-    instruction (AVX512-BF16's ``vcvtneps2bf16``, or AVX-NE-CONVERT).
+def target_has(*features: str) -> bool:
+    """Whether the CPU Numba compiles for has any of ``features`` (LLVM names,
+    e.g. ``"avx512bf16"``), by Numba's own rule: ``NUMBA_CPU_FEATURES`` when
+    set (``""`` under ``NUMBA_CPU_NAME=generic``: none), else the host's.
 
-    Elsewhere LLVM would lower ``fptrunc`` to ``bfloat`` as a call to a
-    runtime helper that Numba does not link, so the rounding is then spelled
-    out in integer operations. Numba's cache is keyed by the CPU's name and
-    features, so code built one way is never loaded on the other kind.
+    Code that needs an instruction LLVM would otherwise lower to a runtime
+    helper (which Numba does not link) asks this first. Numba's cache is
+    keyed by the CPU's name and features, so code built one way is never
+    loaded on the other kind.
     """
-    features = config.CPU_FEATURES  # Numba's rule: "" (e.g. NUMBA_CPU_NAME=generic) is no features
-    if features is None:
-        features = binding.get_host_cpu_features().flatten()
-    return "+avx512bf16" in features.split(",") or "+avxneconvert" in features.split(",")
+    have = config.CPU_FEATURES
+    if have is None:
+        have = binding.get_host_cpu_features().flatten()
+    return any(f"+{name}" in have.split(",") for name in features)
+
+
+def _converts_bf16() -> bool:
+    """Whether one instruction rounds float32 to bf16 (AVX512-BF16's
+    ``vcvtneps2bf16``, or AVX-NE-CONVERT); elsewhere the rounding is spelled
+    out in integer operations."""
+    return target_has("avx512bf16", "avxneconvert")
 
 
 #: One instruction rounds float32 to bf16 here (:func:`_converts_bf16`).

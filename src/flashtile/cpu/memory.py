@@ -34,7 +34,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 
 from . import FASTMATH
-from .half import bf16_value
+from .half import bf16_value, target_has
 
 #: Bytes per cache line on x86-64.
 CACHE_LINE = 64
@@ -95,10 +95,39 @@ def load_half(typingctx, arr, index):
 
     def codegen(context, builder, signature, args):
         ptr = _item_pointer(context, builder, signature, args)
-        half = builder.load(builder.bitcast(ptr, ir.HalfType().as_pointer()))
-        return builder.fpext(half, ir.FloatType())
+        if HARDWARE_F16:
+            half = builder.load(builder.bitcast(ptr, ir.HalfType().as_pointer()))
+            return builder.fpext(half, ir.FloatType())
+        return _widen_half_bits(builder, builder.load(ptr))
 
     return sig, codegen
+
+
+#: Whether LLVM widens float16 with an instruction here (F16C's ``vcvtph2ps``);
+#: without it ``fpext`` from ``half`` becomes a call to a helper Numba does
+#: not link (``NUMBA_CPU_NAME=generic``), so :func:`_widen_half_bits` is used.
+HARDWARE_F16 = target_has("f16c", "avx512fp16")
+
+
+def _widen_half_bits(builder, bits):
+    """IR: the float32 of the float16 pattern ``bits`` (i16), in integer
+    operations: exact for normals, subnormals, zeros, infinities and NaNs."""
+    i32, f32 = ir.IntType(32), ir.FloatType()
+    h = builder.zext(bits, i32)
+    sign = builder.shl(builder.and_(h, i32(0x8000)), i32(16))
+    mag = builder.and_(h, i32(0x7FFF))
+    shifted = builder.shl(mag, i32(13))
+    normal = builder.add(shifted, i32((127 - 15) << 23))  # rebias the exponent
+    special = builder.or_(shifted, i32(0x7F800000))  # inf, NaN (payload kept)
+    tiny = builder.fmul(builder.sitofp(mag, f32), ir.Constant(f32, 2.0**-24))  # subnormal, 0
+    body = builder.select(
+        builder.icmp_unsigned(">=", mag, i32(0x7C00)),
+        special,
+        builder.select(
+            builder.icmp_unsigned(">=", mag, i32(0x0400)), normal, builder.bitcast(tiny, i32)
+        ),
+    )
+    return builder.bitcast(builder.or_(body, sign), f32)
 
 
 def load_value(row, c, fmt):
