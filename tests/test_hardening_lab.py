@@ -134,3 +134,20 @@ def test_result_lines_written_by_a_solution_do_not_count(tmp_path):
     names = [case.name for case in CASES["online_softmax"]()]
     code, text = run_check(solution(tmp_path, FORGER.format(names=names)))
     assert code == 1 and f"0/{len(names)} passed" in text, text
+
+
+def test_the_events_file_appends_whatever_our_offset():
+    """The grader's writes share our offset; a write between our seek(0) and
+    our read once landed at the start and overwrote the first events."""
+    from flashtile.learn.runner import events_file
+
+    with events_file() as out:
+        child = os.dup(out.fileno())  # the child's stdout: the same open file
+        try:
+            os.write(child, b'{"event": "ready"}\n')
+            out.seek(0)  # what the parent does while it waits for "ready"
+            os.write(child, b'{"event": "start"}\n')
+        finally:
+            os.close(child)
+        out.seek(0)
+        assert out.read() == '{"event": "ready"}\n{"event": "start"}\n'

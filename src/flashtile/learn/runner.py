@@ -29,6 +29,11 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no shared-offset race to close
+    fcntl = None
+
 from .cases import CASES
 from .grade import TOKEN_VARIABLE
 
@@ -63,10 +68,9 @@ def run_grader(name: str, path: Path, timeout: float) -> tuple[list[dict], bool,
     # Both streams go to files, not pipes: a print loop cannot fill memory or
     # block the child on a full pipe, a child the solution forks cannot hold
     # the check by holding a pipe open, and the events can be read while it
-    # runs. The events file is in append mode: the child shares its offset,
-    # so our seek to read it must not move where the child writes.
+    # runs (the events file appends: see events_file).
     with (
-        tempfile.TemporaryFile("a+", encoding="utf-8", errors="replace") as out,
+        events_file() as out,
         tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as err,
     ):
         proc = subprocess.Popen(
@@ -89,6 +93,22 @@ def run_grader(name: str, path: Path, timeout: float) -> tuple[list[dict], bool,
         err.seek(max(0, err.tell() - 4000))
         tail = err.read()
     return _own_events(stdout, token), timed_out, proc.returncode, tail
+
+
+def events_file():
+    """An anonymous temporary file whose every write lands at its end.
+
+    The child's stdout shares this file's offset with us, and we seek to
+    read it while the child runs. ``TemporaryFile("a+")`` does not set
+    ``O_APPEND`` on the descriptor (Python only seeks to the end once), so a
+    write that came between our ``seek(0)`` and our read landed at the start
+    and overwrote the first events (a case reported "not run" under load).
+    """
+    out = tempfile.TemporaryFile("a+", encoding="utf-8", errors="replace")  # noqa: SIM115 (returned)
+    if fcntl is not None:
+        flags = fcntl.fcntl(out.fileno(), fcntl.F_GETFL)
+        fcntl.fcntl(out.fileno(), fcntl.F_SETFL, flags | os.O_APPEND)
+    return out
 
 
 def _wait(proc: subprocess.Popen, out, timeout: float) -> bool:
