@@ -41,11 +41,11 @@ def finite_max_abs(a: np.ndarray) -> float:
     if a.size == 0:
         return 0.0
     bits = _MAGNITUDE_BITS.get(a.dtype)
-    if bits is not None and a.flags.c_contiguous:  # one pass instead of max and min
+    # One pass over the bits instead of max and min; bf16 always (ml_dtypes'
+    # own max is some 40x slower than copying a strided array first).
+    if bits is not None and (a.flags.c_contiguous or a.dtype == BFLOAT16):
         view, magnitude, inf, as_float = bits
         return as_float(_top_finite_magnitude(a.reshape(-1).view(view), magnitude, inf))
-    if a.dtype == BFLOAT16:  # on the bits: ml_dtypes' own max is some 40x slower
-        return _bf16_finite_max_abs(a)
     hi, lo = float(a.max()), float(a.min())
     if math.isfinite(hi) and math.isfinite(lo):  # the common case: two fast passes
         return max(hi, -lo)
@@ -65,6 +65,10 @@ _MAGNITUDE_BITS = {
         np.int64, np.int64(0x7FFFFFFFFFFFFFFF), np.int64(0x7FF0000000000000),
         lambda top: struct.unpack("=d", struct.pack("=q", top))[0],
     ),
+    np.dtype(BFLOAT16): (
+        np.int16, np.int16(0x7FFF), np.int16(0x7F80),
+        lambda top: float(np.array(top, dtype=np.int16).view(BFLOAT16)),
+    ),
 }  # fmt: skip
 
 
@@ -80,17 +84,6 @@ def _top_finite_magnitude(bits, magnitude, inf):
         x = x if x < inf else zero
         top = x if x > top else top
     return top
-
-
-def _bf16_finite_max_abs(a: np.ndarray) -> float:
-    """:func:`finite_max_abs` of a bfloat16 array: finite magnitudes order as
-    their sign-cleared bits, and exponent bits all set (``0x7F80`` and up)
-    mean inf or NaN."""
-    magnitude = a.view(np.uint16) & np.uint16(0x7FFF)
-    top = int(magnitude.max())
-    if top >= 0x7F80:  # an inf or NaN: the largest finite magnitude instead
-        top = int(np.max(magnitude, where=magnitude < 0x7F80, initial=0))
-    return float(np.array(top, dtype=np.uint16).view(BFLOAT16))
 
 
 def additive_bound(va: Variants, tq: int, tk: int) -> float:

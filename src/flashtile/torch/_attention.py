@@ -136,10 +136,8 @@ def attention(
         None if softcap is None else float(softcap), kv_lengths,
     )  # fmt: skip
     if _eager(q, k, v):
-        wants_grad = torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad
-        )
-        out, lse = _ops.EagerAttention.apply(*args) if wants_grad else _ops.forward(*args)
+        run = _ops.EagerAttention.apply if _wants_grad(q, k, v) else _ops.forward
+        out, lse = run(*args)
     else:
         out, lse = torch.ops.flashtile.attention_fwd(*args)
     out = out.to(in_dtype)
@@ -148,6 +146,11 @@ def attention(
 
 #: The longest query block sent to the decoding kernel rather than the forward's.
 DECODE_MAX_TQ = 8
+
+
+def _wants_grad(q, k, v) -> bool:
+    """Whether autograd will want gradients of this call."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
 def _eager(q, k, v) -> bool:
@@ -176,7 +179,7 @@ def _on_gpu(q, k, v, **keywords):
     """
     from .. import triton as gpu  # imported on first use: it needs triton
 
-    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    wants_grad = _wants_grad(q, k, v)
     # kv_lengths keeps positions aligned with Tk; decoding's cache_seqlens would not.
     plain = keywords["kv_lengths"] is None
     if q.ndim == 4 and q.shape[-2] <= DECODE_MAX_TQ and not wants_grad and plain:
