@@ -5,6 +5,9 @@ BIN     = $(VENV)/bin
 
 .PHONY: demo test fuzz lint bench clean
 
+# `make test` runs two pytest workers, one test file each at a time (loadfile:
+# a file's module fixtures, such as the distributed tests' process groups, are
+# built once); the workers share Numba's on-disk cache of compiled kernels.
 # The stamps re-run the install whenever pyproject.toml changes.
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +31,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.dev-installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # The fuzz tests with the long budget (a few minutes; `make test` runs a small one).
 fuzz: $(VENV)/.dev-installed
