@@ -6,7 +6,8 @@ usage: python scripts/compare_trees.py OLD_SRC NEW_SRC [rounds] [--decode] [--on
 With ``NUMBA_NUM_THREADS=1`` the default mode times CPU seconds on one thread.
 
 ``--decode`` times only decoding (GQA 32/8, d 128: Tk=8192, Tk=65536 and
-Tk=65536 in shuffled pages of 16 keys), first on one thread in CPU seconds
+Tk=65536 in shuffled pages of 16 keys; MHA with one query, 12 heads, d 64:
+Tk=2048, a GPT-2-small step, and Tk=32768), first on one thread in CPU seconds
 (``time.process_time``: on a shared machine, time slicing by other jobs then
 does not count), then on two threads in wall seconds.
 
@@ -135,6 +136,11 @@ def decode_inputs() -> dict:
     pk[order] = k[0].reshape(8, n, page, 128).transpose(1, 0, 2, 3)
     pv[order] = v[0].reshape(8, n, page, 128).transpose(1, 0, 2, 3)
     data["decode Tk=65536 paged 16"] = (q, pk, pv, order[None, :])
+    for t in (2048, 32768):  # MHA: one row per work item
+        q = rng.standard_normal((1, 12, 1, 64), dtype=np.float32)
+        k = rng.standard_normal((1, 12, t, 64), dtype=np.float32)
+        v = rng.standard_normal((1, 12, t, 64), dtype=np.float32)
+        data[f"decode MHA 12 d64 Tk={t}"] = (q, k, v, None)
     return data
 
 
@@ -153,9 +159,11 @@ def main_decode(old_src: str, new_src: str, rounds: int) -> None:
             random.Random(r).shuffle(order)
             for label, tag in order:
                 q, k, v, table = data[label]
+                reps = max(1, (64 << 20) // (k.nbytes + v.nbytes))  # short calls: repeated
                 t0 = clock()
-                mods[tag].decode_attention(q, k, v, block_table=table)
-                times[(label, tag)].append(clock() - t0)
+                for _ in range(reps):
+                    mods[tag].decode_attention(q, k, v, block_table=table)
+                times[(label, tag)].append((clock() - t0) / reps)
         what = "CPU s" if threads == 1 else "wall s"
         print(f"{threads} thread(s), {what}, load {os.getloadavg()[0]:.1f}")
         for label in data:
