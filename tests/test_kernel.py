@@ -295,6 +295,35 @@ def test_exp2_bf16_probabilities_and_row_max():
     assert row_max(x, 0, 5, 9) == x[0, 8]
 
 
+def test_wide_vectors_hint_gives_512_bit_loops_on_avx512():
+    """The kernels' width hint (cpu/vectors.py) reaches LLVM: a loop in a
+    function that calls it uses 512-bit registers where the target has them."""
+    import llvmlite.binding as llvm
+    from numba import njit
+    from numba.core import config
+
+    from flashtile.cpu import FASTMATH
+    from flashtile.cpu.vectors import wide_vectors
+
+    features = config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
+    if "+avx512f" not in features.split(",") or config.CPU_NAME == "generic":
+        pytest.skip("the target has no 512-bit vectors")
+
+    @njit(fastmath=FASTMATH)
+    def scaled_sum(x, c):
+        wide_vectors()
+        total = np.float32(0.0)
+        for i in range(x.size):
+            x[i] *= c
+            total += x[i]
+        return total
+
+    x = np.arange(100, dtype=np.float32)
+    assert scaled_sum(x, np.float32(2.0)) == np.float32(9900.0)
+    asm = next(iter(scaled_sum.inspect_asm().values()))
+    assert "%zmm" in asm
+
+
 def test_concurrent_calls_agree_and_restore_blas_threads(rng):
     from concurrent.futures import ThreadPoolExecutor
 

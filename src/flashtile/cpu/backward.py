@@ -45,6 +45,7 @@ from .tiles import (
     tile_state,
     transform_row,
 )
+from .vectors import wide_vectors
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -60,6 +61,7 @@ def probs_tile(s, p, lse2, tanh_buf, tile, j0, variants, full, read_bool):
     (queries that saw no key) become all zeros. With softcap, ``tanh_buf``
     (shaped like ``s``) receives ``tanh(s / cap)`` for the chain rule.
     """
+    wide_vectors()
     rows, bc = s.shape
     transform = needs_transform(variants)
     for r in range(rows):  # indexed, not row views (see .tile_step.prepare_row)
@@ -86,6 +88,7 @@ def row_terms(lse, out, dout, h0, i_first, br, lse2, delta):
     """Per stacked row ``r`` (query ``i_first + r % br`` of head ``h0 + r //
     br`` in ``(H, T, ...)`` arrays): ``lse2 = lse * log2(e)`` and ``delta =
     D_i = dO_i . O_i``."""
+    wide_vectors()
     for r in range(lse2.shape[0]):
         h = h0 + r // br
         i = i_first + r % br
@@ -141,6 +144,7 @@ def grad_query_block(
     flat scratch of at least ``rows * block_k``; ``half_bufs`` two such
     ``uint16`` buffers for bf16 ``P`` and ``dS`` (:func:`.half.prob_buffer`),
     or empty (float ``P`` and ``dS`` in place)."""
+    wide_vectors()
     rows = q_tile.shape[0]
     lo, hi = tile_key_range(tile, variants)
     if variants.states.size > 0:  # block-map blocks start at multiples of block_k
@@ -180,6 +184,7 @@ def grad_query_block(
 def store_rows(src, dst, h0, i_first, br, mult):
     """``dst[h0 + r // br, i_first + r % br] = src[r] * mult`` for every stacked
     row (rounded to bf16 when ``dst`` holds bf16 bits)."""
+    wide_vectors()
     for r in range(src.shape[0]):
         h = h0 + r // br
         i = i_first + r % br
@@ -210,6 +215,7 @@ def backward_kernel(
     q_mult, s_mult = split_scale(q, lse, scale * LOG2E)
     n_parts = dk.shape[0]
     for n in prange(items.shape[0]):
+        wide_vectors()  # the prange body is a function of its own
         sq, hk, part = items[n, 0], items[n, 1], items[n, 2]
         tile = sequence_tile(seqs, sq, hk * group, 0, block_q)
         b, tq, tk = tile.b, tile.tq, tile.tk

@@ -43,6 +43,7 @@ from .tiles import (
     tile_key_range,
     tile_sees_all,
 )
+from .vectors import wide_vectors
 
 #: Tiles gathered from small pages prefetch this many pages ahead.
 PREFETCH_PAGES = 1
@@ -73,6 +74,7 @@ def load_tile(src, fmt, table_row, hk, page, j0, j1, buf, j_end):
 def copy_row(src, dst, fmt):
     """``dst[:] = src`` for 1-D arrays, widening 16-bit patterns (uint16) by
     the format flag ``fmt`` (:func:`.memory.load_value`)."""
+    wide_vectors()
     for c in range(src.shape[0]):  # a loop: slice assignment copies twice
         dst[c] = load_value(src, c, fmt)
 
@@ -147,6 +149,7 @@ def decode_kernel(
     dtype = q.dtype
     q_mult = dtype.type(scale * LOG2E)
     for n in prange(items.shape[0]):
+        wide_vectors()  # the prange body is a function of its own
         b, hk, j_lo, j_hi, slot = items[n, 0], items[n, 1], items[n, 2], items[n, 3], items[n, 4]
         length = seqlens[b]
         table_row = table[b]
@@ -207,6 +210,7 @@ def merge_partials(part_out, part_lse, spans, out, lse):
             at row ``b * Hkv + kv head``.
         out: ``(B, Hq, Tq, dv)``; lse: ``(B, Hq, Tq)``, written.
     """
+    wide_vectors()
     hq, tq, dv = out.shape[1], out.shape[2], out.shape[3]
     hkv = spans.shape[0] // out.shape[0]
     group = hq // hkv

@@ -40,6 +40,7 @@ from .tiles import (
     tile_sees_all,
     tile_state,
 )
+from .vectors import wide_vectors
 
 #: With a block map, kept key blocks are gathered into tiles of up to this
 #: many keys, so a sparse mask still runs wide, efficient tile products.
@@ -60,6 +61,7 @@ def walk_band(
     :class:`.tiles.QueryTile` of ``group`` stacked heads; ``va``: the
     :class:`.tiles.KernelVariants`. Returns the number of key blocks computed.
     """
+    wide_vectors()
     rows = q_tile.shape[0]
     segs = one_segment()
     lo, hi = tile_key_range(tile, va)
@@ -109,6 +111,7 @@ def walk_gathered(
     """Fold the kept key blocks of a block map, up to GATHER_KEYS keys per
     tile gathered into scratch tiles (arguments as in :func:`walk_band`).
     Returns the number of key blocks computed."""
+    wide_vectors()
     rows = q_tile.shape[0]
     kept = kept_blocks(tile, group, va, block_q, bk)
     n_kept = kept.shape[0]
@@ -160,6 +163,7 @@ def forward_kernel(
     # Gathered tiles (block map) can hold several key blocks.
     width = block_k * (max(1, GATHER_KEYS // block_k) if gathered else 1)
     for n in prange(items.shape[0]):
+        wide_vectors()  # the prange body is a function of its own
         sq, hk, i0 = items[n, 0], items[n, 1], items[n, 2]
         tile = sequence_tile(seqs, sq, hk * group, i0, block_q)
         b, qs0, ks0 = tile.b, seqs[sq, SEQ_Q_START], seqs[sq, SEQ_K_START]

@@ -34,6 +34,7 @@ from numba.extending import intrinsic, overload
 
 from .._validate import BFLOAT16
 from . import FASTMATH
+from .vectors import wide_vectors
 
 
 class _BFloat(ir.types._BaseFloatType):
@@ -226,6 +227,7 @@ def _prob_tile(s, p_buf):
 
 @njit(fastmath=FASTMATH, cache=True)
 def _round_all(src, dst):
+    wide_vectors()
     for i in range(src.size):
         dst[i] = bf16_bits(src[i])
 

@@ -43,6 +43,7 @@ from numba.extending import intrinsic, overload
 
 from . import FASTMATH
 from .half import narrow_operand
+from .vectors import wide_vectors
 
 # Coefficients of 2**f on [-1, 0], fitted for minimal maximum *relative*
 # error (iteratively reweighted least squares on Chebyshev nodes, in float64,
@@ -104,6 +105,7 @@ def row_max(s, r, lo, hi):
     core here against 2-4 for eight scalar partial maxima); unsigned
     indices, see :func:`exp2_shifted_f32`.
     """
+    wide_vectors()
     row = np.uintp(r)
     mx = s[row, np.uintp(lo)]
     for t in range(hi - lo):
@@ -114,6 +116,7 @@ def row_max(s, r, lo, hi):
 @njit(fastmath=FASTMATH, cache=True)
 def zero_outside(p, r, lo, hi):
     """``p[r, :lo] = 0`` and ``p[r, hi:] = 0`` (indexed loops: no row views)."""
+    wide_vectors()
     row = np.uintp(r)
     for c in range(lo):
         p[row, c] = 0
@@ -202,6 +205,7 @@ def exp2_shifted_f32(s, p, r, lo, hi, shift):
     ``range(lo, hi)``, and that per-element select kept the loop scalar
     (0.3 G elements/s against 2.7).
     """
+    wide_vectors()
     total, c = np.float32(0.0), np.float32(shift)
     row = np.uintp(r)
     for t in range(hi - lo):
@@ -217,6 +221,7 @@ def exp2_bf16_f32(s, p, r, lo, hi, shift):
     """``p[r, lo:hi] = 2**(s[r, lo:hi] - shift)`` rounded to bf16 bits
     (``uint16``, :func:`.half.narrow_operand`), a buffer of its own; returns the
     float32 sum of the unrounded values."""
+    wide_vectors()
     total, c = np.float32(0.0), np.float32(shift)
     row = np.uintp(r)
     for t in range(hi - lo):
@@ -230,6 +235,7 @@ def exp2_bf16_f32(s, p, r, lo, hi, shift):
 @njit(fastmath=FASTMATH, cache=True)
 def exp2_shifted_f64(s, p, r, lo, hi, shift):
     """float64 twin of :func:`exp2_shifted_f32` using ``math.exp2``."""
+    wide_vectors()
     total = 0.0
     row = np.uintp(r)
     for t in range(hi - lo):

@@ -45,6 +45,7 @@ from .tiles import (
     row_query,
     transform_row,
 )
+from .vectors import wide_vectors
 
 #: How far (log2 units) the reference ``m`` sits above a row's max: every
 #: ``P <= 2**-10``, so a 512-wide tile sums to <= 0.5 unless a score jumped.
@@ -104,6 +105,7 @@ def rebase_row(s, p, r, lo, hi, q_row, k_rows, s_mult, segs, tile, variants, ful
     The rare path of :func:`softmax_tile`; kept out of line so that the hot
     loops stay small.
     """
+    wide_vectors()
     for c in range(lo, hi):
         acc = s.dtype.type(0.0)
         for t in range(q_row.shape[0]):
@@ -141,6 +143,7 @@ def softmax_tile(s, p, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, varian
     (times ``s_mult``, see :func:`score_product`) and the reference raised,
     as in the textbook update.
     """
+    wide_vectors()
     rows = s.shape[0]
     plain = full and not changes_scores(variants)
     for r in range(rows):  # indexed, not row views (see prepare_row)
@@ -261,6 +264,7 @@ def finish_rows(acc, m, ell, out, lse, h0, i_first, br):
     (natural log). A row that saw no key gets zeros
     and ``lse = -inf`` (a NaN row is not caught here: it stays NaN).
     """
+    wide_vectors()
     for r in range(acc.shape[0]):
         h = h0 + r // br
         i = i_first + r % br

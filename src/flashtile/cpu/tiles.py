@@ -39,6 +39,7 @@ from ..masks import (
 )
 from . import FASTMATH
 from .half import narrow, widen
+from .vectors import wide_vectors
 
 #: ``log2(e)``: scores times this are exponents of 2 (``exp(x) = 2**(x log2(e))``).
 LOG2E = 1.4426950408889634
@@ -194,6 +195,7 @@ def transform_row(seg, col0, tile, i, h, variants, read_bool, tanh_out):
     kept. With softcap, ``tanh_out`` (same length) receives ``tanh(s /
     cap)`` for the backward's chain rule (pass an empty array to skip).
     """
+    wide_vectors()
     va = variants
     n = seg.shape[0]
     b = tile.b
@@ -245,6 +247,7 @@ def load_q_tile(src, tile, group, q_start, mult, out):
     times ``mult``: ``group`` heads from ``tile.h0``, queries ``q_start +
     tile.i0 + [0, br)`` (queries, or the output gradient, in the backward).
     Either may hold bf16 bits (:mod:`.half`; ``mult = 1`` copies them exactly)."""
+    wide_vectors()
     br = tile.br
     i = q_start + tile.i0
     for g in range(group):
