@@ -18,7 +18,6 @@ from __future__ import annotations
 import numpy as np
 
 import flashtile
-from flashtile._validate import BFLOAT16
 
 #: Keys per tile of the NumPy tiled reference (large tiles keep the matmuls
 #: BLAS-efficient; the result is the same for any block size).
@@ -94,19 +93,16 @@ def _import_torch():
 
 def _tensor(a: np.ndarray):
     """A tensor sharing ``a``'s memory (bfloat16 too): no copy is timed."""
-    torch = _import_torch()
-    if a.dtype == BFLOAT16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
+    from flashtile.torch.arrays import as_tensor
+
+    return as_tensor(a)
 
 
 def _array(t) -> np.ndarray:
     """A detached tensor's memory as NumPy (bfloat16 as ``ml_dtypes.bfloat16``)."""
-    torch = _import_torch()
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(BFLOAT16)
-    return t.numpy()
+    from flashtile.torch.arrays import as_numpy
+
+    return as_numpy(t)
 
 
 class TorchSDPAProvider(Provider):

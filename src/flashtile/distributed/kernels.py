@@ -20,12 +20,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 import torch
 
 import flashtile
 import flashtile.triton
+from flashtile.torch.arrays import as_numpy
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -62,11 +62,9 @@ def _numpy(x, keep_bf16=False):
     if not isinstance(x, torch.Tensor):
         return x
     x = x.detach().contiguous()
-    if x.dtype == torch.bfloat16:
-        if keep_bf16:
-            return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if x.dtype == torch.bfloat16 and not keep_bf16:
         x = x.float()
-    return x.numpy()
+    return as_numpy(x)
 
 
 def _cpu_attend(q, k, v, **kw):

@@ -41,7 +41,8 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import flashtile
-from flashtile._validate import BFLOAT16
+
+from .arrays import as_numpy, as_tensor
 
 _FWD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? alibi_slopes, bool causal, "
@@ -67,20 +68,6 @@ def _check_native(q: torch.Tensor) -> None:
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float32 if q.dtype == torch.bfloat16 else q.dtype
-
-
-def _data(t: torch.Tensor) -> np.ndarray:
-    """q/k/v/out/dout as NumPy without a copy: bfloat16 as ``ml_dtypes.bfloat16``."""
-    if t.dtype == torch.bfloat16:
-        return t.detach().view(torch.int16).numpy().view(BFLOAT16)
-    return _np(t)
-
-
-def _tensor(a: np.ndarray) -> torch.Tensor:
-    """A kernel result as a tensor without a copy (bfloat16 too)."""
-    if a.dtype == BFLOAT16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
 
 
 def _np(t: torch.Tensor | None) -> np.ndarray | None:
@@ -120,9 +107,9 @@ def forward(
     _check_native(q)
     kw = _variants(mask, alibi_slopes, window_left, window_right, softcap, kv_lengths)
     out, lse = flashtile.attention(
-        _data(q), _data(k), _data(v), causal=causal, scale=scale, return_lse=True, **kw
+        as_numpy(q), as_numpy(k), as_numpy(v), causal=causal, scale=scale, return_lse=True, **kw
     )
-    return _tensor(out), _tensor(lse)
+    return as_tensor(out), as_tensor(lse)
 
 
 @torch.library.custom_op(
@@ -169,10 +156,10 @@ def backward(
     _check_native(q)
     kw = _variants(mask, alibi_slopes, window_left, window_right, softcap, kv_lengths)
     grads = flashtile.attention_backward(
-        *(_data(t) for t in (q, k, v, out)), _np(lse), _data(dout), causal=causal, scale=scale,
-        **kw,
+        *(as_numpy(t) for t in (q, k, v, out)), _np(lse), as_numpy(dout), causal=causal,
+        scale=scale, **kw,
     )  # fmt: skip
-    return tuple(_tensor(g) for g in grads)
+    return tuple(as_tensor(g) for g in grads)
 
 
 @attention_bwd.register_fake

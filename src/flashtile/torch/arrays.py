@@ -1,0 +1,29 @@
+"""CPU tensors and NumPy arrays as views of each other, bfloat16 included.
+
+NumPy has no bfloat16; ``ml_dtypes.bfloat16`` is the NumPy dtype flashtile's
+kernels read. Both directions share memory (no copy), through a 16-bit
+integer view of the same bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .._validate import BFLOAT16
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as NumPy (detached; bfloat16 as ``ml_dtypes.bfloat16``)."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BFLOAT16)
+    return t.numpy()
+
+
+def as_tensor(a: np.ndarray) -> torch.Tensor:
+    """A tensor sharing ``a``'s memory (``ml_dtypes.bfloat16`` as ``torch.bfloat16``)."""
+    if a.dtype == BFLOAT16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
