@@ -151,6 +151,7 @@ def test_small_tiles_go_to_openblas_and_are_pinned(restore_backend):
 
     blas.set_backend("mkl")
     assert blas.gemm_for(np.float32, rows=blas.SMALL_TILE_ROWS).library == "mkl"
+    assert blas.gemm_for(np.float32, rows=1).library == "mkl"  # MHA decoding: no pin
     entry = blas.gemm_for(np.float32, rows=blas.SMALL_TILE_ROWS - 1)
     assert entry.library == "openblas"
     with blas.single_threaded_blas(entry):

@@ -211,10 +211,13 @@ def half_path() -> str:
     return f"bf16 widened to float32 ({why})"
 
 
-#: With MKL, tile products with fewer rows than this (decoding: a GQA group
-#: of one query token) go to OpenBLAS, whose small-call overhead is lower:
-#: 4 x 128 @ 128 x 256 and back took 8.9 us in OpenBLAS, 13.7 us in MKL here
-#: (at 8 rows MKL was 1.9x faster).
+#: With MKL, tile products with 2 to SMALL_TILE_ROWS - 1 rows (decoding: a
+#: GQA group of one query token) go to OpenBLAS, whose small-call overhead is
+#: lower: 4 x 128 @ 128 x 256 and back took 8.9 us in OpenBLAS, 13.7 us in
+#: MKL here (at 8 rows MKL was 1.9x faster). One row (MHA decoding) stays on
+#: a sequential MKL: the products run as fast there, and the call then needs
+#: no OpenBLAS pin, whose restore wakes OpenBLAS's threads (whole decoding
+#: calls of 12 and 32 heads, one query: 0.94-0.98x the time).
 SMALL_TILE_ROWS = 8
 
 
@@ -247,7 +250,7 @@ def gemm_for(dtype, rows: int | None = None) -> ctypes._CFuncPtr:
     tiles (see :data:`SMALL_TILE_ROWS`)."""
     library = backend()
     half = np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16)
-    if library == "mkl" and rows is not None and rows < SMALL_TILE_ROWS and not half:
+    if library == "mkl" and rows is not None and 1 < rows < SMALL_TILE_ROWS and not half:
         library = "openblas"
     return _entry(library, np.dtype(dtype))
 
