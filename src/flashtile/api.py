@@ -99,16 +99,7 @@ def _forward(call, block_q, block_k, return_lse):
         if _overflowed(call, plan, lse):  # computed again, in float64 (precision.py)
             out = None
     if out is None:
-        # Planned without the score bound (a pass over q and k): only a row
-        # with a non-finite lse (a score past float32's range, or simply a
-        # row that saw no key, or NaN input) asks for it, and the call runs
-        # again where the bound picks another work dtype (precision.py).
-        plan = plan_forward(call, block_q, block_k, checked=False)
-        out, lse, _ = run_forward(plan)
-        if not np.isfinite(lse).all():
-            checked = plan_forward(call, block_q, block_k)
-            if checked.q4.dtype != plan.q4.dtype:
-                out, lse, _ = run_forward(checked)
+        out, lse, _ = run_forward(plan_forward(call, block_q, block_k))
     lse_shape = call.shapes.batch + (call.shapes.tq,)
     out = out.reshape(lse_shape + out.shape[-1:]).astype(call.q.dtype, copy=False)
     return (out, narrow_lse(lse.reshape(lse_shape), call.q.dtype)) if return_lse else out

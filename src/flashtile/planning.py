@@ -154,25 +154,21 @@ class KernelPlan(NamedTuple):  # a tuple: built on every call, in a fraction of 
     threads: int
 
 
-def plan_forward(call: Call, block_q=None, block_k=None, checked=True) -> KernelPlan:
-    """The forward kernel's plan for ``call`` (tile sizes default when None).
-
-    ``checked=False`` skips the score bound (:func:`kernel_arrays`): the
-    caller checks the results' ``lse`` instead and plans again when a row
-    is not finite (:func:`flashtile.api.attention` does)."""
-    return _plan(call, block_q, block_k, backward=False, checked=checked)
+def plan_forward(call: Call, block_q=None, block_k=None) -> KernelPlan:
+    """The forward kernel's plan for ``call`` (tile sizes default when None)."""
+    return _plan(call, block_q, block_k, backward=False)
 
 
 def plan_backward(call: Call, block_q=None, block_k=None) -> KernelPlan:
     """The backward kernel's plan for ``call`` (tile sizes default when None)."""
-    return _plan(call, block_q, block_k, backward=True, checked=True)
+    return _plan(call, block_q, block_k, backward=True)
 
 
-def _plan(call, block_q, block_k, backward, checked):
+def _plan(call, block_q, block_k, backward):
     for name, size in (("block_q", block_q), ("block_k", block_k)):
         if size is not None:  # before the schedule cache, which would take 16.0 for 16
             check_block_size(size, name)
-    q4, k4, v4 = kernel_arrays(call, checked)
+    q4, k4, v4 = kernel_arrays(call)
     shapes, va = call.shapes, call.variants
     work = compute_dtype(q4.dtype)  # the state's dtype (float32 for bf16 arrays)
     threads = call_threads(shapes)
@@ -252,18 +248,14 @@ def bf16_products(dtype) -> bool:
     return available()
 
 
-def kernel_arrays(call: Call, checked: bool = True):
+def kernel_arrays(call: Call):
     """``(q4, k4, v4)``: the arrays as 4-D contiguous blocks in the work dtype
     (views when they already are). The work dtype is float64 also for 16-bit
     and float32 inputs whose scores could pass float32's range
     (:mod:`flashtile.precision`); bfloat16 stays bfloat16 where the CPU has
-    bf16 products (:func:`bf16_products`). Unless ``checked``, the scores
-    are assumed in range (no pass over ``q`` and ``k``: the caller checks
-    the results)."""
+    bf16 products (:func:`bf16_products`)."""
     shapes = call.shapes
-    bound = products = 0.0
-    if checked:
-        bound, products = bounds(call.scale, call.q, call.k, call.variants, shapes.tq, shapes.tk)
+    bound, products = bounds(call.scale, call.q, call.k, call.variants, shapes.tq, shapes.tk)
     work = work_dtype(call.q.dtype, bound)
     if work == np.float32 and products < FLOAT32_SCORE_LIMIT and bf16_products(call.q.dtype):
         work = BFLOAT16

@@ -9,15 +9,11 @@ near 1e19, huge ALiBi slopes). Such calls are computed in float64 instead;
 the results are cast back (an ``lse`` past float32's range becomes inf).
 
 The rule is one bound on the magnitude of every score (:func:`score_bound`).
-A forward call (attention, decoding) is computed first as if its scores were
-in range, with no pass over the inputs; a score past float32's range makes
-its row's ``lse`` inf or NaN, so only when a row got a non-finite ``lse``
-(also a row that saw no key, or NaN input: then the bound says the dtype
-was right) is the bound computed, and the call computed again in the dtype
-it picks (:func:`decode_overflowed`, :func:`flashtile.api.attention`). The
-backward has no ``lse`` of its own to read: it checks the bound before
-planning (one pass over ``q`` and ``k``). NaN and inf entries are left out
-of the bound: the NaN policy covers the rows they reach, and the other rows
+Batched calls check it before planning (one pass over ``q`` and ``k``);
+decoding, whose cost is reading the cache once, checks it only when a row
+that sees keys got a non-finite ``lse`` (:func:`decode_overflowed`), and
+then computes the step again in float64. NaN and inf entries are left out of
+the bound: the NaN policy covers the rows they reach, and the other rows
 still need the right dtype.
 """
 
