@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -257,6 +258,55 @@ def test_float32_scores_past_float32_range(rng, scale, magnitude):
     var = ft.varlen_attention(q, k, v, cu, cu, scale=scale)
     want_var = ft.varlen_attention(q64, k64, v64, cu, cu, scale=scale)
     np.testing.assert_allclose(var, want_var, rtol=1e-5, atol=1e-5 * magnitude)
+
+
+def _float64_attention(q, k, v, scale, softcap=None):
+    """out and lse of the dense formula in float64 (softcap applied)."""
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    s = scale * q @ np.swapaxes(k, -1, -2)
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - m)
+    return (p @ v) / p.sum(-1, keepdims=True), m[..., 0] + np.log(p.sum(-1))
+
+
+def _overflow_cases():
+    """Inputs whose float32 (or bf16-product) scores overflow while every
+    row's lse would still come out finite: softcap maps an infinite score to
+    +-cap; partial sums of q.k that overflow and cancel give -inf for a
+    score of 0 (a key silently dropped); bf16 products sum q.k unscaled, so
+    below -FLT_MAX a key with a small scaled score is dropped."""
+    t, d = 8, 4
+    q = np.full((1, 1, t, d), 3e38, np.float32)
+    k = np.ones((1, 1, t, d), np.float32) * (np.arange(1, t + 1, dtype=np.float32) * 1e-38)[:, None]
+    v = np.arange(t, dtype=np.float32)[None, None, :, None] * np.ones((1, 1, 1, d), np.float32)
+    yield "softcap", (q, k, v), {"scale": 1.0, "softcap": 50.0}
+    d = 64
+    q = np.full((1, 1, t, d), 2.0**63, np.float32)
+    k = np.zeros((1, 1, t, d), np.float32)
+    k[..., 0, :] = np.tile(np.array([-1, -1, 1, 1], np.float32) * 2.0**64, d // 4)
+    k[..., 1:, 0] = -5 * 2.0**-63
+    v = np.arange(t, dtype=np.float32)[None, None, :, None] * np.ones((1, 1, 1, d), np.float32)
+    yield "cancelling partial sums", (q, k, v), {"scale": 1.0}
+    bf16 = ml_dtypes.bfloat16
+    q = np.full((1, 2, 4, d), 1e19, np.float32)
+    k = np.full((1, 2, 4, d), -4.6875e17, np.float32)
+    k[:, :, 0] = -5.47e17
+    v = np.arange(4, dtype=np.float32)[None, None, :, None] * np.ones((1, 2, 1, d), np.float32)
+    yield "bf16 products below -FLT_MAX", tuple(a.astype(bf16) for a in (q, k, v)), {"scale": 1e-38}
+
+
+@pytest.mark.parametrize("case", list(_overflow_cases()), ids=lambda c: c[0])
+def test_overflow_that_leaves_lse_finite_is_still_computed_right(case):
+    """The float32-range bound is checked before the forward: these inputs
+    give finite but wrong rows if the bound is left to an lse check after
+    the call (an attempt that an independent review caught)."""
+    _, (q, k, v), kw = case
+    out, lse = ft.attention(q, k, v, return_lse=True, **kw)
+    want, want_lse = _float64_attention(q, k, v, kw["scale"], kw.get("softcap"))
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=2e-2, atol=1e-2)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("slope", [3e38, 1e300])
