@@ -20,11 +20,11 @@ import time
 
 import ml_dtypes
 import numpy as np
-import torch
 import torch.nn.functional as F
 
 import flashtile
 import flashtile.torch as ftt
+from flashtile.torch.arrays import as_tensor
 
 B, H, D = 1, 8, 64
 
@@ -37,7 +37,7 @@ def cases() -> dict:
         bf = [rng.standard_normal((B, H, t, D), dtype=np.float32) for _ in range(4)]
         bf = [a.astype(ml_dtypes.bfloat16) for a in bf]
         f32 = [a.astype(np.float32) for a in bf]
-        tb = [torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) for a in bf]
+        tb = [as_tensor(a) for a in bf]
         for causal in (False, True) if mode == "fwd" else (True,):
             key = (t, mode, causal)
             if mode == "fwd":

@@ -11,10 +11,12 @@ function's ``"prefer-vector-width"="512"`` attribute, so its loops use
 512-bit vectors where the target has them (elsewhere the attribute changes
 nothing: LLVM never uses wider vectors than the target has).
 
-Measured on the 2-core Emerald Rapids VM, one thread, CPU time, the same
-kernels compiled both ways in two processes timed in interleaved rounds:
-forward T=4096 d=64, bf16 0.72-0.74x the time (the exponential and the
-rounding of ``P`` are most of its work outside oneMKL), float32 0.92-0.96x.
+Measured on the 2-core Emerald Rapids VM, one thread, the loops compiled
+both ways in one process: the bf16 path's row max and exponential over an
+L2-resident 256 x 512 tile 0.73x the time per element, the float32
+exponential 0.74x. Whole kernels moved less and within this shared
+machine's noise (bf16 forward 0.79-0.95x, float32 unchanged: most of their
+time is oneMKL's products), see docs/benchmarks.md.
 
 Each kernel function with hot loops calls it first (inside a ``prange``
 body for the parallel kernels: Numba compiles that body as a function of
