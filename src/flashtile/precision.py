@@ -15,6 +15,13 @@ that sees keys got a non-finite ``lse`` (:func:`decode_overflowed`), and
 then computes the step again in float64. NaN and inf entries are left out of
 the bound: the NaN policy covers the rows they reach, and the other rows
 still need the right dtype.
+
+Known gap of the after-call check (decoding only; the forward's pass comes
+first): an overflow can leave every ``lse`` finite. softcap maps an
+infinite score to the cap, and q.k partial sums that overflow and cancel
+give ``-inf`` for a finite score (the key is dropped). Both need scores
+near float32's largest value (``|q| |k| scale`` around 1e37 and up);
+``tests/test_hardening.py`` holds such inputs for the forward.
 """
 
 from __future__ import annotations
