@@ -9,19 +9,22 @@ near 1e19, huge ALiBi slopes). Such calls are computed in float64 instead;
 the results are cast back (an ``lse`` past float32's range becomes inf).
 
 The rule is one bound on the magnitude of every score (:func:`score_bound`).
-Batched calls check it before planning (one pass over ``q`` and ``k``);
-decoding, whose cost is reading the cache once, checks it only when a row
+Calls on the forward kernel check it before planning (one pass over ``q``
+and ``k``); decoding (and attention calls routed to the decode kernel),
+whose cost is reading the cache once, checks it only when a row
 that sees keys got a non-finite ``lse`` (:func:`decode_overflowed`), and
 then computes the step again in float64. NaN and inf entries are left out of
 the bound: the NaN policy covers the rows they reach, and the other rows
 still need the right dtype.
 
-Known gap of the after-call check (decoding only; the forward's pass comes
-first): an overflow can leave every ``lse`` finite. softcap maps an
-infinite score to the cap, and q.k partial sums that overflow and cancel
-give ``-inf`` for a finite score (the key is dropped). Both need scores
-near float32's largest value (``|q| |k| scale`` around 1e37 and up);
-``tests/test_hardening.py`` holds such inputs for the forward.
+Known gap of the after-call check (decoding, and attention calls routed to
+the decode kernel, :func:`flashtile.planning.decode_shaped`; the forward
+kernel's pass comes first): an overflow can leave every ``lse`` finite.
+softcap maps an infinite score to the cap, and q.k partial sums that
+overflow and cancel give ``-inf`` for a finite score (the key is dropped).
+Both need scores near float32's largest value (``|q| |k| scale`` around
+1e37 and up). ``tests/test_hardening.py`` holds such inputs for the forward
+kernel, and the softcap one for a decode-shaped call as a strict xfail.
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ nothing: LLVM never uses wider vectors than the target has).
 Measured on the 2-core Emerald Rapids VM, one thread, the loops compiled
 both ways in one process: the bf16 path's row max and exponential over an
 L2-resident 256 x 512 tile 0.73x the time per element, the float32
-exponential 0.74x. Whole kernels moved less and within this shared
-machine's noise (bf16 forward 0.79-0.95x, float32 unchanged: most of their
-time is oneMKL's products), see docs/benchmarks.md.
+exponential 0.75x. Whole kernels moved less, inside this shared machine's
+noise (``scripts/compare_trees.py``, one thread: bf16 forward 0.79-0.95x,
+float32 unchanged: most of their time is oneMKL's products); see
+docs/design.md, "Vector width".
 
 Each kernel function with hot loops calls it first (inside a ``prange``
 body for the parallel kernels: Numba compiles that body as a function of
