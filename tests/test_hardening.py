@@ -320,19 +320,36 @@ def test_overflow_that_leaves_lse_finite_is_still_computed_right(case):
     assert work == (np.float32 if name.startswith("bf16") else np.float64)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: decoding checks the range after the call")
-def test_decode_shaped_softcap_overflow_known_gap():
-    """A decode-shaped call (precision.py, "Known gap"): softcap turns an
-    overflowed score into the cap and every lse stays finite. Fixing the gap
-    turns this into a pass (strict: then drop the mark)."""
-    t, d = 512, 4  # 8 keys that matter, the rest far below them
-    q = np.full((1, 1, 1, d), 3e38, np.float32)
-    scores = np.concatenate([np.arange(1, 9), np.full(t - 8, -100)]).astype(np.float32)
-    k = np.ones((1, 1, t, d), np.float32) * (scores * 1e-38)[:, None]
+@pytest.mark.parametrize("softcap", [50.0, None], ids=["softcap", "cancelling"])
+def test_decoding_overflow_that_leaves_lse_finite_is_caught(softcap):
+    """Decoding checks the float32 range after the call; an overflow that
+    softcap maps to the cap, or partial sums of q.k that overflow and cancel
+    (-inf for a score of 0: the key dropped), can leave every lse finite, so
+    the kernel reports non-finite raw scores (cpu/tile_step.flag_non_finite).
+    Through a decode-shaped attention call and decode_attention. (Whether
+    the cancelling sums end as -inf or NaN depends on the BLAS's summation
+    order; the softcap case needs the report whatever the order.)"""
+    t = 512  # 8 keys that matter, the rest far below them
+    if softcap is not None:
+        d = 4
+        q = np.full((1, 1, 1, d), 3e38, np.float32)  # q * scale * log2(e) overflows
+        scores = np.concatenate([np.arange(1, 9), np.full(t - 8, -100)]).astype(np.float32)
+        k = np.ones((1, 1, t, d), np.float32) * (scores * 1e-38)[:, None]
+    else:
+        d = 64
+        q = np.full((1, 1, 1, d), 2.0**63, np.float32)
+        k = np.zeros((1, 1, t, d), np.float32)
+        k[..., 0, :] = np.tile(np.array([-1, -1, 1, 1], np.float32) * 2.0**64, d // 4)
+        k[..., 1:, 0] = -5 * 2.0**-63  # q . k_j = -5, and 0 for key 0
     v = np.arange(t, dtype=np.float32)[None, None, :, None] * np.ones((1, 1, 1, d), np.float32)
-    out = ft.attention(q, k, v, scale=1.0, softcap=50.0)
-    want, _ = _float64_attention(q, k, v, 1.0, 50.0)
+    want, want_lse = _float64_attention(q, k, v, 1.0, softcap)
+    kw = {} if softcap is None else {"softcap": softcap}
+    out, lse = ft.attention(q, k, v, scale=1.0, return_lse=True, **kw)
     np.testing.assert_allclose(out.astype(np.float64), want, rtol=2e-2, atol=1e-2)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-2, atol=1e-2)
+    out, lse = ft.decode_attention(q, k, v, scale=1.0, return_lse=True, **kw)
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=2e-2, atol=1e-2)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("slope", [3e38, 1e300])

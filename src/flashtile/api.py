@@ -95,8 +95,8 @@ def _forward(call, block_q, block_k, return_lse):
     out = None
     if decode_shaped(call, block_q, block_k):
         plan = plan_decode_call(call)
-        out, lse = run_decode(plan)
-        if _overflowed(call, plan, lse):  # computed again, in float64 (precision.py)
+        out, lse, flagged = run_decode(plan)
+        if _overflowed(call, plan, lse, flagged):  # computed again, in float64 (precision.py)
             out = None
     if out is None:
         out, lse, _ = run_forward(plan_forward(call, block_q, block_k))
@@ -105,16 +105,17 @@ def _forward(call, block_q, block_k, return_lse):
     return (out, narrow_lse(lse.reshape(lse_shape), call.q.dtype)) if return_lse else out
 
 
-def _overflowed(call, plan, lse) -> bool:
+def _overflowed(call, plan, lse, flagged) -> bool:
     """Whether a decode-routed call's float32 scores could have passed float32's
-    range: checked, as decoding does, only when a row got a non-finite ``lse``
-    (the bound is a pass over the keys, as long as the step itself)."""
+    range: checked, as decoding does, only when a raw score was not finite
+    (``flagged``) or a row got a non-finite ``lse`` (the bound is a pass over
+    the keys, as long as the step itself)."""
     shapes = call.shapes
 
     def bound():
         return score_bound(call.scale, call.q, call.k, call.variants, shapes.tq, shapes.tk)
 
-    return decode_overflowed(lse, plan.layout.seqlens, bound)
+    return decode_overflowed(lse, plan.layout.seqlens, bound, flagged)
 
 
 def _gradient_results(plan, call, grads):

@@ -11,20 +11,19 @@ the results are cast back (an ``lse`` past float32's range becomes inf).
 The rule is one bound on the magnitude of every score (:func:`score_bound`).
 Calls on the forward kernel check it before planning (one pass over ``q``
 and ``k``); decoding (and attention calls routed to the decode kernel),
-whose cost is reading the cache once, checks it only when a row
-that sees keys got a non-finite ``lse`` (:func:`decode_overflowed`), and
-then computes the step again in float64. NaN and inf entries are left out of
-the bound: the NaN policy covers the rows they reach, and the other rows
-still need the right dtype.
+whose cost is reading the cache once, checks it only when a raw score was
+not finite or a row that sees keys got a non-finite ``lse``
+(:func:`decode_overflowed`), and then computes the step again in float64.
+NaN and inf entries are left out of the bound: the NaN policy covers the
+rows they reach, and the other rows still need the right dtype.
 
-Known gap of the after-call check (decoding, and attention calls routed to
-the decode kernel, :func:`flashtile.planning.decode_shaped`; the forward
-kernel's pass comes first): an overflow can leave every ``lse`` finite.
-softcap maps an infinite score to the cap, and q.k partial sums that
-overflow and cancel give ``-inf`` for a finite score (the key is dropped).
-Both need scores near float32's largest value (``|q| |k| scale`` around
-1e37 and up). ``tests/test_hardening.py`` holds such inputs for the forward
-kernel, and the softcap one for a decode-shaped call as a strict xfail.
+An overflow need not show in ``lse``: softcap maps an infinite score to the
+cap, and q.k partial sums that overflow and cancel give ``-inf`` for a
+finite score (the key is dropped). So the decode kernel also reports any
+raw score (straight out of the product, before softcap and the masks) that
+is not finite, and that too raises the question
+(:func:`flashtile.cpu.tile_step.flag_non_finite`). ``tests/test_hardening.py``
+holds such inputs for both kernels.
 """
 
 from __future__ import annotations
@@ -135,15 +134,18 @@ def work_dtype(dtype: np.dtype, bound: float) -> np.dtype:
     return np.dtype(np.float64) if bound >= FLOAT32_SCORE_LIMIT else work
 
 
-def decode_overflowed(lse: np.ndarray, seqlens: np.ndarray, bound) -> bool:
+def decode_overflowed(lse: np.ndarray, seqlens: np.ndarray, bound, flagged: bool) -> bool:
     """Whether a float32 decode step must be computed again in float64.
 
-    Only a row of a non-empty sequence with a non-finite ``lse (B, Hq, Tq)``
-    raises the question (a cheap test); then ``bound()``, the call's
-    :func:`score_bound` (a pass over the cache), answers it.
+    A raw score that was not finite (``flagged``, from the kernel) or a row of
+    a non-empty sequence with a non-finite ``lse (B, Hq, Tq)`` raises the
+    question (cheap tests); then ``bound()``, the call's :func:`score_bound`
+    (a pass over the cache), answers it.
     """
     if lse.dtype == np.float64:
         return False
+    if flagged:
+        return bound() >= FLOAT32_SCORE_LIMIT
     finite = np.isfinite(lse)
     if finite.all():  # the common case, in one pass
         return False

@@ -123,8 +123,9 @@ def prefetch_keys(k, v, table_row, hk, page, j0, j1):
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def decode_kernel(
-    q, k, v, fmt, table, seqlens, items, part_out, part_lse, scale, variants, tile_keys, gemm_fn
-):
+    q, k, v, fmt, table, seqlens, items, part_out, part_lse, part_flag, scale, variants,
+    tile_keys, gemm_fn,
+):  # fmt: skip
     """Partial attention of each item's queries over its key chunk.
 
     Args:
@@ -139,6 +140,10 @@ def decode_kernel(
         part_out: ``(slots, group * Tq, dv)``, part_lse: ``(slots, group * Tq)``
             (natural log), written at each item's slot; a chunk whose keys
             no query sees gives zeros and ``-inf``.
+        part_flag: ``(N,)`` uint8, zeros: item ``n`` sets entry ``n`` to 1
+            when one of its raw scores is not finite (a score past float32's
+            range, or a NaN/inf input: :mod:`flashtile.precision` then
+            checks the range).
         variants: :class:`.tiles.KernelVariants` (no mask arrays).
         tile_keys: keys per tile. gemm_fn: :func:`.blas.gemm_for` of the dtype.
     """
@@ -185,7 +190,7 @@ def decode_kernel(
             segs[0, SEG_KEY], segs[0, SEG_LENGTH] = j0, j1 - j0
             attend_tile(
                 gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, variants,
-                full, 0, 0, k_buf[:0], v_buf[:0],
+                full, 0, 0, k_buf[:0], v_buf[:0], part_flag[n : n + 1],
             )  # fmt: skip
             j0 = j1
         out_heads = part_out[slot].reshape((group, tq, dv))

@@ -64,6 +64,7 @@ def walk_band(
     wide_vectors()
     rows = q_tile.shape[0]
     segs = one_segment()
+    no_flag = np.zeros(0, dtype=np.uint8)  # the range was checked before the call
     lo, hi = tile_key_range(tile, va)
     for j0 in range(lo, hi, bk):
         j1 = min(j0 + bk, hi)
@@ -79,7 +80,7 @@ def walk_band(
         k_next, v_next = k_rows[j1:j2], v_rows[j1:j2]
         fold_key_tile(
             gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, va, full, top,
-            top_w, k_next, v_next, p_buf, s_mult,
+            top_w, k_next, v_next, p_buf, s_mult, no_flag,
         )  # fmt: skip
     return -(-(hi - lo) // bk)
 
@@ -113,6 +114,7 @@ def walk_gathered(
     Returns the number of key blocks computed."""
     wide_vectors()
     rows = q_tile.shape[0]
+    no_flag = np.zeros(0, dtype=np.uint8)  # the range was checked before the call
     kept = kept_blocks(tile, group, va, block_q, bk)
     n_kept = kept.shape[0]
     per_tile = max(1, GATHER_KEYS // bk)
@@ -132,7 +134,7 @@ def walk_gathered(
         s = s_buf[: rows * width].reshape((rows, width))
         fold_key_tile(
             gemm_fn, q_tile, k_buf[:width], v_buf[:width], s, m, ell, alpha, acc, segs, tile, va,
-            full, 0, 0, k_buf[:0], v_buf[:0], p_buf, s_mult,
+            full, 0, 0, k_buf[:0], v_buf[:0], p_buf, s_mult, no_flag,
         )  # fmt: skip
     return n_kept
 

@@ -137,8 +137,10 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return dq, dk, dv
 
 
-def run_decode(plan) -> tuple[np.ndarray, np.ndarray]:
-    """``(out (B, Hq, Tq, dv), lse (B, Hq, Tq))`` of a decode plan, in the work dtype."""
+def run_decode(plan) -> tuple[np.ndarray, np.ndarray, bool]:
+    """``(out (B, Hq, Tq, dv), lse (B, Hq, Tq), flagged)`` of a decode plan, in
+    the work dtype; ``flagged``: some raw score was not finite (the caller
+    checks the float32 range then, :func:`flashtile.precision.decode_overflowed`)."""
     kernels = _kernels()
     q, layout = plan.q, plan.layout
     batch, hq, tq, _ = q.shape
@@ -146,6 +148,7 @@ def run_decode(plan) -> tuple[np.ndarray, np.ndarray]:
     rows = (hq // layout.heads) * tq
     part_out = np.empty((len(plan.items), rows, dv), dtype=q.dtype)
     part_lse = np.empty((len(plan.items), rows), dtype=q.dtype)
+    part_flag = np.zeros(len(plan.items), dtype=np.uint8)
     out = np.empty((batch, hq, tq, dv), dtype=q.dtype)
     lse = np.empty((batch, hq, tq), dtype=q.dtype)
     # Numba has no 16-bit floats: the kernel widens the bit patterns itself.
@@ -153,7 +156,8 @@ def run_decode(plan) -> tuple[np.ndarray, np.ndarray]:
     gemm_fn = kernels.gemm_for(q.dtype, rows=rows)
     _call(
         plan.threads, gemm_fn, kernels.decode_kernel, q, k, v, fmt, layout.table, layout.seqlens,
-        plan.items, part_out, part_lse, plan.scale, plan.variants, plan.tile_keys, gemm_fn,
+        plan.items, part_out, part_lse, part_flag, plan.scale, plan.variants, plan.tile_keys,
+        gemm_fn,
     )  # fmt: skip
     kernels.merge_partials(part_out, part_lse, plan.spans, out, lse)
-    return out, lse
+    return out, lse, bool(part_flag.any())

@@ -194,22 +194,40 @@ def score_product(gemm_fn, q_tile, k_tile, s, top, top_w, s_mult=1.0):
         gemm_scaled(gemm_fn, q_tile, k_tile, s, False, True, s_mult, 0.0)
 
 
+@njit(fastmath=FASTMATH, cache=True)
+def flag_non_finite(s, flag):
+    """``flag[0] = 1`` if the tile ``s`` holds a NaN or an infinite score.
+
+    Decoding checks the float32 range after the call (:mod:`flashtile.precision`):
+    a score that overflowed is inf, -inf or NaN straight out of the product,
+    but softcap turns it into the cap and a -inf hides its key, so the row's
+    ``lse`` need not show it. The raw scores do."""
+    wide_vectors()
+    bad = False
+    for r in range(s.shape[0]):
+        row = np.uintp(r)
+        for c in range(s.shape[1]):
+            bad |= not abs(s[row, c]) < np.inf  # NaN compares False
+    if bad:
+        flag[0] = 1
+
+
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def attend_tile(
     gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, variants, full, top,
-    top_w, k_next, v_next,
+    top_w, k_next, v_next, raw_flag,
 ):  # fmt: skip
     """:func:`fold_key_tile` for float tiles: a scaled query tile, ``P`` used in place."""
     fold_key_tile(
         gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, variants, full, top,
-        top_w, k_next, v_next, s[0, :0], 1.0,
+        top_w, k_next, v_next, s[0, :0], 1.0, raw_flag,
     )  # fmt: skip
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def fold_key_tile(
     gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, variants, full, top,
-    top_w, k_next, v_next, p_buf, s_mult,
+    top_w, k_next, v_next, p_buf, s_mult, raw_flag,
 ):  # fmt: skip
     """Fold one key tile into the rows' state ``(m, ell, acc)``: the tile step.
 
@@ -236,8 +254,13 @@ def fold_key_tile(
             ``P`` rounded to bf16 (:func:`.half.prob_buffer`); float
             operands: empty, ``P`` overwrites the scores in ``s``.
         s_mult: the scale the score product applies (:func:`.half.split_scale`).
+        raw_flag: ``(1,)`` uint8 set to 1 when a raw score is not finite
+            (:func:`flag_non_finite`; decoding), or empty (the forward,
+            whose range is checked before the call).
     """
     score_product(gemm_fn, q_tile, k_tile, s, top, top_w, s_mult)
+    if raw_flag.size > 0:
+        flag_non_finite(s, raw_flag)
     prefetch_rows(k_next, 0, k_next.shape[0])
     prefetch_rows(v_next, 0, v_next.shape[0])
     # Hidden columns (the top rows' unwritten ones too) come back as zeros.
