@@ -352,6 +352,33 @@ def test_decoding_overflow_that_leaves_lse_finite_is_caught(softcap):
     np.testing.assert_allclose(lse, want_lse, rtol=1e-2, atol=1e-2)
 
 
+def test_rebase_recompute_reports_a_non_finite_raw_score():
+    """A score above the row's reference makes the tile step recompute that
+    row's raw scores in its own loop (tile_step.rebase_row), in another
+    summation order than BLAS: an overflow there must raise decoding's range
+    check too (raw_flag), or softcap would turn it into the cap unseen.
+    (End to end, q.k terms near float32's largest value can overflow in one
+    order and not the other; which one does depends on the BLAS and the
+    vectorisation, so the loop is tested directly.)"""
+    from flashtile.cpu.tile_step import one_segment, rebase_row
+    from flashtile.cpu.tiles import SEG_LENGTH, QueryTile
+    from flashtile.planning import kernel_variants
+    from flashtile.variants import Variants
+
+    big = np.finfo(np.float32).max
+    q_row = np.array([big, big], dtype=np.float32)  # q . k = 2 * big: inf in any order
+    k_rows = np.ones((4, 2), dtype=np.float32)
+    s = np.zeros((1, 4), dtype=np.float32)
+    segs = one_segment()
+    segs[0, SEG_LENGTH] = 4
+    tile = QueryTile(0, 0, 1, 0, 1, 4, 4)
+    for softcap, empty in ((50.0, False), (None, False), (50.0, True)):
+        va = kernel_variants(Variants(False, -1, -1, softcap=softcap), np.float32, 1)
+        flag = np.zeros(0 if empty else 1, dtype=np.uint8)
+        rebase_row(s, s, 0, 0, 4, q_row, k_rows, np.float32(1.0), segs, tile, va, True, flag)
+        assert empty or flag[0] == 1
+
+
 @pytest.mark.parametrize("slope", [3e38, 1e300])
 def test_float32_huge_alibi_slopes(rng, slope):
     """ALiBi slopes past float32's range (in log2 units) gave NaN rows."""

@@ -23,7 +23,10 @@ finite score (the key is dropped). So the decode kernel also reports any
 raw score (straight out of the product, before softcap and the masks) that
 is not finite, and that too raises the question
 (:func:`flashtile.cpu.tile_step.flag_non_finite`). ``tests/test_hardening.py``
-holds such inputs for both kernels.
+holds such inputs for both kernels. What no check after the call can see:
+terms of q.k near float32's largest value that cancel to a finite but
+inexact score (rounding, not range); the forward's bound sends such inputs
+to float64, decoding computes them in float32.
 """
 
 from __future__ import annotations

@@ -97,13 +97,16 @@ def prepare_row(s, r, segs, tile, variants, full):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def rebase_row(s, p, r, lo, hi, q_row, k_rows, s_mult, segs, tile, variants, full):
+def rebase_row(s, p, r, lo, hi, q_row, k_rows, s_mult, segs, tile, variants, full, raw_flag):
     """Recompute row ``r``'s scores ``s_mult * k_rows[lo:hi] @ q_row`` with every variant,
     exponentiate them into ``p`` (may be ``s``) against a new reference
     ``max + HEADROOM``; return ``(reference, row sum)``.
 
     The rare path of :func:`softmax_tile`; kept out of line so that the hot
-    loops stay small.
+    loops stay small. The recomputed raw scores are checked like the
+    product's (``raw_flag``, :func:`flag_non_finite`): this loop sums in
+    another order than BLAS, so near float32's largest value one of them can
+    overflow where the other did not.
     """
     wide_vectors()
     for c in range(lo, hi):
@@ -111,13 +114,15 @@ def rebase_row(s, p, r, lo, hi, q_row, k_rows, s_mult, segs, tile, variants, ful
         for t in range(q_row.shape[0]):
             acc += widen(q_row[t]) * widen(k_rows[c, t])
         s[r, c] = acc * s_mult
+    if raw_flag.size > 0:
+        flag_non_finite(s[r : r + 1, lo:hi], raw_flag)
     prepare_row(s, r, segs, tile, variants, full)
     m_new = row_max(s, r, lo, hi) + HEADROOM
     return m_new, exp2_into(s, p, r, lo, hi, m_new)
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def softmax_tile(s, p, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, variants, full):
+def softmax_tile(s, p, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, variants, full, raw_flag):
     """Online-softmax update of one stacked score tile ``s (rows, n)`` into ``p``.
 
     ``tile`` (a :class:`.tiles.QueryTile`) places the rows; ``segs`` (see
@@ -169,8 +174,9 @@ def softmax_tile(s, p, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, varian
             if total > 1.0 and row_max(p, r, lo, hi) > narrow(1.0, p):
                 # A score passed the reference: rebuild this row and raise it.
                 m_new, total = rebase_row(
-                    s, p, r, lo, hi, q_tile[r], k_tile, s_mult, segs, tile, variants, full
-                )
+                    s, p, r, lo, hi, q_tile[r], k_tile, s_mult, segs, tile, variants, full,
+                    raw_flag,
+                )  # fmt: skip
             alpha[r] = 1.0 if m_new == m[r] else math.exp2(m[r] - m_new)
         zero_outside(p, r, lo, hi)
         ell[r] = ell[r] * alpha[r] + total
@@ -201,7 +207,8 @@ def flag_non_finite(s, flag):
     Decoding checks the float32 range after the call (:mod:`flashtile.precision`):
     a score that overflowed is inf, -inf or NaN straight out of the product,
     but softcap turns it into the cap and a -inf hides its key, so the row's
-    ``lse`` need not show it. The raw scores do."""
+    ``lse`` need not show it. The raw scores do (the product's, and those
+    :func:`rebase_row` recomputes)."""
     wide_vectors()
     bad = False
     for r in range(s.shape[0]):
@@ -255,8 +262,9 @@ def fold_key_tile(
             operands: empty, ``P`` overwrites the scores in ``s``.
         s_mult: the scale the score product applies (:func:`.half.split_scale`).
         raw_flag: ``(1,)`` uint8 set to 1 when a raw score is not finite
-            (:func:`flag_non_finite`; decoding), or empty (the forward,
-            whose range is checked before the call).
+            (:func:`flag_non_finite`; decoding, whose tiles have no diagonal
+            split: ``top = 0``, so the whole of ``s`` is written), or empty
+            (the forward, whose range is checked before the call).
     """
     score_product(gemm_fn, q_tile, k_tile, s, top, top_w, s_mult)
     if raw_flag.size > 0:
@@ -265,7 +273,7 @@ def fold_key_tile(
     prefetch_rows(v_next, 0, v_next.shape[0])
     # Hidden columns (the top rows' unwritten ones too) come back as zeros.
     p = prob_tile(s, p_buf)
-    softmax_tile(s, p, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, variants, full)
+    softmax_tile(s, p, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, variants, full, raw_flag)
     for r in range(s.shape[0]):
         if alpha[r] != 1.0:  # most rows keep their reference: nothing to rescale
             for c in range(acc.shape[1]):
