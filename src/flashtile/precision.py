@@ -20,8 +20,9 @@ rows they reach, and the other rows still need the right dtype.
 An overflow need not show in ``lse``: softcap maps an infinite score to the
 cap, and q.k partial sums that overflow and cancel give ``-inf`` for a
 finite score (the key is dropped). So the decode kernel also reports any
-raw score (straight out of the product, before softcap and the masks) that
-is not finite, and that too raises the question
+raw score (out of the product or the tile step's recompute of a row, before
+softcap and the other variants) that is not finite, and that too raises the
+question
 (:func:`flashtile.cpu.tile_step.flag_non_finite`). ``tests/test_hardening.py``
 holds such inputs for both kernels. What no check after the call can see:
 terms of q.k near float32's largest value that cancel to a finite but
