@@ -166,23 +166,25 @@ def narrow(x, like):
     raise NotImplementedError("narrow is only available inside Numba kernels")
 
 
-@overload(narrow, fastmath=FASTMATH, inline="always")
-def _narrow(x, like):
-    if like.dtype == types.uint16:
-        return lambda x, like: bf16_bits(np.float32(x))
-    return lambda x, like: x
-
-
 def narrow_operand(x, like):
     """:func:`narrow` for a product's operand (bf16 via :func:`bf16_operand_bits`)."""
     raise NotImplementedError("narrow_operand is only available inside Numba kernels")
 
 
-@overload(narrow_operand, fastmath=FASTMATH, inline="always")
-def _narrow_operand(x, like):
-    if like.dtype == types.uint16:
-        return lambda x, like: bf16_operand_bits(np.float32(x))
-    return lambda x, like: x
+def _narrowing(to_bits):
+    """The overload of :func:`narrow` or :func:`narrow_operand`: one dtype
+    rule (bf16 bits for ``uint16``, floats as they are) for either rounding."""
+
+    def overload_impl(x, like):
+        if like.dtype == types.uint16:
+            return lambda x, like: to_bits(np.float32(x))
+        return lambda x, like: x
+
+    return overload_impl
+
+
+overload(narrow, fastmath=FASTMATH, inline="always")(_narrowing(bf16_bits))
+overload(narrow_operand, fastmath=FASTMATH, inline="always")(_narrowing(bf16_operand_bits))
 
 
 def split_scale(q, work, c):

@@ -148,7 +148,10 @@ def run_decode(plan) -> tuple[np.ndarray, np.ndarray, bool]:
     rows = (hq // layout.heads) * tq
     part_out = np.empty((len(plan.items), rows, dv), dtype=q.dtype)
     part_lse = np.empty((len(plan.items), rows), dtype=q.dtype)
-    part_flag = np.zeros(len(plan.items), dtype=np.uint8)
+    # Raw-score reports (precision.py) matter only for float32 work; empty
+    # flags for float64 skip the check in the kernel.
+    flagged_items = len(plan.items) if q.dtype == np.float32 else 0
+    part_flag = np.zeros(flagged_items, dtype=np.uint8)
     out = np.empty((batch, hq, tq, dv), dtype=q.dtype)
     lse = np.empty((batch, hq, tq), dtype=q.dtype)
     # Numba has no 16-bit floats: the kernel widens the bit patterns itself.
