@@ -145,7 +145,8 @@ def decode_kernel(
             range, or a NaN/inf input: :mod:`flashtile.precision` then
             checks the range).
         variants: :class:`.tiles.KernelVariants` (no mask arrays).
-        tile_keys: keys per tile. gemm_fn: :func:`.blas.gemm_for` of the dtype.
+        tile_keys: keys per tile. gemm_fn: the ``address`` of :func:`.blas.gemm_for`
+            of the dtype.
     """
     tq, d = q.shape[2], q.shape[3]
     page, dv = k.shape[2], v.shape[3]

@@ -155,8 +155,8 @@ def forward_kernel(
         seqs: ``(S, SEQ_COLUMNS)`` int64 sequence table (:mod:`.tiles`).
         items: ``(N, 3)`` int64 rows ``(sequence, kv head, i0)``, in the
             order the threads should take them.
-        variants: :class:`.tiles.KernelVariants`. gemm_fn: :func:`.blas.gemm_for`
-            of the dtype.
+        variants: :class:`.tiles.KernelVariants`. gemm_fn: the ``address`` of
+            :func:`.blas.gemm_for` for the dtype.
     """
     group = q.shape[1] // k.shape[1]
     work = lse.dtype  # the state's dtype: float32 for bf16 operands

@@ -47,24 +47,32 @@ def _kernels() -> types.SimpleNamespace:
     )  # fmt: skip
 
 
-def _call(threads, gemm_fn, kernel, *args):
-    """``kernel(*args)`` on the plan's ``threads`` (:func:`flashtile.planning.call_threads`).
+def _call(threads, entry, kernel, *args):
+    """``kernel(*args, entry.address)`` on the plan's ``threads``
+    (:func:`flashtile.planning.call_threads`); ``entry``: the kernel's
+    :func:`.blas.gemm_for`.
 
     A threaded BLAS is pinned to one thread meanwhile
-    (:func:`.blas.single_threaded_blas`; free for a sequential MKL): with
+    (:func:`.blas.single_threaded_blas`; not needed for a sequential MKL): with
     several kernel threads it must not start its own, and with one it keeps
     the products bit-identical from call to call (a threaded MKL's result
     depends on its thread count). With one thread, Numba's count is set to 1
     for the call, so the pool is never woken.
     """
-    with _kernels().single_threaded_blas(gemm_fn):
-        if threads > 1:
-            return kernel(*args)
-        saved = _swap_threads(1)
-        try:
-            return kernel(*args)
-        finally:
-            _swap_threads(saved)
+    if not entry.pinned:
+        return _on_threads(threads, kernel, *args, entry.address)
+    with _kernels().single_threaded_blas(entry):
+        return _on_threads(threads, kernel, *args, entry.address)
+
+
+def _on_threads(threads, kernel, *args):
+    if threads > 1:
+        return kernel(*args)
+    saved = _swap_threads(1)
+    try:
+        return kernel(*args)
+    finally:
+        _swap_threads(saved)
 
 
 def run_forward(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -87,7 +95,7 @@ def run_forward(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         bits = tuple(a.view(np.uint16) for a in bits)
     _call(
         plan.threads, gemm_fn, kernels.forward_kernel, *bits, lse, visited, plan.seqs, plan.items,
-        plan.scale, plan.variants, plan.block_q, plan.block_k, gemm_fn,
+        plan.scale, plan.variants, plan.block_q, plan.block_k,
     )  # fmt: skip
     return out, lse, visited
 
@@ -126,7 +134,6 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
     _call(
         plan.threads, gemm_fn, kernels.backward_kernel, *bits, lse4, dout4, dq_bits, dk_parts,
         dv_parts, plan.seqs, plan.items, plan.scale, plan.variants, plan.block_q, plan.block_k,
-        gemm_fn,
     )  # fmt: skip
     dk, dv = dk_parts[0], dv_parts[0]
     for p in range(1, plan.parts):  # a fixed order: deterministic sums
@@ -160,7 +167,6 @@ def run_decode(plan) -> tuple[np.ndarray, np.ndarray, bool]:
     _call(
         plan.threads, gemm_fn, kernels.decode_kernel, q, k, v, fmt, layout.table, layout.seqlens,
         plan.items, part_out, part_lse, part_flag, plan.scale, plan.variants, plan.tile_keys,
-        gemm_fn,
     )  # fmt: skip
     kernels.merge_partials(part_out, part_lse, plan.spans, out, lse)
     return out, lse, bool(part_flag.any())
