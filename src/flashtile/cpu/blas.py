@@ -53,7 +53,6 @@ import importlib.metadata
 import os
 import threading
 from pathlib import Path
-
 from typing import NamedTuple
 
 import llvmlite.binding as llvm
@@ -312,7 +311,8 @@ def fortran_gemm(
     and the arrays pass their data pointers, so a call allocates nothing.
     An integer address is one machine word to pass into a kernel (a ctypes
     function object costs microseconds to unbox on every call)."""
-    if not (isinstance(address, types.Integer) and all(isinstance(t, types.Array) for t in (a, b, c))):
+    arrays = all(isinstance(t, types.Array) for t in (a, b, c))
+    if not (arrays and isinstance(address, types.Integer)):
         return None
     int32, scalar = types.int32, c.dtype
     arguments = (address, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
