@@ -15,8 +15,6 @@ the split planning: :func:`flashtile.planning.plan_decode`; the kernel:
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 
 from ._validate import check_flag, check_num_splits, resolve_scale
@@ -90,7 +88,7 @@ def decode_attention(
         return score_bound(scale, q, layout.k, variants, q.shape[2], capacity)
 
     if decode_overflowed(lse, layout.seqlens, bound, flagged):
-        wide = replace(layout, k=layout.k.astype(np.float64), v=layout.v.astype(np.float64))
+        wide = layout._replace(k=layout.k.astype(np.float64), v=layout.v.astype(np.float64))
         out, lse, _ = run_decode(plan_decode(q, wide, variants, scale, num_splits))
         lse = narrow_lse(lse, layout.k.dtype)
     out = out.astype(q.dtype, copy=False)

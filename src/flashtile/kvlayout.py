@@ -19,7 +19,7 @@ length (default: the whole capacity). Query ``i`` of ``Tq`` sits at position
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,8 +27,7 @@ from ._validate import SUPPORTED_DTYPES, AttentionShapes, as_float_array
 from .variants import Variants, resolve_variants
 
 
-@dataclass(frozen=True)
-class CacheLayout:
+class CacheLayout(NamedTuple):  # a tuple: built on every decoding call
     """A validated decode call's cache.
 
     Attributes:

@@ -476,8 +476,15 @@ def plan_decode_call(call: Call) -> DecodePlan:
     q4 = _as4d(call.q, compute_dtype(call.q.dtype))
     k4, v4 = (_as4d(a, a.dtype) for a in (call.k, call.v))
     n, tk = q4.shape[0], k4.shape[2]
-    lengths = call.variants.kv_lengths
-    seqlens = np.full(n, tk, dtype=np.int64) if lengths is None else lengths
-    table = np.arange(n, dtype=np.int64)[:, None]
+    table, seqlens = _whole_cache(n, tk)
+    if call.variants.kv_lengths is not None:
+        seqlens = call.variants.kv_lengths
     layout = CacheLayout(k4, v4, table, seqlens, tk, False)
     return plan_decode(q4, layout, call.variants, call.scale, None)
+
+
+@lru_cache(maxsize=64)
+def _whole_cache(n: int, tk: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(table, seqlens)`` of ``n`` contiguous caches of ``tk`` keys, all
+    valid, cached (shared arrays: the kernel only reads them)."""
+    return np.arange(n, dtype=np.int64)[:, None], np.full(n, tk, dtype=np.int64)
