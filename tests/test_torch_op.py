@@ -382,3 +382,33 @@ def test_eager_training_path_equals_the_dispatched_op():
     with Log():
         out.sum().backward()
     assert any("attention_bwd" in name for name in seen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_plain_eager_calls_skip_the_op_layers_and_equal_the_op(dtype, monkeypatch):
+    """A plain eager call without gradients runs straight on the kernels (not
+    through the op's implementation), validated once per metadata while the
+    key count changes (a decoding loop), with the op's results bit for bit."""
+    from flashtile.torch import _attention, _ops
+
+    _attention._VALIDATED.clear()
+    forward = op = _ops.forward  # the op's implementation, kept for the references
+    monkeypatch.setattr(_ops, "forward", lambda *a: pytest.fail("the op's layers ran"))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, 1, 32, generator=g).to(dtype)
+    for tk in (600, 601):  # decode-shaped, GQA: one validation for both
+        k, v = (torch.randn(1, 2, tk, 32, generator=g).to(dtype) for _ in range(2))
+        out, lse = ftt.attention(q, k, v, enable_gqa=True, return_lse=True, scale=0.3)
+        want = op(q, k, v, None, None, False, 0.3, -1, -1, None, None)
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    assert len(_attention._VALIDATED) == 1
+    tiny = [torch.randn(2, 4, 16, 8, generator=g).to(dtype) for _ in range(3)]
+    out = ftt.attention(*tiny, causal=True, softcap=5.0)
+    assert torch.equal(out, op(*tiny, None, None, True, None, -1, -1, 5.0, None)[0])
+    with pytest.raises(ValueError, match="enable_gqa=True"):  # another key: validated again
+        ftt.attention(q, k, v)
+    monkeypatch.setattr(_ops, "forward", forward)  # float16 and gradients: the op's path
+    half = ftt.attention(*(t.half() for t in tiny), causal=True)
+    assert half.dtype == torch.float16
+    grad = ftt.attention(*(t.requires_grad_() for t in tiny), causal=True)
+    assert type(grad.grad_fn).__name__ == "EagerAttentionBackward"

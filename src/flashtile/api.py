@@ -87,8 +87,8 @@ def _check_gradient_inputs(call, out, lse, dout):
     return out, lse, dout
 
 
-def _forward(call, block_q, block_k, return_lse):
-    """Run a validated call: the decode kernel for a decode-shaped one
+def run_call(call, block_q=None, block_k=None, return_lse=False):
+    """Run a validated call (:func:`check_call`): the decode kernel for a decode-shaped one
     (:func:`~flashtile.planning.decode_shaped`), else the forward kernel;
     the results in the caller's layout and dtype (``lse`` in the compute
     dtype, also where float64 was needed)."""
@@ -153,7 +153,7 @@ def attention(
     """
     return_lse = check_flag(return_lse, "return_lse")
     call = check_call(q, k, v, causal, scale, variants)
-    return _forward(call, block_q, block_k, return_lse)
+    return run_call(call, block_q, block_k, return_lse)
 
 
 def visited_tiles(q, k, v, *, causal=False, block_q, block_k, **variants) -> int:
@@ -220,7 +220,7 @@ def varlen_attention(
     """
     return_lse = check_flag(return_lse, "return_lse")
     call = check_call(q, k, v, causal, scale, variants, (cu_seqlens_q, cu_seqlens_k))
-    return _forward(call, block_q, block_k, return_lse)
+    return run_call(call, block_q, block_k, return_lse)
 
 
 def varlen_attention_backward(
