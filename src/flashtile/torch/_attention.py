@@ -7,7 +7,8 @@ variant keywords into the op's flat arguments and calls
 ``flashtile::attention_bwd``. A call with nothing to trace or intercept
 (eager mode: plain tensors, no ``torch.compile``, no tracing, no dispatch
 mode) skips the dispatcher's cost: without a gradient wanted it runs the op's
-implementation directly, with one the same autograd formula as an
+implementation directly (a plain call, such as a decoding step, skips that
+layer too: :func:`_plain_eager`), with one the same autograd formula as an
 ``autograd.Function`` (:class:`._ops.EagerAttention`).
 """
 
@@ -184,7 +185,9 @@ def _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse):
     qs, ks, vs = q.shape, k.shape, v.shape
     if not (len(qs) == len(ks) == len(vs) == 4 and ks[2] == vs[2] and ks[2] > 0):
         return None
-    if not (q.is_cpu and k.is_cpu and v.is_cpu) or _wants_grad(q, k, v):
+    if _support.is_cuda_call(q, k, v) or not (q.is_cpu and k.is_cpu and v.is_cpu):
+        return None  # the Triton kernels' (the one device test), or refused
+    if _wants_grad(q, k, v):
         return None
     if not _ops.nothing_intercepts():
         return None
@@ -192,9 +195,6 @@ def _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse):
     key = (qs, ks[0], ks[1], ks[3], vs[0], vs[1], vs[3], dtype, k.dtype, v.dtype, causal, scale)
     key += (softcap, enable_gqa)
     known = _VALIDATED.get(key)
-    if known is None and dtype not in _ops.NATIVE_DTYPES:
-        return None  # float16 is upcast on the general path
-    qn, kn, vn = as_numpy(q), as_numpy(k), as_numpy(v)
     if known is None:
         refused = refusal(
             q, k, v, causal=causal, scale=scale, softcap=softcap, enable_gqa=enable_gqa,
@@ -202,6 +202,10 @@ def _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse):
         )  # fmt: skip
         if refused is not None:
             raise refused.exception()
+        if dtype not in _ops.NATIVE_DTYPES:
+            return None  # float16 is upcast on the general path
+    qn, kn, vn = as_numpy(q), as_numpy(k), as_numpy(v)
+    if known is None:
         variants = {} if softcap is None else {"softcap": softcap}
         call = check_call(qn, kn, vn, causal, scale, variants)
         if len(_VALIDATED) >= _VALIDATED_MAX:

@@ -29,7 +29,10 @@ fresh tensors: the kernels write into new NumPy buffers that
 mode (nothing to trace or intercept) :func:`flashtile.torch.attention` calls
 :func:`forward` directly when no gradient is wanted, which saves the
 dispatcher's cost (about 12 us a call), and :class:`EagerAttention` (the
-same autograd formula as an ``autograd.Function``) when one is.
+same autograd formula as an ``autograd.Function``) when one is. A plain
+call (no mask, slopes, window or ``kv_lengths``, a native dtype) without a
+gradient skips :func:`forward` too and runs the kernels itself
+(:func:`flashtile.torch._attention._plain_eager`).
 
 Use :func:`flashtile.torch.attention` rather than these ops directly: it
 checks devices and dtypes, handles float16/bfloat16 and GQA the way SDPA does,
