@@ -95,8 +95,9 @@ def run_call(call, block_q=None, block_k=None, return_lse=False):
     out = None
     if decode_shaped(call, block_q, block_k):
         plan = plan_decode_call(call)
-        out, lse, flagged = run_decode(plan)
-        if _overflowed(call, plan, lse, flagged):  # computed again, in float64 (precision.py)
+        out, lse, flagged, finite = run_decode(plan)
+        suspect = flagged or not finite  # the common case: neither, nothing to check
+        if suspect and _overflowed(call, plan, lse, flagged, finite):  # again, in float64
             out = None
     if out is None:
         out, lse, _ = run_forward(plan_forward(call, block_q, block_k))
@@ -105,7 +106,7 @@ def run_call(call, block_q=None, block_k=None, return_lse=False):
     return (out, narrow_lse(lse.reshape(lse_shape), call.q.dtype)) if return_lse else out
 
 
-def _overflowed(call, plan, lse, flagged) -> bool:
+def _overflowed(call, plan, lse, flagged, finite) -> bool:
     """Whether a decode-routed call's float32 scores could have passed float32's
     range: checked, as decoding does, only when a raw score was not finite
     (``flagged``) or a row got a non-finite ``lse`` (the bound is a pass over
@@ -115,7 +116,7 @@ def _overflowed(call, plan, lse, flagged) -> bool:
     def bound():
         return score_bound(call.scale, call.q, call.k, call.variants, shapes.tq, shapes.tk)
 
-    return decode_overflowed(lse, plan.layout.seqlens, bound, flagged)
+    return decode_overflowed(lse, plan.layout.seqlens, bound, flagged, finite)
 
 
 def _gradient_results(plan, call, grads):

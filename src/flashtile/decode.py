@@ -81,15 +81,15 @@ def decode_attention(
         q, layout, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap
     )
     scale = resolve_scale(scale, q.shape[3])
-    out, lse, flagged = run_decode(plan_decode(q, layout, variants, scale, num_splits))
+    out, lse, flagged, finite = run_decode(plan_decode(q, layout, variants, scale, num_splits))
     capacity = layout.table.shape[1] * layout.page
 
     def bound():
         return score_bound(scale, q, layout.k, variants, q.shape[2], capacity)
 
-    if decode_overflowed(lse, layout.seqlens, bound, flagged):
+    if decode_overflowed(lse, layout.seqlens, bound, flagged, finite):
         wide = layout._replace(k=layout.k.astype(np.float64), v=layout.v.astype(np.float64))
-        out, lse, _ = run_decode(plan_decode(q, wide, variants, scale, num_splits))
+        out, lse, _, _ = run_decode(plan_decode(q, wide, variants, scale, num_splits))
         lse = narrow_lse(lse, layout.k.dtype)
     out = out.astype(q.dtype, copy=False)
     return (out, lse) if return_lse else out

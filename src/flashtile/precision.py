@@ -138,18 +138,23 @@ def work_dtype(dtype: np.dtype, bound: float) -> np.dtype:
     return np.dtype(np.float64) if bound >= FLOAT32_SCORE_LIMIT else work
 
 
-def decode_overflowed(lse: np.ndarray, seqlens: np.ndarray, bound, flagged: bool) -> bool:
+def decode_overflowed(
+    lse: np.ndarray, seqlens: np.ndarray, bound, flagged: bool, finite: bool = False
+) -> bool:
     """Whether a float32 decode step must be computed again in float64.
 
     A raw score that was not finite (``flagged``, from the kernel) or a row of
     a non-empty sequence with a non-finite ``lse (B, Hq, Tq)`` raises the
     question (cheap tests); then ``bound()``, the call's :func:`score_bound`
-    (a pass over the cache), answers it.
+    (a pass over the cache), answers it. ``finite``: the kernel found every
+    ``lse`` finite (False: look).
     """
     if lse.dtype == np.float64:
         return False
     if flagged:
         return bound() >= FLOAT32_SCORE_LIMIT
+    if finite:
+        return False
     finite = np.isfinite(lse)
     if finite.all():  # the common case, in one pass
         return False

@@ -206,6 +206,45 @@ def decode_kernel(
 
 
 @njit(fastmath=FASTMATH, cache=True)
+def decode_call(
+    q, k, v, fmt, table, seqlens, items, spans, check_raw, scale, variants, tile_keys, gemm_fn
+):  # fmt: skip
+    """One decoding call in compiled code: :func:`decode_kernel` over
+    ``items`` into partials, then :func:`merge_partials` over ``spans``.
+
+    Arguments as :func:`decode_kernel`'s (without the partial buffers, which
+    are allocated here); ``check_raw``: report raw scores that are not
+    finite (float32 work, :mod:`flashtile.precision`). Returns ``(out (B,
+    Hq, Tq, dv), lse (B, Hq, Tq), flagged, finite)``: ``flagged``, a raw
+    score was not finite; ``finite``, every ``lse`` is. One call from Python
+    instead of five allocations, two kernel calls and two reductions: inside
+    a model's loop each of those costs microseconds.
+    """
+    batch, hq, tq = q.shape[0], q.shape[1], q.shape[2]
+    dv = v.shape[3]
+    rows = (hq // k.shape[1]) * tq
+    slots = items.shape[0]
+    part_out = np.empty((slots, rows, dv), dtype=q.dtype)
+    part_lse = np.empty((slots, rows), dtype=q.dtype)
+    part_flag = np.zeros(slots if check_raw else 0, dtype=np.uint8)
+    decode_kernel(
+        q, k, v, fmt, table, seqlens, items, part_out, part_lse, part_flag, scale, variants,
+        tile_keys, gemm_fn,
+    )  # fmt: skip
+    out = np.empty((batch, hq, tq, dv), dtype=q.dtype)
+    lse = np.empty((batch, hq, tq), dtype=q.dtype)
+    merge_partials(part_out, part_lse, spans, out, lse)
+    flagged = False
+    for n in range(part_flag.shape[0]):
+        flagged |= part_flag[n] != 0
+    finite = True
+    flat = lse.reshape(lse.size)
+    for i in range(flat.shape[0]):
+        finite &= abs(flat[i]) < np.inf  # NaN compares False
+    return out, lse, flagged, finite
+
+
+@njit(fastmath=FASTMATH, cache=True)
 def merge_partials(part_out, part_lse, spans, out, lse):
     """Fold each ``(sequence, kv head)``'s partials into ``out``/``lse``.
 

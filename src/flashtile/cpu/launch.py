@@ -35,15 +35,15 @@ def _kernels() -> types.SimpleNamespace:
     statement in each call costs about a microsecond)."""
     from .backward import backward_kernel
     from .blas import gemm_for, single_threaded_blas
-    from .decode import decode_kernel, merge_partials
+    from .decode import decode_call
     from .forward import forward_kernel
     from .half import to_bfloat16
     from .memory import cache_operands
 
     return types.SimpleNamespace(
         backward_kernel=backward_kernel, gemm_for=gemm_for, forward_kernel=forward_kernel,
-        single_threaded_blas=single_threaded_blas, decode_kernel=decode_kernel,
-        merge_partials=merge_partials, cache_operands=cache_operands, to_bfloat16=to_bfloat16,
+        single_threaded_blas=single_threaded_blas, decode_call=decode_call,
+        cache_operands=cache_operands, to_bfloat16=to_bfloat16,
     )  # fmt: skip
 
 
@@ -144,29 +144,19 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return dq, dk, dv
 
 
-def run_decode(plan) -> tuple[np.ndarray, np.ndarray, bool]:
-    """``(out (B, Hq, Tq, dv), lse (B, Hq, Tq), flagged)`` of a decode plan, in
-    the work dtype; ``flagged``: some raw score was not finite (the caller
-    checks the float32 range then, :func:`flashtile.precision.decode_overflowed`)."""
+def run_decode(plan) -> tuple[np.ndarray, np.ndarray, bool, bool]:
+    """``(out (B, Hq, Tq, dv), lse (B, Hq, Tq), flagged, finite)`` of a decode
+    plan, in the work dtype; ``flagged``: some raw score was not finite,
+    ``finite``: every ``lse`` is (the caller checks the float32 range from
+    those, :func:`flashtile.precision.decode_overflowed`)."""
     kernels = _kernels()
     q, layout = plan.q, plan.layout
-    batch, hq, tq, _ = q.shape
-    dv = layout.v.shape[3]
-    rows = (hq // layout.heads) * tq
-    part_out = np.empty((len(plan.items), rows, dv), dtype=q.dtype)
-    part_lse = np.empty((len(plan.items), rows), dtype=q.dtype)
-    # Raw-score reports (precision.py) matter only for float32 work; empty
-    # flags for float64 skip the check in the kernel.
-    flagged_items = len(plan.items) if q.dtype == np.float32 else 0
-    part_flag = np.zeros(flagged_items, dtype=np.uint8)
-    out = np.empty((batch, hq, tq, dv), dtype=q.dtype)
-    lse = np.empty((batch, hq, tq), dtype=q.dtype)
+    rows = (q.shape[1] // layout.heads) * q.shape[2]
     # Numba has no 16-bit floats: the kernel widens the bit patterns itself.
     k, v, fmt = kernels.cache_operands(layout.k, layout.v)
     gemm_fn = kernels.gemm_for(q.dtype, rows=rows)
-    _call(
-        plan.threads, gemm_fn, kernels.decode_kernel, q, k, v, fmt, layout.table, layout.seqlens,
-        plan.items, part_out, part_lse, part_flag, plan.scale, plan.variants, plan.tile_keys,
+    # Raw-score reports (precision.py) matter only for float32 work.
+    return _call(
+        plan.threads, gemm_fn, kernels.decode_call, q, k, v, fmt, layout.table, layout.seqlens,
+        plan.items, plan.spans, q.dtype == np.float32, plan.scale, plan.variants, plan.tile_keys,
     )  # fmt: skip
-    kernels.merge_partials(part_out, part_lse, plan.spans, out, lse)
-    return out, lse, bool(part_flag.any())
