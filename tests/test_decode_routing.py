@@ -8,6 +8,7 @@ and gradients through the torch op must stay right.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 
@@ -48,13 +49,13 @@ def test_the_rule():
     # One query per head goes to the decode kernel, MHA too; several MHA
     # queries stay on the forward kernel while their (batch, kv head) pairs
     # fill the threads, and a single pair does not.
-    mha = z((planning.numba.get_num_threads(), 2, 1, 8))
+    mha = z((numba.get_num_threads(), 2, 1, 8))
     kk = z((mha.shape[0], 2, 512, 8))
     assert planning.decode_shaped(_call(mha, kk, kk))
     mha2 = np.concatenate([mha, mha], axis=2)
     assert not planning.decode_shaped(_call(mha2, kk, kk))
     one = _call(mha2[:1, :1], kk[:1, :1], kk[:1, :1])
-    assert planning.decode_shaped(one) == (planning.numba.get_num_threads() > 1)
+    assert planning.decode_shaped(one) == (numba.get_num_threads() > 1)
     assert not planning.decode_shaped(_call(q, k, k), block_q=16)  # forward tiles asked for
     assert not planning.decode_shaped(_call(q, k, k, mask=z((1, 512), dtype=bool)))
     short = np.array([500])
@@ -105,7 +106,7 @@ def test_plans_are_cached_and_small_calls_run_serially():
     other = planning.plan_forward(_call(q, q, q, False))
     assert other.items is not first.items
     big = np.ones((1, 8, 512, 64), dtype=np.float32)
-    assert planning.plan_forward(_call(big, big, big)).threads == planning.numba.get_num_threads()
+    assert planning.plan_forward(_call(big, big, big)).threads == numba.get_num_threads()
 
 
 torch = pytest.importorskip("torch")

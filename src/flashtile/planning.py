@@ -30,10 +30,10 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
-import numba
 import numpy as np
 
 from ._validate import BFLOAT16, AttentionShapes, check_block_size, compute_dtype, head_group
+from .cpu.launch import kernel_threads
 from .cpu.tiles import (
     LOG2E,
     SEQ_BATCH,
@@ -231,10 +231,12 @@ def call_threads(shapes: AttentionShapes) -> int:
     for n in shapes.batch:
         heads *= n
     work = heads * shapes.tq * shapes.tk * (shapes.d + shapes.dv)
-    return 1 if work < SERIAL_WORK else numba.get_num_threads()
+    return 1 if work < SERIAL_WORK else kernel_threads()
 
 
 def _as4d(a, work):
+    if a.ndim == 4 and a.dtype == work and a.flags.c_contiguous:
+        return a  # the common case, without NumPy's calls
     return np.ascontiguousarray(a.reshape((1,) * (4 - a.ndim) + a.shape), dtype=work)
 
 
@@ -406,7 +408,7 @@ def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> Deco
     _, hq, tq, d = q.shape
     lengths = tuple(layout.seqlens.tolist())
     size = hq * tq * sum(lengths) * (d + layout.v.shape[3])
-    threads = 1 if size < SERIAL_WORK else numba.get_num_threads()
+    threads = 1 if size < SERIAL_WORK else kernel_threads()
     items, spans = _decode_splits(
         lengths, tq, va.causal, va.left, va.right, layout.heads, num_splits, threads
     )
@@ -458,7 +460,7 @@ def decode_shaped(call: Call, block_q=None, block_k=None) -> bool:
     group = heads if call.k.ndim < 3 else head_group(heads, call.k.shape[-3])
     pairs = (shapes.batch[0] if len(shapes.batch) > 1 else 1) * (heads // group)
     stacked = (group > 1 or shapes.tq == 1) and group * shapes.tq <= DECODE_MAX_ROWS
-    if not (stacked or pairs < numba.get_num_threads()):
+    if not (stacked or pairs < kernel_threads()):
         return False
     if va.kv_lengths is None or bool((va.kv_lengths == shapes.tk).all()):
         return True
