@@ -214,8 +214,10 @@ def _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse):
     else:
         shapes, variants, resolved = known
         call = Call(qn, kn, vn, shapes._replace(tk=ks[2]), variants, resolved)
-    out, lse = run_call(call, return_lse=True)
-    return (as_tensor(out), as_tensor(lse)) if return_lse else as_tensor(out)
+    if return_lse:
+        out, lse = run_call(call, return_lse=True)
+        return as_tensor(out), as_tensor(lse)
+    return as_tensor(run_call(call))
 
 
 #: The longest query block sent to the decoding kernel rather than the forward's.
