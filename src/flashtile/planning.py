@@ -33,7 +33,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ._validate import BFLOAT16, AttentionShapes, check_block_size, compute_dtype, head_group
-from .cpu.launch import kernel_threads
+from .cpu.launch import numba_threads
 from .cpu.tiles import (
     LOG2E,
     SEQ_BATCH,
@@ -231,10 +231,12 @@ def call_threads(shapes: AttentionShapes) -> int:
     for n in shapes.batch:
         heads *= n
     work = heads * shapes.tq * shapes.tk * (shapes.d + shapes.dv)
-    return 1 if work < SERIAL_WORK else kernel_threads()
+    return 1 if work < SERIAL_WORK else numba_threads()
 
 
 def _as4d(a, work):
+    """``a`` as a 4-D C-contiguous array of dtype ``work``: ``a`` itself when
+    it already is one, else a view or a copy."""
     if a.ndim == 4 and a.dtype == work and a.flags.c_contiguous:
         return a  # the common case, without NumPy's calls
     return np.ascontiguousarray(a.reshape((1,) * (4 - a.ndim) + a.shape), dtype=work)
@@ -252,10 +254,10 @@ def bf16_products(dtype) -> bool:
 
 def kernel_arrays(call: Call):
     """``(q4, k4, v4)``: the arrays as 4-D contiguous blocks in the work dtype
-    (views when they already are). The work dtype is float64 also for 16-bit
-    and float32 inputs whose scores could pass float32's range
-    (:mod:`flashtile.precision`); bfloat16 stays bfloat16 where the CPU has
-    bf16 products (:func:`bf16_products`)."""
+    (the arrays themselves, or views, when they already are). The work dtype
+    is float64 also for 16-bit and float32 inputs whose scores could pass
+    float32's range (:mod:`flashtile.precision`); bfloat16 stays bfloat16
+    where the CPU has bf16 products (:func:`bf16_products`)."""
     shapes = call.shapes
     bound, products = bounds(call.scale, call.q, call.k, call.variants, shapes.tq, shapes.tk)
     work = work_dtype(call.q.dtype, bound)
@@ -408,7 +410,7 @@ def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> Deco
     _, hq, tq, d = q.shape
     lengths = tuple(layout.seqlens.tolist())
     size = hq * tq * sum(lengths) * (d + layout.v.shape[3])
-    threads = 1 if size < SERIAL_WORK else kernel_threads()
+    threads = 1 if size < SERIAL_WORK else numba_threads()
     items, spans = _decode_splits(
         lengths, tq, va.causal, va.left, va.right, layout.heads, num_splits, threads
     )
@@ -460,7 +462,7 @@ def decode_shaped(call: Call, block_q=None, block_k=None) -> bool:
     group = heads if call.k.ndim < 3 else head_group(heads, call.k.shape[-3])
     pairs = (shapes.batch[0] if len(shapes.batch) > 1 else 1) * (heads // group)
     stacked = (group > 1 or shapes.tq == 1) and group * shapes.tq <= DECODE_MAX_ROWS
-    if not (stacked or pairs < kernel_threads()):
+    if not (stacked or pairs < numba_threads()):
         return False
     if va.kv_lengths is None or bool((va.kv_lengths == shapes.tk).all()):
         return True

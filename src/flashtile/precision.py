@@ -155,10 +155,10 @@ def decode_overflowed(
         return bound() >= FLOAT32_SCORE_LIMIT
     if finite:
         return False
-    finite = np.isfinite(lse)
-    if finite.all():  # the common case, in one pass
+    is_finite = np.isfinite(lse)
+    if is_finite.all():  # the common case, in one pass
         return False
-    odd = ~finite & ~(np.isneginf(lse) & (seqlens == 0)[:, None, None])
+    odd = ~is_finite & ~(np.isneginf(lse) & (seqlens == 0)[:, None, None])
     return bool(odd.any()) and bound() >= FLOAT32_SCORE_LIMIT
 
 

@@ -1,4 +1,5 @@
-"""Run a plan on the compiled kernels: allocate the outputs, pin BLAS, call.
+"""Run a plan on the compiled kernels: allocate the outputs (decoding's are
+allocated in compiled code), pin BLAS, call.
 
 Each function takes a plan from :mod:`flashtile.planning` and returns the
 kernel's results in the work dtype and the kernel's 4-D layout; shaping them
@@ -30,10 +31,11 @@ def _swap_threads(n):
 
 
 @numba.njit  # not cached, as _swap_threads
-def kernel_threads():
+def numba_threads():
     """Numba's thread count for the calling thread: ``numba.get_num_threads()``
     compiled (the Python function costs about 2 us, this 0.2; planning asks
-    on every call)."""
+    on every call). Compiled once per process on first use, as
+    :func:`_swap_threads` (a few hundred ms, with Numba's own start-up)."""
     return numba.get_num_threads()
 
 
