@@ -192,8 +192,10 @@ def _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse):
     if not _ops.nothing_intercepts():
         return None
     dtype = q.dtype
-    key = (qs, ks[0], ks[1], ks[3], vs[0], vs[1], vs[3], dtype, k.dtype, v.dtype, causal, scale)
-    key += (softcap, enable_gqa)
+    key = (
+        qs, ks[0], ks[1], ks[3], vs[0], vs[1], vs[3], dtype, k.dtype, v.dtype, causal, scale,
+        softcap, enable_gqa,
+    )  # fmt: skip
     known = _VALIDATED.get(key)
     if known is None:
         refused = refusal(
