@@ -388,7 +388,8 @@ def test_eager_training_path_equals_the_dispatched_op():
 def test_plain_eager_calls_skip_the_op_layers_and_equal_the_op(dtype, monkeypatch):
     """A plain eager call without gradients runs straight on the kernels (not
     through the op's implementation), validated once per metadata while the
-    key count changes (a decoding loop), with the op's results bit for bit."""
+    key count changes (a decoding loop), with the op's results bit for bit;
+    kv_lengths values are checked on every call."""
     from flashtile.torch import _attention, _ops
 
     _attention._VALIDATED.clear()
@@ -402,6 +403,13 @@ def test_plain_eager_calls_skip_the_op_layers_and_equal_the_op(dtype, monkeypatc
         want = op(q, k, v, None, None, False, 0.3, -1, -1, None, None)
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
     assert len(_attention._VALIDATED) == 1
+    for n in (3, 601):  # a static cache: its filled length, values checked on every call
+        lengths = torch.tensor([n])
+        out = ftt.attention(q, k, v, enable_gqa=True, kv_lengths=lengths)
+        assert torch.equal(out, op(q, k, v, None, None, False, None, -1, -1, None, lengths)[0])
+    assert len(_attention._VALIDATED) == 2
+    with pytest.raises(ValueError, match="kv_lengths must lie in"):
+        ftt.attention(q, k, v, enable_gqa=True, kv_lengths=torch.tensor([602]))
     tiny = [torch.randn(2, 4, 16, 8, generator=g).to(dtype) for _ in range(3)]
     out = ftt.attention(*tiny, causal=True, softcap=5.0)
     assert torch.equal(out, op(*tiny, None, None, True, None, -1, -1, 5.0, None)[0])

@@ -19,6 +19,7 @@ import torch
 from ..api import check_call, run_call
 from ..masks import normalize_window
 from ..planning import Call
+from ..variants import resolve_variants
 from . import _ops, _support
 from ._support import as_constant, refusal
 from .arrays import as_numpy, as_tensor
@@ -113,8 +114,8 @@ def attention(
         ImportError: CUDA tensors on a machine where Triton cannot be imported
             (also a :class:`~._support.Refusal`).
     """
-    if mask is None and alibi_slopes is None and kv_lengths is None and window is None:
-        result = _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse)
+    if mask is None and alibi_slopes is None and window is None:
+        result = _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengths)
         if result is not None:
             return result
     refused = refusal(
@@ -153,27 +154,70 @@ def attention(
 
 
 #: Plain eager calls validated before, by everything their validation reads
-#: but the key count (a decoding loop's cache grows every step): the
-#: call's ``(shapes, variants, scale)`` from :func:`flashtile.api.check_call`.
+#: but the key count (a decoding loop's cache grows every step) and the
+#: lengths' values: the call's ``(shapes, variants, scale)`` from
+#: :func:`flashtile.api.check_call`.
 _VALIDATED: dict = {}
 _VALIDATED_MAX = 256
 
 
-def _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse):
+def _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengths):
     """The result of a plain call, straight on the kernels; None for any other.
 
-    Plain: no mask, slopes, window or ``kv_lengths``; 4-D CPU tensors of a
-    native dtype (``_ops.NATIVE_DTYPES``), bool flags, ``scale`` and
-    ``softcap`` None or a Python float; eager, no gradient wanted. Such a
-    call is the decoding step of a serving loop, where the layers of the
+    Plain (:func:`_plain_key`): no mask, slopes or window; 4-D CPU tensors
+    of a native dtype (``_ops.NATIVE_DTYPES``), bool flags, ``scale`` and
+    ``softcap`` None or a Python float, ``kv_lengths`` None or a CPU tensor;
+    eager, no gradient wanted. Such a call is the decoding step of a serving
+    loop (a static cache's passes ``kv_lengths``), where the layers of the
     general path (the op's arguments, NumPy's own validation of what the
     torch rule has checked) cost as much as the kernel: measured inside a
     GPT-2 loop, 360 us of Python around a 366 us kernel. The first call of
     each metadata runs the full validation (:func:`._support.refusal`, then
     :func:`flashtile.api.check_call`, raising as the general path does);
     later ones with other key counts reuse it, checking only what depends
-    on the count. Then :func:`flashtile.api.run_call`, as the op would.
+    on the count and the lengths' values
+    (:func:`flashtile.variants.resolve_variants`). Then
+    :func:`flashtile.api.run_call`, as the op would.
     """
+    key = _plain_key(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengths)
+    if key is None:
+        return None
+    known = _VALIDATED.get(key)
+    if known is None:
+        refused = refusal(
+            q, k, v, causal=causal, scale=scale, softcap=softcap, enable_gqa=enable_gqa,
+            return_lse=return_lse, kv_lengths=kv_lengths,
+        )  # fmt: skip
+        if refused is not None:
+            raise refused.exception()
+        if q.dtype not in _ops.NATIVE_DTYPES:
+            return None  # float16 is upcast on the general path
+    qn, kn, vn = as_numpy(q), as_numpy(k), as_numpy(v)
+    lengths = None if kv_lengths is None else as_numpy(kv_lengths)
+    if known is None:
+        variants = {} if softcap is None else {"softcap": softcap}
+        if lengths is not None:
+            variants["kv_lengths"] = lengths
+        call = check_call(qn, kn, vn, causal, scale, variants)
+        if len(_VALIDATED) >= _VALIDATED_MAX:
+            _VALIDATED.clear()
+        _VALIDATED[key] = (call.shapes, call.variants, call.scale)
+    else:
+        shapes, va, resolved = known
+        shapes = shapes._replace(tk=k.shape[2])
+        if lengths is not None:  # values: checked on every call, by the one rule
+            va = resolve_variants(shapes, causal=causal, softcap=softcap, kv_lengths=lengths)
+        call = Call(qn, kn, vn, shapes, va, resolved)
+    if return_lse:
+        out, lse = run_call(call, return_lse=True)
+        return as_tensor(out), as_tensor(lse)
+    return as_tensor(run_call(call))
+
+
+def _plain_key(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengths):
+    """The :data:`_VALIDATED` key of a plain call (see :func:`_plain_eager`):
+    everything its validation reads but the key count; None when the call
+    is not plain."""
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
         return None
     if not (type(causal) is bool and type(enable_gqa) is bool and type(return_lse) is bool):
@@ -187,39 +231,17 @@ def _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse):
         return None
     if _support.is_cuda_call(q, k, v) or not (q.is_cpu and k.is_cpu and v.is_cpu):
         return None  # the Triton kernels' (the one device test), or refused
-    if _wants_grad(q, k, v):
+    lengths = None
+    if kv_lengths is not None:
+        if type(kv_lengths) is not torch.Tensor or not kv_lengths.is_cpu:
+            return None
+        lengths = (kv_lengths.dtype, kv_lengths.shape)
+    if _wants_grad(q, k, v) or not _ops.nothing_intercepts():
         return None
-    if not _ops.nothing_intercepts():
-        return None
-    dtype = q.dtype
-    key = (
-        qs, ks[0], ks[1], ks[3], vs[0], vs[1], vs[3], dtype, k.dtype, v.dtype, causal, scale,
-        softcap, enable_gqa,
+    return (
+        qs, ks[0], ks[1], ks[3], vs[0], vs[1], vs[3], q.dtype, k.dtype, v.dtype, causal, scale,
+        softcap, enable_gqa, lengths,
     )  # fmt: skip
-    known = _VALIDATED.get(key)
-    if known is None:
-        refused = refusal(
-            q, k, v, causal=causal, scale=scale, softcap=softcap, enable_gqa=enable_gqa,
-            return_lse=return_lse,
-        )  # fmt: skip
-        if refused is not None:
-            raise refused.exception()
-        if dtype not in _ops.NATIVE_DTYPES:
-            return None  # float16 is upcast on the general path
-    qn, kn, vn = as_numpy(q), as_numpy(k), as_numpy(v)
-    if known is None:
-        variants = {} if softcap is None else {"softcap": softcap}
-        call = check_call(qn, kn, vn, causal, scale, variants)
-        if len(_VALIDATED) >= _VALIDATED_MAX:
-            _VALIDATED.clear()
-        _VALIDATED[key] = (call.shapes, call.variants, call.scale)
-    else:
-        shapes, variants, resolved = known
-        call = Call(qn, kn, vn, shapes._replace(tk=ks[2]), variants, resolved)
-    if return_lse:
-        out, lse = run_call(call, return_lse=True)
-        return as_tensor(out), as_tensor(lse)
-    return as_tensor(run_call(call))
 
 
 #: The longest query block sent to the decoding kernel rather than the forward's.
