@@ -201,6 +201,7 @@ def _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_len
         call = check_call(qn, kn, vn, causal, scale, variants)
         if len(_VALIDATED) >= _VALIDATED_MAX:
             _VALIDATED.clear()
+        # (Its variants hold this call's lengths: a later call resolves its own.)
         _VALIDATED[key] = (call.shapes, call.variants, call.scale)
     else:
         shapes, va, resolved = known

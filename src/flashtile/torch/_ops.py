@@ -30,8 +30,8 @@ mode (nothing to trace or intercept) :func:`flashtile.torch.attention` calls
 :func:`forward` directly when no gradient is wanted, which saves the
 dispatcher's cost (about 12 us a call), and :class:`EagerAttention` (the
 same autograd formula as an ``autograd.Function``) when one is. A plain
-call (no mask, slopes, window or ``kv_lengths``, a native dtype) without a
-gradient skips :func:`forward` too and runs the kernels itself
+call (no mask, slopes or window, a native dtype) without a gradient skips
+:func:`forward` too and runs the kernels itself
 (:func:`flashtile.torch._attention._plain_eager`).
 
 Use :func:`flashtile.torch.attention` rather than these ops directly: it
