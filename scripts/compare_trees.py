@@ -1,5 +1,5 @@
 """Before/after guard for a change to the kernels: two flashtile source trees
-timed side by side in ONE process.
+timed side by side, each in a process of its own, in interleaved rounds.
 
 usage: python scripts/compare_trees.py OLD_SRC NEW_SRC [rounds] [--decode] [--only TEXT]
 (e.g. ``git worktree add /tmp/base <rev>`` and ``/tmp/base/src`` as OLD_SRC).
@@ -11,43 +11,83 @@ Tk=32768), first on one thread in CPU seconds
 (``time.process_time``: on a shared machine, time slicing by other jobs then
 does not count), then on two threads in wall seconds.
 
-Each tree's ``flashtile`` package is copied to a temporary folder under its own
-name (the package uses relative imports only), the two are checked to agree on
-every case, then the core preset's cases (and one decode case) are timed in
-shuffled interleaved rounds. Prints medians, new/old ratios, and the spread of
-the old tree's rounds (min..max over the median): a ratio inside that spread is
-noise.
-
-Caveat: Numba's dispatcher caches argument types by name, so two trees' records
-of the same name (``KernelVariants``) can send the second tree's calls through
-the slow dispatch path (about 0.5 ms a call). Negligible for the cases here
-(tens to hundreds of ms); for sub-millisecond calls compare the compiled entry
-points directly.
+Each tree runs in a worker process that imports ``flashtile`` from that tree
+and builds the same seeded inputs; the parent checks that the two agree on
+every case, then asks them in turn (shuffled rounds, one process working at
+a time) to time each case, and prints medians, new/old ratios and the spread
+of the old tree's rounds (min..max over the median): a ratio inside that
+spread is noise. Separate processes, because two trees imported into one
+process share Numba's dispatcher state: records of one name
+(``KernelVariants``) sent the second tree's calls through a slow dispatch
+path, and the tree imported second read 5-40% slower on calls of a few
+milliseconds whichever tree it was (2026-12-01).
 """
 
-import importlib
+import multiprocessing
 import os
 import random
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 import ml_dtypes
 import numpy as np
 
+#: ``--only TEXT``: time only the cases whose label contains TEXT.
+ONLY = ""
 
-def load_trees(old_src: str, new_src: str) -> dict:
-    """Both trees' packages, imported as ``flashtile_old`` and ``flashtile_new``."""
-    tmp = tempfile.mkdtemp(prefix="compare_trees_")
-    skip = shutil.ignore_patterns("__pycache__", "*.nbi", "*.nbc")
-    for tag, src in (("old", old_src), ("new", new_src)):
-        shutil.copytree(
-            os.path.join(src, "flashtile"), os.path.join(tmp, f"flashtile_{tag}"), ignore=skip
+
+class Tree:
+    """A worker process running one source tree's ``flashtile``."""
+
+    def __init__(self, src: str, decode: bool):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        # A daemon: a failed agreement check in the parent does not wait on it.
+        self.process = ctx.Process(
+            target=_serve, args=(os.path.abspath(src), child, decode), daemon=True
         )
-    sys.path.insert(0, tmp)
-    return {tag: importlib.import_module(f"flashtile_{tag}") for tag in ("old", "new")}
+        self.process.start()
+
+    def ask(self, *message):
+        self.conn.send(message)
+        answer = self.conn.recv()
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def close(self):
+        self.conn.send(("stop",))
+        self.process.join()
+
+
+def _serve(src: str, conn, decode: bool) -> None:
+    """The worker: imports ``flashtile`` from ``src`` and answers the parent."""
+    sys.path.insert(0, src)
+    import numba
+
+    import flashtile as ft
+
+    assert ft.__file__.startswith(src), (ft.__file__, src)
+    data = decode_inputs() if decode else make_inputs()
+    call = run_decode if decode else run_case
+    while (message := conn.recv())[0] != "stop":
+        try:
+            kind, *args = message
+            if kind == "threads":
+                numba.set_num_threads(args[0])
+                conn.send(None)
+            elif kind == "result":
+                conn.send(call(ft, data, args[0]))
+            else:  # ("time", label, reps, cpu): seconds per call
+                label, reps, cpu = args
+                clock = time.process_time if cpu else time.perf_counter
+                t0 = clock()
+                for _ in range(reps):
+                    call(ft, data, label)
+                conn.send((clock() - t0) / reps)
+        except Exception as exc:  # sent back: the parent raises it
+            conn.send(exc)
 
 
 #: (label, T, d, causal, mode): the core preset's cases, bfloat16 ones and one
@@ -83,7 +123,10 @@ def make_inputs() -> dict:
     return data
 
 
-def run(ft, q, k, v, causal, mode) -> tuple:
+def run_case(ft, data: dict, label: str) -> tuple:
+    """One case of :data:`CASES` on the tree's ``flashtile``: its results."""
+    _, _, _, causal, mode = next(c for c in CASES if c[0] == label)
+    q, k, v = data[label]
     if mode == "dec":
         return (ft.decode_attention(q, k, v),)
     if mode == "fwd":
@@ -92,29 +135,47 @@ def run(ft, q, k, v, causal, mode) -> tuple:
     return ft.attention_backward(q, k, v, out, lse, out, causal=causal)
 
 
+def compare(trees: dict, labels: list, rounds: int, cpu: bool, reps=None) -> dict:
+    """``{(label, tag): seconds per call, one per round}``: shuffled rounds in
+    which each tree times each case (``reps[label]`` calls, default 1)."""
+    times = {(label, tag): [] for label in labels for tag in trees}
+    for r in range(rounds):
+        order = list(times)
+        random.Random(r).shuffle(order)
+        for label, tag in order:
+            count = 1 if reps is None else reps[label]
+            times[(label, tag)].append(trees[tag].ask("time", label, count, cpu))
+    return times
+
+
+def check_agreement(trees: dict, labels: list, tolerance) -> None:
+    """Both trees' results for each case (their warm-up too: compiles)."""
+    for label in labels:
+        old, new = (trees[tag].ask("result", label) for tag in ("old", "new"))
+        rtol, atol = tolerance(label)
+        for x, y in zip(old, new, strict=True):
+            x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+            assert np.allclose(x, y, rtol=rtol, atol=atol), label
+
+
+def start(old_src: str, new_src: str, decode: bool) -> dict:
+    return {"old": Tree(old_src, decode), "new": Tree(new_src, decode)}
+
+
 def main(old_src: str, new_src: str, rounds: int) -> None:
     import numba
 
-    mods, data = load_trees(old_src, new_src), make_inputs()
-    for label, _, _, causal, mode in CASES:  # warm-up (compiles) and agreement
-        old, new = (run(mods[tag], *data[label], causal, mode) for tag in ("old", "new"))
-        tol = 2e-2 if "bf16" in label else 1e-4  # one bf16 rounding apart at most
-        for x, y in zip(old, new, strict=True):
-            x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
-            assert np.allclose(x, y, rtol=tol, atol=tol / 10), label
-    times = {(case[0], tag): [] for case in CASES for tag in ("old", "new")}
+    trees = start(old_src, new_src, decode=False)
+    labels = [case[0] for case in CASES if ONLY in case[0]]
+    # bf16: one bf16 rounding apart at most.
+    check_agreement(trees, labels, lambda x: (2e-2, 2e-3) if "bf16" in x else (1e-4, 1e-5))
     # One thread (NUMBA_NUM_THREADS=1): CPU seconds, so that time slicing by
     # other jobs on a shared machine does not count; else wall seconds.
-    clock = time.process_time if numba.get_num_threads() == 1 else time.perf_counter
-    for r in range(rounds):
-        order = [(case, tag) for case in CASES for tag in ("old", "new")]
-        random.Random(r).shuffle(order)
-        for (label, _, _, causal, mode), tag in order:
-            t0 = clock()
-            run(mods[tag], *data[label], causal, mode)
-            times[(label, tag)].append(clock() - t0)
+    times = compare(trees, labels, rounds, cpu=numba.get_num_threads() == 1)
+    for tree in trees.values():
+        tree.close()
     print(f"{'case':32s} {'old ms':>9s} {'new ms':>9s} {'new/old':>8s}  spread of old")
-    for label, *_ in CASES:
+    for label in labels:
         old, new = times[(label, "old")], times[(label, "new")]
         o, n = statistics.median(old), statistics.median(new)
         spread = f"{min(old) / o:.2f}..{max(old) / o:.2f}"
@@ -136,9 +197,7 @@ def decode_inputs() -> dict:
     pk[order] = k[0].reshape(8, n, page, 128).transpose(1, 0, 2, 3)
     pv[order] = v[0].reshape(8, n, page, 128).transpose(1, 0, 2, 3)
     data["decode Tk=65536 paged 16"] = (q, pk, pv, order[None, :])
-    # MHA: one row per work item. Not a GPT-2 step (2048 keys): under a
-    # millisecond the caveat above (the second tree's slow dispatch) showed
-    # as a 1.8-2.2x "regression" that two processes timed in turn did not.
+    # MHA: one row per work item.
     for t in (32768,):
         q = rng.standard_normal((1, 12, 1, 64), dtype=np.float32)
         k = rng.standard_normal((1, 12, t, 64), dtype=np.float32)
@@ -147,38 +206,43 @@ def decode_inputs() -> dict:
     return data
 
 
-def main_decode(old_src: str, new_src: str, rounds: int) -> None:
-    import numba
+def run_decode(ft, data: dict, label: str) -> np.ndarray:
+    q, k, v, table = data[label]
+    return ft.decode_attention(q, k, v, block_table=table)
 
-    mods, data = load_trees(old_src, new_src), decode_inputs()
-    for label, (q, k, v, table) in data.items():  # warm-up (compiles) and agreement
-        old, new = (mods[t].decode_attention(q, k, v, block_table=table) for t in ("old", "new"))
-        assert np.allclose(old, new, rtol=1e-4, atol=1e-5), label
-    for threads, clock in ((1, time.process_time), (2, time.perf_counter)):
-        numba.set_num_threads(threads)
-        times = {(label, tag): [] for label in data for tag in ("old", "new")}
-        for r in range(rounds):
-            order = list(times)
-            random.Random(r).shuffle(order)
-            for label, tag in order:
-                q, k, v, table = data[label]
-                reps = max(1, (64 << 20) // (k.nbytes + v.nbytes))  # short calls: repeated
-                t0 = clock()
-                for _ in range(reps):
-                    mods[tag].decode_attention(q, k, v, block_table=table)
-                times[(label, tag)].append((clock() - t0) / reps)
-        what = "CPU s" if threads == 1 else "wall s"
+
+#: The decoding cases (labels of :func:`decode_inputs`) and their K/V bytes.
+DECODE_CASES = {
+    "decode Tk=8192": 2 * 8 * 8192 * 128 * 4,
+    "decode Tk=65536": 2 * 8 * 65536 * 128 * 4,
+    "decode Tk=65536 paged 16": 2 * 8 * 65536 * 128 * 4,
+    "decode MHA 12 d64 Tk=32768": 2 * 12 * 32768 * 64 * 4,
+}
+
+
+def main_decode(old_src: str, new_src: str, rounds: int) -> None:
+    trees = start(old_src, new_src, decode=True)
+    labels = [label for label in DECODE_CASES if ONLY in label]
+    check_agreement(trees, labels, lambda x: (1e-4, 1e-5))
+    reps = {label: max(1, (64 << 20) // size) for label, size in DECODE_CASES.items()}
+    for threads, cpu in ((1, True), (2, False)):
+        for tree in trees.values():
+            tree.ask("threads", threads)
+        times = compare(trees, labels, rounds, cpu, reps)
+        what = "CPU s" if cpu else "wall s"
         print(f"{threads} thread(s), {what}, load {os.getloadavg()[0]:.1f}")
-        for label in data:
+        for label in labels:
             o, n = (statistics.median(times[(label, tag)]) for tag in ("old", "new"))
             ms = f"old {o * 1e3:8.2f} ms  new {n * 1e3:8.2f} ms"
             print(f"  {label:28s} {ms}  new/old {n / o:.3f}")
+    for tree in trees.values():
+        tree.close()
 
 
 if __name__ == "__main__":
     if "--only" in sys.argv:  # --only TEXT: the cases whose label contains TEXT
         at = sys.argv.index("--only")
-        CASES[:] = [c for c in CASES if sys.argv[at + 1] in c[0]]
+        ONLY = sys.argv[at + 1]
         del sys.argv[at : at + 2]
     args = [a for a in sys.argv[1:] if a != "--decode"]
     rounds = int(args[2]) if len(args) > 2 else 11
