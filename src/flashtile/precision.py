@@ -65,6 +65,21 @@ def finite_max_abs(a: np.ndarray) -> float:
     return float(np.max(np.abs(a), where=np.isfinite(a), initial=0.0))
 
 
+def _finite_max_abs_pair(q: np.ndarray, k: np.ndarray) -> tuple[float, float]:
+    """:func:`finite_max_abs` of ``q`` and ``k`` (float16: its largest value,
+    no pass); contiguous arrays of one dtype in one compiled call (a small
+    call's bound cost two calls' Python around them)."""
+    bits = _MAGNITUDE_BITS.get(q.dtype)
+    both = q.dtype == k.dtype and q.size and k.size
+    if bits is None or not both or not (q.flags.c_contiguous and k.flags.c_contiguous):
+        return tuple(FLOAT16_MAX if a.dtype == np.float16 else finite_max_abs(a) for a in (q, k))
+    view, magnitude, inf, as_float = bits
+    tops = _top_finite_magnitudes(
+        q.reshape(-1).view(view), k.reshape(-1).view(view), magnitude, inf
+    )
+    return as_float(tops[0]), as_float(tops[1])
+
+
 #: dtype -> (signed integer view, magnitude bits, bits of +inf, bits -> float):
 #: a finite float's magnitude orders as its sign-cleared bits, and those of
 #: inf and NaN are at or above +inf's (all below the sign bit, so signed
@@ -99,6 +114,14 @@ def _top_finite_magnitude(bits, magnitude, inf):
     return top
 
 
+@numba.njit(cache=True)  # no fastmath: exact integer compares
+def _top_finite_magnitudes(a_bits, b_bits, magnitude, inf):
+    """:func:`_top_finite_magnitude` of two arrays in one call."""
+    return _top_finite_magnitude(a_bits, magnitude, inf), _top_finite_magnitude(
+        b_bits, magnitude, inf
+    )
+
+
 def additive_bound(va: Variants, tq: int, tk: int) -> float:
     """A bound on ``|ALiBi bias| + |float mask|`` over the visible entries."""
     bound = 0.0
@@ -126,7 +149,7 @@ def bounds(scale: float, q: np.ndarray, k: np.ndarray, va: Variants, tq: int, tk
     ``q . k`` in float32 before the gemm applies the scale
     (:func:`flashtile.cpu.half.split_scale`), so they need the second one
     inside float32's range too (a tiny ``scale`` with huge values)."""
-    big_q, big_k = (FLOAT16_MAX if a.dtype == np.float16 else finite_max_abs(a) for a in (q, k))
+    big_q, big_k = _finite_max_abs_pair(q, k)
     raw = max(1.0, big_q) * max(1.0, q.shape[-1] * big_k)
     return LOG2E * (abs(scale) * raw + additive_bound(va, tq, tk)), LOG2E * raw
 
