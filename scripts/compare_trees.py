@@ -29,6 +29,7 @@ import random
 import statistics
 import sys
 import time
+import traceback
 
 import ml_dtypes
 import numpy as np
@@ -68,7 +69,7 @@ def _serve(src: str, conn, decode: bool) -> None:
 
     import flashtile as ft
 
-    assert ft.__file__.startswith(src), (ft.__file__, src)
+    assert ft.__file__.startswith(os.path.join(src, "")), (ft.__file__, src)
     data = decode_inputs() if decode else make_inputs()
     call = run_decode if decode else run_case
     while (message := conn.recv())[0] != "stop":
@@ -86,8 +87,8 @@ def _serve(src: str, conn, decode: bool) -> None:
                 for _ in range(reps):
                     call(ft, data, label)
                 conn.send((clock() - t0) / reps)
-        except Exception as exc:  # sent back: the parent raises it
-            conn.send(exc)
+        except Exception:  # sent back with its traceback: the parent raises it
+            conn.send(RuntimeError(f"in the worker of {src}:\n{traceback.format_exc()}"))
 
 
 #: (label, T, d, causal, mode): the core preset's cases, bfloat16 ones and one
