@@ -96,8 +96,7 @@ def run_call(call, block_q=None, block_k=None, return_lse=False):
     if decode_shaped(call, block_q, block_k):
         plan = plan_decode_call(call)
         out, lse, flagged, finite = run_decode(plan)
-        suspect = flagged or not finite  # the common case: neither, nothing to check
-        if suspect and _overflowed(call, plan, lse, flagged, finite):  # again, in float64
+        if _overflowed(call, plan, lse, flagged, finite):  # computed again, in float64
             out = None
     if out is None:
         out, lse, _ = run_forward(plan_forward(call, block_q, block_k))

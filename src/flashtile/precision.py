@@ -53,30 +53,37 @@ def finite_max_abs(a: np.ndarray) -> float:
     """``max |a|`` over the finite entries of ``a``, as a Python float (0 if none)."""
     if a.size == 0:
         return 0.0
-    bits = _MAGNITUDE_BITS.get(a.dtype)
-    # One pass over the bits instead of max and min; bf16 always (ml_dtypes'
-    # own max is some 40x slower than copying a strided array first).
-    if bits is not None and (a.flags.c_contiguous or a.dtype == BFLOAT16):
-        view, magnitude, inf, as_float = bits
-        return as_float(_top_finite_magnitude(a.reshape(-1).view(view), magnitude, inf))
+    route = _bits_route(a)
+    if route is not None:
+        bits, magnitude, inf, as_float = route
+        return as_float(_top_finite_magnitude(bits, magnitude, inf))
     hi, lo = float(a.max()), float(a.min())
     if math.isfinite(hi) and math.isfinite(lo):  # the common case: two fast passes
         return max(hi, -lo)
     return float(np.max(np.abs(a), where=np.isfinite(a), initial=0.0))
 
 
+def _bits_route(a: np.ndarray):
+    """``(bits, magnitude, inf, as_float)`` when ``max |a|`` is taken in one
+    pass over its bits (:data:`_MAGNITUDE_BITS`), else None. The route for
+    contiguous arrays, and for bf16 always (ml_dtypes' own max is some 40x
+    slower than copying a strided array first)."""
+    known = _MAGNITUDE_BITS.get(a.dtype)
+    if known is None or not (a.flags.c_contiguous or a.dtype == BFLOAT16):
+        return None
+    view, magnitude, inf, as_float = known
+    return a.reshape(-1).view(view), magnitude, inf, as_float
+
+
 def _finite_max_abs_pair(q: np.ndarray, k: np.ndarray) -> tuple[float, float]:
     """:func:`finite_max_abs` of ``q`` and ``k`` (float16: its largest value,
-    no pass); contiguous arrays of one dtype in one compiled call (a small
-    call's bound cost two calls' Python around them)."""
-    bits = _MAGNITUDE_BITS.get(q.dtype)
-    both = q.dtype == k.dtype and q.size and k.size
-    if bits is None or not both or not (q.flags.c_contiguous and k.flags.c_contiguous):
+    no pass); two arrays on the bits route in one compiled call (a small
+    call's bound cost two calls' Python around them: 9.6 -> 7.5 us)."""
+    routes = (q.dtype == k.dtype and q.size and k.size) and (_bits_route(q), _bits_route(k))
+    if not routes or None in routes:
         return tuple(FLOAT16_MAX if a.dtype == np.float16 else finite_max_abs(a) for a in (q, k))
-    view, magnitude, inf, as_float = bits
-    tops = _top_finite_magnitudes(
-        q.reshape(-1).view(view), k.reshape(-1).view(view), magnitude, inf
-    )
+    (q_bits, magnitude, inf, as_float), (k_bits, *_) = routes
+    tops = _top_finite_magnitudes(q_bits, k_bits, magnitude, inf)
     return as_float(tops[0]), as_float(tops[1])
 
 
@@ -162,7 +169,7 @@ def work_dtype(dtype: np.dtype, bound: float) -> np.dtype:
 
 
 def decode_overflowed(
-    lse: np.ndarray, seqlens: np.ndarray, bound, flagged: bool, finite: bool = False
+    lse: np.ndarray, seqlens: np.ndarray, bound, flagged: bool, finite: bool
 ) -> bool:
     """Whether a float32 decode step must be computed again in float64.
 
@@ -170,18 +177,16 @@ def decode_overflowed(
     a non-empty sequence with a non-finite ``lse (B, Hq, Tq)`` raises the
     question (cheap tests); then ``bound()``, the call's :func:`score_bound`
     (a pass over the cache), answers it. ``finite``: the kernel found every
-    ``lse`` finite (False: look).
+    ``lse`` finite.
     """
     if lse.dtype == np.float64:
         return False
     if flagged:
         return bound() >= FLOAT32_SCORE_LIMIT
-    if finite:
+    if finite:  # the common case
         return False
-    is_finite = np.isfinite(lse)
-    if is_finite.all():  # the common case, in one pass
-        return False
-    odd = ~is_finite & ~(np.isneginf(lse) & (seqlens == 0)[:, None, None])
+    # -inf is expected only in the rows of empty sequences.
+    odd = ~np.isfinite(lse) & ~(np.isneginf(lse) & (seqlens == 0)[:, None, None])
     return bool(odd.any()) and bound() >= FLOAT32_SCORE_LIMIT
 
 

@@ -234,14 +234,7 @@ def decode_call(
     out = np.empty((batch, hq, tq, dv), dtype=q.dtype)
     lse = np.empty((batch, hq, tq), dtype=q.dtype)
     merge_partials(part_out, part_lse, spans, out, lse)
-    flagged = False
-    for n in range(part_flag.shape[0]):
-        flagged |= part_flag[n] != 0
-    finite = True
-    flat = lse.reshape(lse.size)
-    for i in range(flat.shape[0]):
-        finite &= abs(flat[i]) < np.inf  # NaN compares False
-    return out, lse, flagged, finite
+    return out, lse, part_flag.any(), np.isfinite(lse).all()
 
 
 @njit(fastmath=FASTMATH, cache=True)
