@@ -33,10 +33,11 @@ to float64, decoding computes them in float32.
 from __future__ import annotations
 
 import math
-import struct
 
 import numba
+import numba.extending
 import numpy as np
+from numba.extending import overload
 
 from ._validate import BFLOAT16, compute_dtype
 from .variants import Variants
@@ -53,80 +54,91 @@ def finite_max_abs(a: np.ndarray) -> float:
     """``max |a|`` over the finite entries of ``a``, as a Python float (0 if none)."""
     if a.size == 0:
         return 0.0
-    route = _bits_route(a)
-    if route is not None:
-        bits, magnitude, inf, as_float = route
-        return as_float(_top_finite_magnitude(bits, magnitude, inf))
+    bits = _compiled_operand(a)
+    if bits is not None:
+        return _max_abs_compiled(bits)
     hi, lo = float(a.max()), float(a.min())
     if math.isfinite(hi) and math.isfinite(lo):  # the common case: two fast passes
         return max(hi, -lo)
     return float(np.max(np.abs(a), where=np.isfinite(a), initial=0.0))
 
 
-def _bits_route(a: np.ndarray):
-    """``(bits, magnitude, inf, as_float)`` when ``max |a|`` is taken in one
-    pass over its bits (:data:`_MAGNITUDE_BITS`), else None. The route for
-    contiguous arrays, and for bf16 always (ml_dtypes' own max is some 40x
-    slower than copying a strided array first)."""
-    known = _MAGNITUDE_BITS.get(a.dtype)
-    if known is None or not (a.flags.c_contiguous or a.dtype == BFLOAT16):
-        return None
-    view, magnitude, inf, as_float = known
-    return a.reshape(-1).view(view), magnitude, inf, as_float
+def _compiled_operand(a: np.ndarray):
+    """``a`` as the compiled maxima read it (:func:`_top_finite`), or None:
+    a C-contiguous float32/float64 array itself; bf16 always, as its
+    ``uint16`` bits (a strided one copied first: ml_dtypes' own max is some
+    40x slower than the copy)."""
+    if a.dtype == BFLOAT16:
+        return np.ascontiguousarray(a).view(np.uint16)
+    if a.dtype in _COMPILED_FLOATS and a.flags.c_contiguous:
+        return a
+    return None
 
 
-def _finite_max_abs_pair(q: np.ndarray, k: np.ndarray) -> tuple[float, float]:
-    """:func:`finite_max_abs` of ``q`` and ``k`` (float16: its largest value,
-    no pass); two arrays on the bits route in one compiled call (a small
-    call's bound cost two calls' Python around them: 9.6 -> 7.5 us)."""
-    routes = (q.dtype == k.dtype and q.size and k.size) and (_bits_route(q), _bits_route(k))
-    if not routes or None in routes:
-        return tuple(FLOAT16_MAX if a.dtype == np.float16 else finite_max_abs(a) for a in (q, k))
-    (q_bits, magnitude, inf, as_float), (k_bits, *_) = routes
-    tops = _top_finite_magnitudes(q_bits, k_bits, magnitude, inf)
-    return as_float(tops[0]), as_float(tops[1])
+_COMPILED_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-#: dtype -> (signed integer view, magnitude bits, bits of +inf, bits -> float):
+def _top_finite(a):
+    """``max |a|`` over the finite entries of a C-contiguous float32/float64
+    array, or of bf16 bits (``uint16``), as a float (0 if none). Compiled
+    code only (the overload below)."""
+    raise NotImplementedError("_top_finite is only available inside Numba code")
+
+
+#: numba dtype -> (integer view, magnitude bits, bits of +inf, bits -> float):
 #: a finite float's magnitude orders as its sign-cleared bits, and those of
 #: inf and NaN are at or above +inf's (all below the sign bit, so signed
 #: compares work).
-_MAGNITUDE_BITS = {
-    np.dtype(np.float32): (
-        np.int32, np.int32(0x7FFFFFFF), np.int32(0x7F800000),
-        lambda top: struct.unpack("=f", struct.pack("=i", top))[0],
-    ),
-    np.dtype(np.float64): (
-        np.int64, np.int64(0x7FFFFFFFFFFFFFFF), np.int64(0x7FF0000000000000),
-        lambda top: struct.unpack("=d", struct.pack("=q", top))[0],
-    ),
-    np.dtype(BFLOAT16): (
-        np.int16, np.int16(0x7FFF), np.int16(0x7F80),
-        lambda top: float(np.array(top, dtype=np.int16).view(BFLOAT16)),
-    ),
-}  # fmt: skip
+_BITS = {
+    numba.types.float32: (np.int32, 0x7FFFFFFF, 0x7F800000, np.float32),
+    numba.types.float64: (np.int64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000, np.float64),
+    numba.types.uint16: (np.int16, 0x7FFF, 0x7F80, None),  # bf16: the top half of a float32
+}
+
+
+@overload(_top_finite)
+def _top_finite_overload(a):
+    view, magnitude, inf, float_type = _BITS[a.dtype]
+    magnitude, inf = view(magnitude), view(inf)
+
+    def impl(a):
+        # One pass over the bits, which vectorises (the selects and the
+        # maximum stay in the integer type).
+        bits = a.reshape(-1).view(view)
+        top = view(0)
+        for i in range(bits.size):
+            x = bits[i] & magnitude
+            x = x if x < inf else view(0)
+            top = x if x > top else top
+        out = np.empty(1, dtype=view)
+        out[0] = top
+        if float_type is None:  # bf16 bits: widen to float32's
+            return float((out.astype(np.int32) << 16).view(np.float32)[0])
+        return float(out.view(float_type)[0])
+
+    return impl
 
 
 @numba.njit(cache=True)  # no fastmath: exact integer compares
-def _top_finite_magnitude(bits, magnitude, inf):
-    """The largest ``bits & magnitude`` below ``inf`` (0 if none): the bits of
-    ``max |a|`` over the finite entries, in one pass that vectorises (the
-    selects and the maximum stay in the integer type of ``bits``)."""
-    zero = bits.dtype.type(0)
-    top = zero
-    for i in range(bits.size):
-        x = bits[i] & magnitude
-        x = x if x < inf else zero
-        top = x if x > top else top
-    return top
+def _max_abs_compiled(a):
+    """:func:`_top_finite` of one array."""
+    return _top_finite(a)
 
 
 @numba.njit(cache=True)  # no fastmath: exact integer compares
-def _top_finite_magnitudes(a_bits, b_bits, magnitude, inf):
-    """:func:`_top_finite_magnitude` of two arrays in one call."""
-    return _top_finite_magnitude(a_bits, magnitude, inf), _top_finite_magnitude(
-        b_bits, magnitude, inf
-    )
+def _bounds_compiled(q, k, d, scale, additive):
+    """:func:`bound_formula` from the maxima of two arrays, in one compiled call
+    (a small call's bound cost more in Python around the passes than in them)."""
+    return bound_formula(_top_finite(q), _top_finite(k), d, scale, additive)
+
+
+@numba.extending.register_jitable
+def bound_formula(big_q, big_k, d, scale, additive):
+    """``(score_bound, product_bound)`` from ``max |q|``, ``max |k|`` over
+    finite entries, the head dim, the scale and :func:`additive_bound`
+    (see :func:`score_bound`, :func:`bounds`). Python and compiled code."""
+    raw = max(1.0, big_q) * max(1.0, d * big_k)
+    return LOG2E * (abs(scale) * raw + additive), LOG2E * raw
 
 
 def additive_bound(va: Variants, tq: int, tk: int) -> float:
@@ -155,10 +167,16 @@ def bounds(scale: float, q: np.ndarray, k: np.ndarray, va: Variants, tq: int, tk
     unscaled products ``|q . k|`` in log2 units. bf16 tile products sum
     ``q . k`` in float32 before the gemm applies the scale
     (:func:`flashtile.cpu.half.split_scale`), so they need the second one
-    inside float32's range too (a tiny ``scale`` with huge values)."""
-    big_q, big_k = _finite_max_abs_pair(q, k)
-    raw = max(1.0, big_q) * max(1.0, q.shape[-1] * big_k)
-    return LOG2E * (abs(scale) * raw + additive_bound(va, tq, tk)), LOG2E * raw
+    inside float32's range too (a tiny ``scale`` with huge values).
+    float16 inputs are bounded by their dtype (no pass)."""
+    additive = additive_bound(va, tq, tk)
+    d = q.shape[-1]
+    if q.dtype == k.dtype and q.size and k.size:
+        q_op, k_op = _compiled_operand(q), _compiled_operand(k)
+        if q_op is not None and k_op is not None:  # the common case: one compiled call
+            return _bounds_compiled(q_op, k_op, d, float(scale), additive)
+    big_q, big_k = (FLOAT16_MAX if a.dtype == np.float16 else finite_max_abs(a) for a in (q, k))
+    return bound_formula(big_q, big_k, d, scale, additive)
 
 
 def work_dtype(dtype: np.dtype, bound: float) -> np.dtype:

@@ -229,7 +229,8 @@ def backward_kernel(
         delta = np.empty(rows_max, dtype=work)
         p_buf = np.empty(rows_max * block_k, dtype=work)
         ds_buf = np.empty(rows_max * block_k, dtype=work)
-        half_bufs = (prob_buffer(q, rows_max * block_k), prob_buffer(q, rows_max * block_k))
+        n_probs = rows_max * block_k
+        half_bufs = (prob_buffer(q, n_probs, p_buf), prob_buffer(q, n_probs, ds_buf))
         tanh_buf = np.empty(rows_max * block_k if variants.softcap > 0.0 else 0, dtype=work)
         k_rows, v_rows = k[b, hk, ks0 : ks0 + tk], v[b, hk, ks0 : ks0 + tk]
         dk_rows, dv_rows = dk[part, b, hk, ks0 : ks0 + tk], dv[part, b, hk, ks0 : ks0 + tk]

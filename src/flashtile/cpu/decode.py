@@ -33,7 +33,7 @@ from numba.extending import overload
 
 from . import FASTMATH
 from .memory import FloatValues, is_flag, load_value, prefetch_rows
-from .tile_step import attend_tile, finish_rows, one_segment
+from .tile_step import attend_tile, finish_rows, item_buffers, one_segment
 from .tiles import (
     LOG2E,
     SEG_KEY,
@@ -169,13 +169,9 @@ def decode_kernel(
         tile = QueryTile(b, hk * group, tq, 0, tq, length, length)
         q_tile = np.empty((rows, d), dtype=dtype)
         load_q_tile(q, tile, group, 0, q_mult, q_tile)
-        s_buf = np.empty(rows * tile_keys, dtype=dtype)
+        acc, m, ell, alpha, s_buf = item_buffers(rows, dv, rows * tile_keys, dtype)
         k_buf = np.empty((tile_keys, d), dtype=dtype)
         v_buf = np.empty((tile_keys, dv), dtype=dtype)
-        acc = np.zeros((rows, dv), dtype=dtype)
-        m = np.full(rows, -np.inf, dtype=dtype)
-        ell = np.zeros(rows, dtype=dtype)
-        alpha = np.empty(rows, dtype=dtype)
         segs = one_segment()  # no boolean mask in decoding
 
         lo, hi = tile_key_range(tile, variants)

@@ -200,16 +200,17 @@ def _split_scale(q, work, c):
     return lambda q, work, c: (work.dtype.type(c), work.dtype.type(1.0))
 
 
-def prob_buffer(q, n):
-    """A flat buffer for ``n`` rounded probabilities when ``q`` holds bf16, else empty."""
+def prob_buffer(q, n, floats):
+    """A flat buffer for ``n`` rounded probabilities when ``q`` holds bf16,
+    else an empty view of the float buffer ``floats`` (no allocation)."""
     raise NotImplementedError("prob_buffer is only available inside Numba kernels")
 
 
 @overload(prob_buffer, fastmath=FASTMATH)
-def _prob_buffer(q, n):
+def _prob_buffer(q, n, floats):
     if q.dtype == types.uint16:
-        return lambda q, n: np.empty(n, dtype=np.uint16)
-    return lambda q, n: np.empty(0, dtype=q.dtype)
+        return lambda q, n, floats: np.empty(n, dtype=np.uint16)
+    return lambda q, n, floats: floats[:0]
 
 
 def prob_tile(s, p_buf):

@@ -141,10 +141,16 @@ def row_bounds(tile, i, j0, j1, variants):
     Always ``0 <= a <= b <= j1 - j0``: a tile wholly left of the row's range
     gives ``(j1 - j0, j1 - j0)`` (callers hide ``[0, a)`` and ``[b, n)``).
     """
-    va = variants
-    lo, hi = key_bounds(i, tile.tq, tile.tk, va.causal, va.left, va.right, tile.kv_len)
-    a = min(max(lo, j0), j1) - j0
-    b = min(hi, j1) - j0
+    return row_span(tile, i, j0, j1 - j0, variants.causal, variants.left, variants.right)
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def row_span(tile, i, j0, n, causal, left, right):
+    """:func:`row_bounds` of keys ``[j0, j0 + n)`` from the positional
+    variants as scalars (for loops that must not pass the variants' arrays)."""
+    lo, hi = key_bounds(i, tile.tq, tile.tk, causal, left, right, tile.kv_len)
+    a = min(max(lo, j0), j0 + n) - j0
+    b = min(hi, j0 + n) - j0
     return a, max(a, b)
 
 
