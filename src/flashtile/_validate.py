@@ -24,7 +24,10 @@ _SUPPORTED = frozenset(np.dtype(t) for t in SUPPORTED_DTYPES)  # one hash per ch
 
 def compute_dtype(dtype: np.dtype) -> np.dtype:
     """The dtype the running state accumulates in for inputs of ``dtype``."""
-    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+    return _FLOAT64 if dtype == _FLOAT64 else _FLOAT32
+
+
+_FLOAT32, _FLOAT64 = np.dtype(np.float32), np.dtype(np.float64)
 
 
 def as_float_array(x, name: str) -> np.ndarray:

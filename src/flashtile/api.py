@@ -101,8 +101,11 @@ def run_call(call, block_q=None, block_k=None, return_lse=False):
     if out is None:
         out, lse, _ = run_forward(plan_forward(call, block_q, block_k))
     lse_shape = call.shapes.batch + (call.shapes.tq,)
-    out = out.reshape(lse_shape + out.shape[-1:]).astype(call.q.dtype, copy=False)
-    return (out, narrow_lse(lse.reshape(lse_shape), call.q.dtype)) if return_lse else out
+    if lse.shape != lse_shape:  # the kernels' 4-D layout, for 2-D and 3-D inputs
+        out, lse = out.reshape(lse_shape + out.shape[-1:]), lse.reshape(lse_shape)
+    if out.dtype != call.q.dtype:  # float64 was needed, or float16 inputs
+        out = out.astype(call.q.dtype)
+    return (out, narrow_lse(lse, call.q.dtype)) if return_lse else out
 
 
 def _overflowed(call, plan, lse, flagged, finite) -> bool:

@@ -263,7 +263,7 @@ def kernel_arrays(call: Call):
     work = work_dtype(call.q.dtype, bound)
     if work == np.float32 and products < FLOAT32_SCORE_LIMIT and bf16_products(call.q.dtype):
         work = BFLOAT16
-    return tuple(_as4d(a, work) for a in (call.q, call.k, call.v))
+    return _as4d(call.q, work), _as4d(call.k, work), _as4d(call.v, work)
 
 
 def _batch_table(n, tq, tk, lengths):

@@ -249,10 +249,12 @@ class GemmEntry(NamedTuple):
     pinned: bool
 
 
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
 @functools.cache
 def _entry(library: str, dtype) -> GemmEntry:
-    names = {np.dtype(np.float32): "sgemm", np.dtype(np.float64): "dgemm"}
-    names[np.dtype(ml_dtypes.bfloat16)] = _BF16_GEMM
+    names = {np.dtype(np.float32): "sgemm", np.dtype(np.float64): "dgemm", _BFLOAT16: _BF16_GEMM}
     name = names[np.dtype(dtype)]
     if name == _BF16_GEMM and library != "mkl":
         raise ValueError("bfloat16 tile products need oneMKL: check bf16_products() first")
@@ -267,11 +269,11 @@ def gemm_for(dtype, rows: int | None = None) -> GemmEntry:
     only, float32 results), from the current :func:`backend`; ``rows``, when
     given, is the row count of the kernel's tiles (see
     :data:`SMALL_TILE_ROWS`)."""
-    library = backend()
-    half = np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16)
-    if library == "mkl" and rows is not None and 1 < rows < SMALL_TILE_ROWS and not half:
+    library = _choice or backend()  # (backend() takes a lock: asked on every call)
+    small = rows is not None and 1 < rows < SMALL_TILE_ROWS
+    if small and library == "mkl" and dtype != _BFLOAT16:
         library = "openblas"
-    return _entry(library, np.dtype(dtype))
+    return _entry(library, dtype)
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")

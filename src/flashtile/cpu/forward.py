@@ -22,7 +22,7 @@ from numba import njit, prange
 
 from ..masks import TILE_EMPTY, TILE_FULL
 from . import FASTMATH
-from .half import prob_buffer, split_scale
+from .half import prob_buffer, split_scale, work_empty
 from .tile_step import finish_rows, fold_key_tile, item_buffers, one_segment
 from .tiles import (
     LOG2E,
@@ -188,3 +188,18 @@ def forward_kernel(
                 group, variants, block_k,
             )  # fmt: skip
         finish_rows(acc, m, ell, out[b], lse[b], tile.h0, qs0 + i0, tile.br)
+
+
+@njit(cache=True)
+def forward_call(q, k, v, seqs, items, scale, variants, block_q, block_k, gemm_fn):
+    """:func:`forward_kernel` with its outputs allocated here: ``(out, lse,
+    visited)`` (arguments and results as there; ``lse`` in the work dtype).
+    One compiled call: inside a model's loop, each allocation from Python
+    costs close to a microsecond."""
+    out = np.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
+    lse = work_empty(q, q.shape[:3])
+    visited = np.empty(items.shape[0], dtype=np.int64)
+    forward_kernel(
+        q, k, v, out, lse, visited, seqs, items, scale, variants, block_q, block_k, gemm_fn
+    )
+    return out, lse, visited

@@ -46,12 +46,12 @@ def _kernels() -> types.SimpleNamespace:
     from .backward import backward_kernel
     from .blas import gemm_for, single_threaded_blas
     from .decode import decode_call
-    from .forward import forward_kernel
+    from .forward import forward_call
     from .half import to_bfloat16
     from .memory import cache_operands
 
     return types.SimpleNamespace(
-        backward_kernel=backward_kernel, gemm_for=gemm_for, forward_kernel=forward_kernel,
+        backward_kernel=backward_kernel, gemm_for=gemm_for, forward_call=forward_call,
         single_threaded_blas=single_threaded_blas, decode_call=decode_call,
         cache_operands=cache_operands, to_bfloat16=to_bfloat16,
     )  # fmt: skip
@@ -94,20 +94,18 @@ def run_forward(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """
     kernels = _kernels()
     q4, k4, v4 = plan.q4, plan.k4, plan.v4
-    out = np.empty(q4.shape[:-1] + (v4.shape[-1],), dtype=q4.dtype)
-    lse = np.empty(q4.shape[:-1], dtype=compute_dtype(q4.dtype))
-    visited = np.empty(len(plan.items), dtype=np.int64)
     if q4.size == 0:  # B = 0 or H = 0: nothing to compute (the kernel divides by H)
-        return out, lse, visited
-    gemm_fn = kernels.gemm_for(q4.dtype)
-    bits = (q4, k4, v4, out)
-    if q4.dtype == BFLOAT16:  # Numba has no bf16: the same memory as uint16
-        bits = tuple(a.view(np.uint16) for a in bits)
-    _call(
-        plan.threads, gemm_fn, kernels.forward_kernel, *bits, lse, visited, plan.seqs, plan.items,
-        plan.scale, plan.variants, plan.block_q, plan.block_k,
+        lse = np.empty(q4.shape[:-1], dtype=compute_dtype(q4.dtype))
+        out = np.empty(q4.shape[:-1] + (v4.shape[-1],), dtype=q4.dtype)
+        return out, lse, np.empty(len(plan.items), dtype=np.int64)
+    half = q4.dtype == BFLOAT16
+    if half:  # Numba has no bf16: the same memory as uint16
+        q4, k4, v4 = q4.view(np.uint16), k4.view(np.uint16), v4.view(np.uint16)
+    out, lse, visited = _call(
+        plan.threads, kernels.gemm_for(plan.q4.dtype), kernels.forward_call, q4, k4, v4,
+        plan.seqs, plan.items, plan.scale, plan.variants, plan.block_q, plan.block_k,
     )  # fmt: skip
-    return out, lse, visited
+    return (out.view(BFLOAT16) if half else out), lse, visited
 
 
 def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

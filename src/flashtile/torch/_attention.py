@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .._validate import AttentionShapes
 from ..api import check_call, run_call
 from ..masks import normalize_window
 from ..planning import Call
@@ -205,7 +206,10 @@ def _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_len
         _VALIDATED[key] = (call.shapes, call.variants, call.scale)
     else:
         shapes, va, resolved = known
-        shapes = shapes._replace(tk=k.shape[2])
+        # (Not _replace, which costs a few microseconds.)
+        shapes = AttentionShapes(
+            shapes.batch, shapes.tq, k.shape[2], shapes.d, shapes.dv, shapes.group
+        )
         if lengths is not None:  # values: checked on every call, by the one rule
             va = resolve_variants(shapes, causal=causal, softcap=softcap, kv_lengths=lengths)
         call = Call(qn, kn, vn, shapes, va, resolved)
