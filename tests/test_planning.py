@@ -142,3 +142,37 @@ def test_tile_sizes_are_checked_before_the_schedule_cache():
     for bad in (16.0, True):
         with pytest.raises(TypeError, match="block_q must be a positive integer"):
             ft.attention(q, q, q, block_q=bad)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, "bfloat16", np.float16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_score_bounds_follow_the_formula_over_finite_entries(rng, dtype, strided):
+    """The compiled bound (flashtile.precision.bounds) against the formula in
+    float64: max |q| and max |k| over finite entries (float16: the dtype's
+    largest value), NaN and inf left out, strided arrays too."""
+    import ml_dtypes
+
+    from flashtile.precision import FLOAT16_MAX, LOG2E, bounds, finite_max_abs
+    from flashtile.variants import resolve_variants
+
+    dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
+    q = rng.standard_normal((2, 6, 5, 8)) * 7
+    k = rng.standard_normal((2, 6, 9, 8)) * 3
+    q[1, 2, 0, 0], k[0, 4, 8, 7] = -40.0, 25.0  # the largest finite magnitudes
+    q[0, 0, 1, 3], k[1, 2, 4, 0], k[0, 0, 0, 0] = np.inf, np.nan, -np.inf
+    q, k = q.astype(dtype), k.astype(dtype)
+    if strided:  # every other head: the largest entries stay in
+        q, k = q[:, ::2], k[:, ::2]
+    scale = -0.3
+    got = bounds(scale, q, k, resolve_variants(None, causal=False), 5, 9)
+
+    def biggest(a):
+        if dtype == np.float16:
+            return FLOAT16_MAX
+        wide = a.astype(np.float64)
+        return float(np.abs(wide[np.isfinite(wide)]).max())
+
+    raw = max(1.0, biggest(q)) * max(1.0, 8 * biggest(k))
+    assert got == pytest.approx((LOG2E * abs(scale) * raw, LOG2E * raw), rel=1e-12)
+    assert finite_max_abs(np.array([np.nan, -np.inf], dtype=dtype)) == 0.0
+    assert finite_max_abs(np.zeros((0, 3), dtype=dtype)) == 0.0
