@@ -34,6 +34,7 @@ from .tiles import (
     LOG2E,
     SEQ_K_START,
     SEQ_Q_START,
+    KernelVariants,
     diagonal_split,
     load_q_tile,
     needs_transform,
@@ -194,8 +195,9 @@ def store_rows(src, dst, h0, i_first, br, mult):
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def backward_kernel(
-    q, k, v, out, lse, dout, dq, dk, dv, seqs, items, scale, variants, block_q, block_k, gemm_fn
-):
+    q, k, v, out, lse, dout, dq, dk, dv, seqs, items, scale, variant_fields, block_q, block_k,
+    gemm_fn,
+):  # fmt: skip
     """Write ``dq`` and per-part ``dk``, ``dv`` for C-contiguous 4-D arrays.
 
     Arrays, ``seqs``, ``variants`` and ``gemm_fn`` as in
@@ -208,6 +210,7 @@ def backward_kernel(
     bit-identical run to run. ``P > 1`` only when there are fewer
     ``(sequence, kv head)`` pairs than threads.
     """
+    variants = KernelVariants(*variant_fields)
     group = q.shape[1] // k.shape[1]
     d, dvw = q.shape[3], v.shape[3]
     work = lse.dtype  # float32 for bf16 operands (dk/dv accumulate in it too)

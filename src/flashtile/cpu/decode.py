@@ -38,6 +38,7 @@ from .tiles import (
     LOG2E,
     SEG_KEY,
     SEG_LENGTH,
+    KernelVariants,
     QueryTile,
     load_q_tile,
     tile_key_range,
@@ -203,7 +204,8 @@ def decode_kernel(
 
 @njit(fastmath=FASTMATH, cache=True)
 def decode_call(
-    q, k, v, fmt, table, seqlens, items, spans, check_raw, scale, variants, tile_keys, gemm_fn
+    q, k, v, fmt, table, seqlens, items, spans, check_raw, scale, variant_fields, tile_keys,
+    gemm_fn,
 ):  # fmt: skip
     """One decoding call in compiled code: :func:`decode_kernel` over
     ``items`` into partials, then :func:`merge_partials` over ``spans``.
@@ -216,6 +218,7 @@ def decode_call(
     instead of five allocations, two kernel calls and two reductions: inside
     a model's loop each of those costs microseconds.
     """
+    variants = KernelVariants(*variant_fields)
     batch, hq, tq = q.shape[0], q.shape[1], q.shape[2]
     dv = v.shape[3]
     rows = (hq // k.shape[1]) * tq

@@ -33,6 +33,7 @@ from .tiles import (
     SEG_STATE,
     SEQ_K_START,
     SEQ_Q_START,
+    KernelVariants,
     diagonal_split,
     load_q_tile,
     sequence_tile,
@@ -191,11 +192,13 @@ def forward_kernel(
 
 
 @njit(cache=True)
-def forward_call(q, k, v, seqs, items, scale, variants, block_q, block_k, gemm_fn):
+def forward_call(q, k, v, seqs, items, scale, variant_fields, block_q, block_k, gemm_fn):
     """:func:`forward_kernel` with its outputs allocated here: ``(out, lse,
-    visited)`` (arguments and results as there; ``lse`` in the work dtype).
-    One compiled call: inside a model's loop, each allocation from Python
-    costs close to a microsecond."""
+    visited)`` (arguments and results as there; ``lse`` in the work dtype;
+    ``variant_fields``: a :class:`.tiles.KernelVariants` as a plain tuple,
+    see :func:`.tiles.as_fields`). One compiled call: inside a model's loop,
+    each allocation from Python costs close to a microsecond."""
+    variants = KernelVariants(*variant_fields)
     out = np.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
     lse = work_empty(q, q.shape[:3])
     visited = np.empty(items.shape[0], dtype=np.int64)

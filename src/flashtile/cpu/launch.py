@@ -18,6 +18,7 @@ import numba
 import numpy as np
 
 from .._validate import BFLOAT16, compute_dtype
+from .tiles import as_fields
 
 
 @numba.njit  # not cached: it reads Numba's thread-count functions as ctypes globals
@@ -103,7 +104,7 @@ def run_forward(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         q4, k4, v4 = q4.view(np.uint16), k4.view(np.uint16), v4.view(np.uint16)
     out, lse, visited = _call(
         plan.threads, kernels.gemm_for(plan.q4.dtype), kernels.forward_call, q4, k4, v4,
-        plan.seqs, plan.items, plan.scale, plan.variants, plan.block_q, plan.block_k,
+        plan.seqs, plan.items, plan.scale, as_fields(plan.variants), plan.block_q, plan.block_k,
     )  # fmt: skip
     return (out.view(BFLOAT16) if half else out), lse, visited
 
@@ -141,7 +142,8 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
         dq_bits = dq
     _call(
         plan.threads, gemm_fn, kernels.backward_kernel, *bits, lse4, dout4, dq_bits, dk_parts,
-        dv_parts, plan.seqs, plan.items, plan.scale, plan.variants, plan.block_q, plan.block_k,
+        dv_parts, plan.seqs, plan.items, plan.scale, as_fields(plan.variants), plan.block_q,
+        plan.block_k,
     )  # fmt: skip
     dk, dv = dk_parts[0], dv_parts[0]
     for p in range(1, plan.parts):  # a fixed order: deterministic sums
@@ -166,5 +168,6 @@ def run_decode(plan) -> tuple[np.ndarray, np.ndarray, bool, bool]:
     # Raw-score reports (precision.py) matter only for float32 work.
     return _call(
         plan.threads, gemm_fn, kernels.decode_call, q, k, v, fmt, layout.table, layout.seqlens,
-        plan.items, plan.spans, q.dtype == np.float32, plan.scale, plan.variants, plan.tile_keys,
+        plan.items, plan.spans, q.dtype == np.float32, plan.scale, as_fields(plan.variants),
+        plan.tile_keys,
     )  # fmt: skip

@@ -96,6 +96,13 @@ class KernelVariants(NamedTuple):
     states: np.ndarray
 
 
+def as_fields(variants: KernelVariants) -> tuple:
+    """``variants`` as the kernels' entry points take it: a plain tuple of its
+    fields, which they rebuild into the record. Numba's dispatcher types a
+    plain tuple in C but a named one in Python, 1 us a call."""
+    return tuple(variants)
+
+
 @njit(fastmath=FASTMATH, cache=True)
 def sequence_tile(seqs, s, h0, i0, block_q):
     """The :class:`QueryTile` of query block ``[i0, i0 + block_q)`` (cut at
