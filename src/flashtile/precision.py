@@ -35,9 +35,8 @@ from __future__ import annotations
 import math
 
 import numba
-import numba.extending
 import numpy as np
-from numba.extending import overload
+from numba.extending import overload, register_jitable
 
 from ._validate import BFLOAT16, compute_dtype
 from .variants import Variants
@@ -64,14 +63,14 @@ def finite_max_abs(a: np.ndarray) -> float:
 
 
 def _compiled_operand(a: np.ndarray):
-    """``a`` as the compiled maxima read it (:func:`_top_finite`), or None:
-    a C-contiguous float32/float64 array itself; bf16 always, as its
-    ``uint16`` bits (a strided one copied first: ml_dtypes' own max is some
-    40x slower than the copy)."""
+    """``a`` as the compiled maxima read it (:func:`_top_finite`), or None: a
+    C-contiguous float32/float64 array, flat (one compilation per dtype, not
+    per rank); bf16 always, as its ``uint16`` bits (a strided one copied
+    first: ml_dtypes' own max is some 40x slower than the copy)."""
     if a.dtype == BFLOAT16:
-        return np.ascontiguousarray(a).view(np.uint16)
+        return np.ascontiguousarray(a).reshape(-1).view(np.uint16)
     if a.dtype in _COMPILED_FLOATS and a.flags.c_contiguous:
-        return a
+        return a.reshape(-1)
     return None
 
 
@@ -79,7 +78,7 @@ _COMPILED_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _top_finite(a):
-    """``max |a|`` over the finite entries of a C-contiguous float32/float64
+    """``max |a|`` over the finite entries of a 1-D contiguous float32/float64
     array, or of bf16 bits (``uint16``), as a float (0 if none). Compiled
     code only (the overload below)."""
     raise NotImplementedError("_top_finite is only available inside Numba code")
@@ -104,7 +103,7 @@ def _top_finite_overload(a):
     def impl(a):
         # One pass over the bits, which vectorises (the selects and the
         # maximum stay in the integer type).
-        bits = a.reshape(-1).view(view)
+        bits = a.view(view)
         top = view(0)
         for i in range(bits.size):
             x = bits[i] & magnitude
@@ -132,7 +131,7 @@ def _bounds_compiled(q, k, d, scale, additive):
     return bound_formula(_top_finite(q), _top_finite(k), d, scale, additive)
 
 
-@numba.extending.register_jitable
+@register_jitable
 def bound_formula(big_q, big_k, d, scale, additive):
     """``(score_bound, product_bound)`` from ``max |q|``, ``max |k|`` over
     finite entries, the head dim, the scale and :func:`additive_bound`

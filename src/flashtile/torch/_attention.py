@@ -206,10 +206,8 @@ def _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_len
         _VALIDATED[key] = (call.shapes, call.variants, call.scale)
     else:
         shapes, va, resolved = known
-        # (Not _replace, which costs a few microseconds.)
-        shapes = AttentionShapes(
-            shapes.batch, shapes.tq, k.shape[2], shapes.d, shapes.dv, shapes.group
-        )
+        # The key count replaced (not by _replace, which costs a few microseconds).
+        shapes = AttentionShapes(*shapes[:2], k.shape[2], *shapes[3:])
         if lengths is not None:  # values: checked on every call, by the one rule
             va = resolve_variants(shapes, causal=causal, softcap=softcap, kv_lengths=lengths)
         call = Call(qn, kn, vn, shapes, va, resolved)
