@@ -91,8 +91,9 @@ def _serve(src: str, conn, decode: bool) -> None:
             conn.send(RuntimeError(f"in the worker of {src}:\n{traceback.format_exc()}"))
 
 
-#: (label, T, d, causal, mode): the core preset's cases, bfloat16 ones and one
-#: decode case (a label with "bf16" runs on ml_dtypes.bfloat16 inputs).
+#: (label, T, d, causal, mode): the core preset's cases, bfloat16 ones, one
+#: decode case and two small calls (a label with "bf16" runs on
+#: ml_dtypes.bfloat16 inputs; below SMALL_T, 4 heads).
 CASES = [
     ("fwd T=4096 full", 4096, 64, False, "fwd"),
     ("fwd bf16 T=4096 full", 4096, 64, False, "fwd"),

@@ -101,18 +101,19 @@ def _top_finite_overload(a):
     magnitude, inf = view(magnitude), view(inf)
 
     def impl(a):
-        # One pass over the bits, which vectorises (the selects and the
-        # maximum stay in the integer type).
+        # One pass of integer compares on the bits, which vectorises.
         bits = a.view(view)
         top = view(0)
         for i in range(bits.size):
             x = bits[i] & magnitude
             x = x if x < inf else view(0)
             top = x if x > top else top
+        if float_type is None:  # bf16 bits: the top half of a float32's
+            wide = np.empty(1, dtype=np.int32)
+            wide[0] = top << 16  # (Numba computes it in int64: stored back as int32)
+            return float(wide.view(np.float32)[0])
         out = np.empty(1, dtype=view)
         out[0] = top
-        if float_type is None:  # bf16 bits: widen to float32's
-            return float((out.astype(np.int32) << 16).view(np.float32)[0])
         return float(out.view(float_type)[0])
 
     return impl
@@ -168,12 +169,13 @@ def bounds(scale: float, q: np.ndarray, k: np.ndarray, va: Variants, tq: int, tk
     (:func:`flashtile.cpu.half.split_scale`), so they need the second one
     inside float32's range too (a tiny ``scale`` with huge values).
     float16 inputs are bounded by their dtype (no pass)."""
+    scale = float(scale)
     additive = additive_bound(va, tq, tk)
     d = q.shape[-1]
     if q.dtype == k.dtype and q.size and k.size:
         q_op, k_op = _compiled_operand(q), _compiled_operand(k)
         if q_op is not None and k_op is not None:  # the common case: one compiled call
-            return _bounds_compiled(q_op, k_op, d, float(scale), additive)
+            return _bounds_compiled(q_op, k_op, d, scale, additive)
     big_q, big_k = (FLOAT16_MAX if a.dtype == np.float16 else finite_max_abs(a) for a in (q, k))
     return bound_formula(big_q, big_k, d, scale, additive)
 

@@ -211,7 +211,8 @@ def decode_call(
     ``items`` into partials, then :func:`merge_partials` over ``spans``.
 
     Arguments as :func:`decode_kernel`'s (without the partial buffers, which
-    are allocated here); ``check_raw``: report raw scores that are not
+    are allocated here; the variants as a plain tuple,
+    :func:`.tiles.as_fields`); ``check_raw``: report raw scores that are not
     finite (float32 work, :mod:`flashtile.precision`). Returns ``(out (B,
     Hq, Tq, dv), lse (B, Hq, Tq), flagged, finite)``: ``flagged``, a raw
     score was not finite; ``finite``, every ``lse`` is. One call from Python

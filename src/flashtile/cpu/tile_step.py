@@ -174,15 +174,13 @@ def softmax_tile(s, p, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, varian
     # scalars (an out-of-line prepare_row costs a dozen atomic reference
     # counts per row for its array arguments: a quarter of a tiny call).
     positional = segs.shape[0] == 1 and not needs_transform(variants)
-    j0, n = segs[0, SEG_KEY], segs[0, SEG_LENGTH]
+    j0 = segs[0, SEG_KEY] if positional else 0
     causal, left, right = variants.causal, variants.left, variants.right
     for r in range(rows):  # indexed, not row views (see prepare_row)
         if plain:
             lo, hi = 0, s.shape[1]
-        elif positional:
-            lo, hi = 0, n
-            if not full:
-                lo, hi = row_span(tile, tile.i0 + r % tile.br, j0, n, causal, left, right)
+        elif positional:  # (not full: a full one is plain)
+            lo, hi = row_span(tile, tile.i0 + r % tile.br, j0, s.shape[1], causal, left, right)
         else:
             lo, hi = prepare_row(s, r, segs, tile, variants, full)
         alpha[r] = 1.0

@@ -13,8 +13,9 @@ Scores arrive from the ``gemm`` in log2 units (the query tile is scaled by
 columns the positional rules leave visible.
 
 The per-call variant parameters travel as one :class:`KernelVariants`
-namedtuple. Switched-off arrays have zero size, so every combination of
-variants runs the same compiled kernel (one compilation per dtype).
+namedtuple (into the kernels' entry points as a plain tuple of its fields,
+:func:`as_fields`). Switched-off arrays have zero size, so every combination
+of variants runs the same compiled kernel (one compilation per dtype).
 
 The kernels' integer tables are indexed through named columns: ``SEQ_*``
 for the sequence table that :mod:`flashtile.planning` builds, ``SEG_*`` for
