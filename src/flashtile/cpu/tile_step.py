@@ -171,8 +171,8 @@ def softmax_tile(s, p, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, varian
     rows = s.shape[0]
     plain = full and not changes_scores(variants)
     # One segment and no transform: the positional bounds alone, from
-    # scalars (an out-of-line prepare_row costs a dozen atomic reference
-    # counts per row for its array arguments: a quarter of a tiny call).
+    # scalars (an out-of-line prepare_row costs 24 atomic reference-count
+    # updates per row for its array arguments: a quarter of a tiny call).
     positional = segs.shape[0] == 1 and not needs_transform(variants)
     j0 = segs[0, SEG_KEY] if positional else 0
     causal, left, right = variants.causal, variants.left, variants.right
