@@ -22,7 +22,7 @@ from numba import njit, prange
 
 from ..masks import TILE_EMPTY, TILE_FULL
 from . import FASTMATH
-from .half import prob_buffer, split_scale, work_empty
+from .half import prob_buffer, split_scale
 from .tile_step import finish_rows, fold_key_tile, item_buffers, one_segment
 from .tiles import (
     LOG2E,
@@ -174,7 +174,7 @@ def forward_kernel(
         q_tile = np.empty((rows, q.shape[3]), dtype=q.dtype)
         load_q_tile(q, tile, group, qs0, q_mult, q_tile)
         # The item's float buffers in one allocation (each costs a malloc and
-        # a free: a sixth of a tiny call's kernel time as separate arrays).
+        # a free: 15% of a tiny call's kernel samples as separate arrays).
         acc, m, ell, alpha, s_buf = item_buffers(rows, v.shape[3], rows * width, work)
         p_buf = prob_buffer(q, rows * width, s_buf)  # bf16: P rounded for the value product
         k_rows, v_rows = k[b, hk, ks0 : ks0 + tile.tk], v[b, hk, ks0 : ks0 + tile.tk]
@@ -192,17 +192,19 @@ def forward_kernel(
 
 
 @njit(cache=True)
-def forward_call(q, k, v, seqs, items, scale, variant_fields, block_q, block_k, gemm_fn):
-    """:func:`forward_kernel` with its outputs allocated here: ``(out, lse,
-    visited)`` (arguments and results as there; ``lse`` in the work dtype;
-    ``variant_fields``: a :class:`.tiles.KernelVariants` as a plain tuple,
-    see :func:`.tiles.as_fields`). One compiled call: inside a model's loop,
-    each allocation from Python costs close to a microsecond."""
+def forward_call(q, k, v, lse, seqs, items, scale, variant_fields, block_q, block_k, gemm_fn):
+    """:func:`forward_kernel` into ``lse`` (allocated by the caller, in the
+    work dtype) with ``out`` and ``visited`` allocated here; returns ``(out,
+    visited)``. Arguments as there; ``variant_fields``: a
+    :class:`.tiles.KernelVariants` as a plain tuple (:func:`.tiles.as_fields`).
+    With no query heads or batch (``q.size == 0``) nothing is computed (the
+    kernel divides by the head count). One compiled call: inside a model's
+    loop, each allocation from Python costs close to a microsecond."""
     variants = KernelVariants(*variant_fields)
     out = np.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
-    lse = work_empty(q, q.shape[:3])
     visited = np.empty(items.shape[0], dtype=np.int64)
-    forward_kernel(
-        q, k, v, out, lse, visited, seqs, items, scale, variants, block_q, block_k, gemm_fn
-    )
-    return out, lse, visited
+    if q.size > 0:
+        forward_kernel(
+            q, k, v, out, lse, visited, seqs, items, scale, variants, block_q, block_k, gemm_fn
+        )
+    return out, visited

@@ -200,18 +200,6 @@ def _split_scale(q, work, c):
     return lambda q, work, c: (work.dtype.type(c), work.dtype.type(1.0))
 
 
-def work_empty(q, shape):
-    """``np.empty(shape)`` in the work dtype of operands like ``q``: float64
-    for float64, else float32 (bf16 bits too)."""
-    raise NotImplementedError("work_empty is only available inside Numba kernels")
-
-
-@overload(work_empty, fastmath=FASTMATH)
-def _work_empty(q, shape):
-    dtype = np.float64 if q.dtype == types.float64 else np.float32
-    return lambda q, shape: np.empty(shape, dtype=dtype)
-
-
 def prob_buffer(q, n, floats):
     """A flat buffer for ``n`` rounded probabilities when ``q`` holds bf16,
     else an empty view of the float buffer ``floats`` (no allocation)."""

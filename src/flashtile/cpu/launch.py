@@ -95,15 +95,12 @@ def run_forward(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """
     kernels = _kernels()
     q4, k4, v4 = plan.q4, plan.k4, plan.v4
-    if q4.size == 0:  # B = 0 or H = 0: nothing to compute (the kernel divides by H)
-        lse = np.empty(q4.shape[:-1], dtype=compute_dtype(q4.dtype))
-        out = np.empty(q4.shape[:-1] + (v4.shape[-1],), dtype=q4.dtype)
-        return out, lse, np.empty(len(plan.items), dtype=np.int64)
+    lse = np.empty(q4.shape[:-1], dtype=compute_dtype(q4.dtype))
     half = q4.dtype == BFLOAT16
     if half:  # Numba has no bf16: the same memory as uint16
         q4, k4, v4 = q4.view(np.uint16), k4.view(np.uint16), v4.view(np.uint16)
-    out, lse, visited = _call(
-        plan.threads, kernels.gemm_for(plan.q4.dtype), kernels.forward_call, q4, k4, v4,
+    out, visited = _call(
+        plan.threads, kernels.gemm_for(plan.q4.dtype), kernels.forward_call, q4, k4, v4, lse,
         plan.seqs, plan.items, plan.scale, as_fields(plan.variants), plan.block_q, plan.block_k,
     )  # fmt: skip
     return (out.view(BFLOAT16) if half else out), lse, visited
