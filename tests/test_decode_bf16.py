@@ -190,3 +190,26 @@ def test_context_parallel_decode_reads_torch_bf16_caches_in_place(rng):
     )
     np.testing.assert_array_equal(out.numpy(), want)
     np.testing.assert_array_equal(lse.numpy(), want_lse)
+
+
+def test_numpy_api_reads_torch_bf16_tensors_in_place(rng):
+    # np.asarray raises on a bf16 tensor (NumPy has no bf16): the NumPy API
+    # views its memory as ml_dtypes.bfloat16 instead, as for its own arrays.
+    torch = pytest.importorskip("torch")
+    from flashtile._validate import as_numpy
+
+    q, k, v = _problem(rng, batch=2, tq=1)
+    qb = q.astype(BF16)
+    qt, kt, vt = (torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) for a in (qb, k, v))
+    assert np.shares_memory(as_numpy(kt), k)
+    np.testing.assert_array_equal(
+        flashtile.decode_attention(qt, kt, vt), flashtile.decode_attention(qb, k, v)
+    )
+    got = flashtile.attention(qt, kt, vt, causal=True)
+    assert got.dtype == BF16
+    np.testing.assert_array_equal(got, flashtile.attention(qb, k, v, causal=True))
+    cache = flashtile.KVCache(2, 2, 16, 8, dtype=BF16)
+    cache.append(kt[:, :, :5], vt[:, :, :5])
+    np.testing.assert_array_equal(cache.k[:, :, :5], k[:, :, :5])
+    with pytest.raises(RuntimeError, match="requires grad"):  # as np.asarray refuses
+        flashtile.attention(qt.float().requires_grad_(), kt, vt)

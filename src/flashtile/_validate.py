@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from typing import NamedTuple
 
 import ml_dtypes
@@ -30,9 +31,23 @@ def compute_dtype(dtype: np.dtype) -> np.dtype:
 _FLOAT32, _FLOAT64 = np.dtype(np.float32), np.dtype(np.float64)
 
 
+def as_numpy(x) -> np.ndarray:
+    """``x`` as a NumPy array, by ``np.asarray`` (no copy where none is
+    needed), except that a torch bfloat16 tensor, whose dtype NumPy cannot
+    name (``np.asarray`` raises torch's "unsupported ScalarType"), comes back
+    as an ``ml_dtypes.bfloat16`` view of the same memory. Tensors that
+    ``np.asarray`` refuses (on a GPU, or requiring grad) are refused alike."""
+    if type(x) is np.ndarray:
+        return x
+    torch = sys.modules.get("torch")  # a tensor exists only once torch is imported
+    if torch is not None and isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16:
+        return np.asarray(x.view(torch.int16)).view(BFLOAT16)
+    return np.asarray(x)
+
+
 def as_float_array(x, name: str) -> np.ndarray:
-    """``np.asarray(x)``, refusing anything that is not a real floating dtype."""
-    arr = x if type(x) is np.ndarray else np.asarray(x)
+    """:func:`as_numpy`, refusing anything that is not a real floating dtype."""
+    arr = as_numpy(x)
     if arr.dtype not in _SUPPORTED:
         raise TypeError(
             f"{name} has dtype {arr.dtype}; flashtile computes in floating point "

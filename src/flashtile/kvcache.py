@@ -20,7 +20,7 @@ import os
 import ml_dtypes
 import numpy as np
 
-from ._validate import BFLOAT16
+from ._validate import BFLOAT16, as_numpy
 from .decode import decode_attention
 
 #: Storage dtypes; the 16-bit ones are read as such by the decode kernel
@@ -154,7 +154,7 @@ class KVCache:
         and a ``ValueError`` says by how much.
         """
         rows = self._rows(batch_index)
-        k, v = np.asarray(k), np.asarray(v)
+        k, v = as_numpy(k), as_numpy(v)
         _, hkv, _, d = self.k.shape
         dv = self.v.shape[3]
         if k.ndim != 4 or k.shape[0] != len(rows) or k.shape[1] != hkv or k.shape[3] != d:

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._validate import SUPPORTED_DTYPES, AttentionShapes, as_float_array
+from ._validate import SUPPORTED_DTYPES, AttentionShapes, as_float_array, as_numpy
 from .variants import Variants, resolve_variants
 
 
@@ -59,7 +59,7 @@ class CacheLayout(NamedTuple):  # a tuple: built on every decoding call
 
 
 def _check_cache_array(arr, name: str) -> np.ndarray:
-    arr = np.asarray(arr)
+    arr = as_numpy(arr)  # a torch bf16 cache too, in place
     if arr.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"{name} has dtype {arr.dtype}; a KV cache holds float16, bfloat16 (ml_dtypes), "

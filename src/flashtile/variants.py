@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._validate import AttentionShapes, check_flag, check_softcap
+from ._validate import AttentionShapes, as_numpy, check_flag, check_softcap
 from .masks import BlockMask, normalize_window
 
 #: Float mask values below ``-MASK_LIMIT`` count as ``-inf`` (hidden), and
@@ -135,7 +135,7 @@ def _check_mask(mask, shapes: AttentionShapes):
         blocks, mask = mask, mask.mask
         while mask.ndim > len(target) and mask.shape[0] == 1:
             mask = mask[0]
-    mask = np.asarray(mask)
+    mask = as_numpy(mask)
     if mask.ndim == 0:
         raise ValueError(
             "mask is a scalar: pass an array that broadcasts to (..., Tq, Tk), or "

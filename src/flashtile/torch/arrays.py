@@ -11,15 +11,13 @@ import numpy as np
 import torch
 
 from .._validate import BFLOAT16
+from .._validate import as_numpy as _numpy_view
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's memory as NumPy (detached; bfloat16 as ``ml_dtypes.bfloat16``)."""
-    if t.requires_grad:
-        t = t.detach()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(BFLOAT16)
-    return t.numpy()
+    """A CPU tensor's memory as NumPy (detached; bfloat16 as ``ml_dtypes.bfloat16``,
+    by the NumPy API's own rule, :func:`flashtile._validate.as_numpy`)."""
+    return _numpy_view(t.detach() if t.requires_grad else t)
 
 
 def as_tensor(a: np.ndarray) -> torch.Tensor:
