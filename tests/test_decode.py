@@ -153,6 +153,52 @@ def test_large_logits_and_late_maxima(rng):
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("variants", VARIANTS, ids=lambda v: "-".join(v) or "plain")
+@pytest.mark.parametrize("page", [None, 1, 7, 300])
+def test_single_row_items_read_the_cache_in_place(rng, variants, page):
+    # One query row per kv head (MHA, Tq = 1): pages smaller than a tile (1,
+    # 7) take the row-wise path (cpu/cache_rows.py), rows read where they
+    # lie; the contiguous float32 cache and 300-key pages stay on BLAS. An
+    # odd head dim leaves the rows unaligned.
+    q, k, v = _problem(rng, hq=6, hkv=6, tq=1, d=13, dv=11, t_max=600)
+    lengths = np.array([600, 257, 1])
+    kw = dict(cache_seqlens=lengths, return_lse=True, **variants)
+    if page is not None:
+        k, v, kw["block_table"] = _paged(rng, k, v, lengths, page)
+    out, lse = flashtile.decode_attention(q, k, v, **kw)
+    want_out, want_lse = reference_decode(*(a.astype(np.float64) for a in (q, k, v)), **kw)
+    np.testing.assert_allclose(out, want_out, **TOL32)
+    np.testing.assert_allclose(lse, want_lse, **TOL32)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16", np.float64])
+def test_single_row_items_widen_each_format(rng, dtype):
+    dtype = np.dtype(dtype)  # ml_dtypes registers "bfloat16" with NumPy
+    q, k, v = _problem(rng, batch=2, hq=3, hkv=3, tq=1, d=8, t_max=600)
+    q = q.astype(np.float64 if dtype == np.float64 else np.float32)
+    k, v = k.astype(dtype), v.astype(dtype)
+    lengths = np.array([600, 300])
+    k, v, table = _paged(rng, k, v, lengths, 5)
+    out = flashtile.decode_attention(q, k, v, cache_seqlens=lengths, block_table=table)
+    wide = (a.astype(np.float64) for a in (q, k, v))
+    want = reference_decode(*wide, cache_seqlens=lengths, block_table=table)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == np.float64 else TOL32
+    np.testing.assert_allclose(out, want, **tol)
+
+
+def test_single_row_late_maximum_rebases_from_the_kept_scores(rng):
+    # A score far above the first tile's: the row's reference is raised
+    # from a copy of the tile's raw scores (there is no key tile to
+    # recompute them from), here with softcap applied on the way.
+    q, k, v = _problem(rng, batch=1, hq=1, hkv=1, tq=1, d=4, t_max=2000)
+    k[0, 0, 1990] = q[0, 0, 0] * 60
+    q *= 20
+    for kw in ({}, {"softcap": 400.0}):
+        out = flashtile.decode_attention(q, k, v, num_splits=1, **kw)
+        want, _ = _dense_decode(q, k, v, [2000], **kw)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+
+
 def test_float16_cache_is_widened_exactly(rng):
     q, k, v = _problem(rng, t_max=200)
     k16, v16 = k.astype(np.float16), v.astype(np.float16)
@@ -307,19 +353,22 @@ def test_decode_argument_errors(rng):
 
 @pytest.mark.parametrize("where", ["k nan", "k inf", "q nan"])
 @pytest.mark.parametrize("num_splits", [1, 2, 7])
-def test_a_non_finite_score_gives_nan_like_attention_whatever_the_split(rng, where, num_splits):
+@pytest.mark.parametrize("hkv", [1, 2], ids=["gqa", "row-wise"])
+def test_a_non_finite_score_gives_nan_like_attention_whatever_the_split(
+    rng, where, num_splits, hkv
+):
     # A corrupted cache row must not look like an empty sequence (zeros,
     # lse = -inf), and the split count must not change the answer.
-    q, k, v = _problem(rng, batch=1, hq=2, hkv=1, tq=1, d=8, t_max=600)
+    q, k, v = _problem(rng, batch=1, hq=2, hkv=hkv, tq=1, d=8, t_max=600)
     if where == "q nan":
         q[0, 1, 0, 3] = np.nan
     else:
         k[0, 0, 10, 2] = np.nan if where == "k nan" else np.inf
+        q[..., 2] = np.abs(q[..., 2])  # +inf in a score (-inf would only hide the key)
     out, lse = flashtile.decode_attention(q, k, v, num_splits=num_splits, return_lse=True)
     want = flashtile.attention(
-        q[0], np.repeat(k[0], 2, axis=0), np.repeat(v[0], 2, axis=0), causal=True
+        q[0], np.repeat(k[0], 2 // hkv, axis=0), np.repeat(v[0], 2 // hkv, axis=0), causal=True
     )
-    # (+inf in a key gives a score of +-inf by the sign of q: -inf only hides it.)
     assert np.isnan(want).any()
     np.testing.assert_array_equal(np.isnan(out[0]), np.isnan(want))
     np.testing.assert_array_equal(np.isnan(lse[0]), np.isnan(want[..., 0]))

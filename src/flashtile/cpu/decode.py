@@ -20,7 +20,9 @@ tile first. Either way each tile is
 folded by the forward's tile step (:func:`.tile_step.attend_tile`: the same
 online softmax, variants and epilogue), and the next rows are prefetched
 (:mod:`.memory`): the next tile while this one is computed, or, for small
-pages, the next page while this one is copied.
+pages, the next page while this one is copied. Items of a single query row
+in small pages skip the gather and BLAS: :mod:`.cache_rows` reads their
+rows in place.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from numba import njit, prange
 from numba.extending import overload
 
 from . import FASTMATH
+from .cache_rows import ROW_WISE_ROWS, walk_cache_rows
 from .memory import FloatValues, is_flag, load_value, prefetch_rows
 from .tile_step import attend_tile, finish_rows, item_buffers, one_segment
 from .tiles import (
@@ -160,6 +163,14 @@ def decode_kernel(
     # 12 heads, d 64, Tk=32768). With a GQA group's rows there is compute to
     # hide it behind (32/8, d 128: without it 1.13-1.23x the time).
     prefetch_ahead = rows > 1
+    # Single-row items in pages smaller than a tile read the rows in place
+    # (.cache_rows) instead of gathering them for BLAS; elsewhere BLAS
+    # measured as fast or faster (docs/decoding.md). Their raw scores are
+    # kept after the scores in the score buffer (a rebase reads them).
+    row_wise = rows <= ROW_WISE_ROWS and page < tile_keys
+    k_flat, v_flat = k.reshape(k.size), v.reshape(v.size)  # their addressing
+    floats = rows * tile_keys * (2 if row_wise else 1)
+    scratch = 0 if row_wise else tile_keys  # rows of the gather tiles
     q_mult = dtype.type(scale * LOG2E)
     for n in prange(items.shape[0]):
         wide_vectors()  # the prange body is a function of its own
@@ -170,13 +181,19 @@ def decode_kernel(
         tile = QueryTile(b, hk * group, tq, 0, tq, length, length)
         q_tile = np.empty((rows, d), dtype=dtype)
         load_q_tile(q, tile, group, 0, q_mult, q_tile)
-        acc, m, ell, alpha, s_buf = item_buffers(rows, dv, rows * tile_keys, dtype)
-        k_buf = np.empty((tile_keys, d), dtype=dtype)
-        v_buf = np.empty((tile_keys, dv), dtype=dtype)
+        acc, m, ell, alpha, s_buf = item_buffers(rows, dv, floats, dtype)
+        k_buf = np.empty((scratch, d), dtype=dtype)
+        v_buf = np.empty((scratch, dv), dtype=dtype)
         segs = one_segment()  # no boolean mask in decoding
 
         lo, hi = tile_key_range(tile, variants)
         lo, hi = max(lo, j_lo), min(hi, j_hi)
+        if row_wise:
+            walk_cache_rows(
+                q_tile, k_flat, v_flat, fmt, table_row, k.shape[1], hk, page, lo, hi, tile_keys,
+                s_buf, m, ell, alpha, acc, segs, tile, variants, part_flag[n : n + 1],
+            )  # fmt: skip
+            lo = hi  # done: skip the tile walk below
         j0 = lo
         while j0 < hi:
             j1 = min(j0 + tile_keys, hi)

@@ -22,9 +22,11 @@ the end and writes ``out`` and the natural-log ``lse``.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from ..masks import TILE_FULL, TILE_PARTIAL
 from . import FASTMATH
@@ -115,6 +117,41 @@ def prepare_row(s, r, segs, tile, variants, full):
     return 0, segs[-1, SEG_OFFSET] + segs[-1, SEG_LENGTH]
 
 
+class KeptScores(NamedTuple):
+    """A tile's raw scores ``(rows, n)``, kept apart for a rebase
+    (:func:`raw_scores`) by a caller that has no key tile to recompute
+    them from (row-wise decoding, :mod:`.cache_rows`)."""
+
+    raw: np.ndarray
+
+
+def raw_scores(s, r, lo, hi, q_row, keys, s_mult):
+    """``s[r, lo:hi]`` = row ``r``'s raw scores again: ``s_mult * keys[lo:hi]
+    @ q_row`` from key rows, or copied from a :class:`KeptScores`. Only
+    callable from compiled code (the overload picks by the type of ``keys``)."""
+    raise NotImplementedError("raw_scores is only available inside Numba kernels")
+
+
+@overload(raw_scores, fastmath=FASTMATH)
+def _raw_scores(s, r, lo, hi, q_row, keys, s_mult):
+    if isinstance(keys, types.BaseNamedTuple) and keys.instance_class is KeptScores:
+
+        def copy(s, r, lo, hi, q_row, keys, s_mult):
+            for c in range(lo, hi):
+                s[r, c] = keys.raw[r, c]
+
+        return copy
+
+    def recompute(s, r, lo, hi, q_row, keys, s_mult):
+        for c in range(lo, hi):
+            acc = s.dtype.type(0.0)
+            for t in range(q_row.shape[0]):
+                acc += widen(q_row[t]) * widen(keys[c, t])
+            s[r, c] = acc * s_mult
+
+    return recompute
+
+
 @njit(fastmath=FASTMATH, cache=True)
 def rebase_row(s, p, r, lo, hi, q_row, k_rows, s_mult, segs, tile, variants, full, raw_flag):
     """Recompute row ``r``'s scores ``s_mult * k_rows[lo:hi] @ q_row`` with every variant,
@@ -125,14 +162,12 @@ def rebase_row(s, p, r, lo, hi, q_row, k_rows, s_mult, segs, tile, variants, ful
     loops stay small. The recomputed raw scores are checked like the
     product's (``raw_flag``, :func:`flag_non_finite`): this loop sums in
     another order than BLAS, so near float32's largest value one of them can
-    overflow where the other did not.
+    overflow where the other did not. ``k_rows`` may instead be a
+    :class:`KeptScores`: the tile's raw scores, copied back (row-wise
+    decoding, which reads no key tile).
     """
     wide_vectors()
-    for c in range(lo, hi):
-        acc = s.dtype.type(0.0)
-        for t in range(q_row.shape[0]):
-            acc += widen(q_row[t]) * widen(k_rows[c, t])
-        s[r, c] = acc * s_mult
+    raw_scores(s, r, lo, hi, q_row, k_rows, s_mult)
     if raw_flag.size > 0:
         flag_non_finite(s[r : r + 1, lo:hi], raw_flag)
     prepare_row(s, r, segs, tile, variants, full)
@@ -155,7 +190,8 @@ def softmax_tile(s, p, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, varian
     ``m``/``ell`` the updated state and ``alpha`` the per-row rescale. ``p``
     is ``s`` itself (in place) or, for bf16 operands, a ``uint16`` tile that
     receives ``P`` rounded to bf16 (:func:`.half.prob_tile`); ``s`` keeps
-    the scores then, the variants applied.
+    the scores then, the variants applied. ``k_tile`` may be a
+    :class:`KeptScores` instead of key rows (:func:`raw_scores`).
 
     ``m`` is a *reference* at or above the running max, not the max itself:
     a row's first visible tile sets it to ``max + HEADROOM``. Later tiles are
@@ -247,6 +283,15 @@ def flag_non_finite(s, flag):
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
+def rescale_rows(acc, alpha):
+    """``acc[r] *= alpha[r]`` where the row's reference moved (``alpha != 1``)."""
+    for r in range(acc.shape[0]):
+        if alpha[r] != 1.0:  # most rows keep their reference: nothing to rescale
+            for c in range(acc.shape[1]):
+                acc[r, c] *= alpha[r]
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
 def attend_tile(
     gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, variants, full, top,
     top_w, k_next, v_next, raw_flag,
@@ -301,10 +346,7 @@ def fold_key_tile(
     # Hidden columns (the top rows' unwritten ones too) come back as zeros.
     p = prob_tile(s, p_buf)
     softmax_tile(s, p, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, variants, full, raw_flag)
-    for r in range(s.shape[0]):
-        if alpha[r] != 1.0:  # most rows keep their reference: nothing to rescale
-            for c in range(acc.shape[1]):
-                acc[r, c] *= alpha[r]
+    rescale_rows(acc, alpha)
     if top > 0:
         if top_w > 0:
             gemm(gemm_fn, p[:top, :top_w], v_tile[:top_w], acc[:top], False, False, 1.0)

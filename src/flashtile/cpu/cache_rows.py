@@ -1,0 +1,175 @@
+"""Single-row decoding tiles read from cache pages in place: no gather, no BLAS.
+
+With pages smaller than a 256-key tile (a paged cache of 16-key pages, as
+serving engines keep them), the BLAS path first gathers each tile's page
+runs into a scratch tile. With one query row per work item (multi-head
+attention, one new query) the products are a dot product per key and an
+``axpy`` per value row, too little work to hide that copy. Here both
+products read each key's row where it lies, in the cache's own format
+(float32 as is; bf16 and float16 patterns widened in registers,
+:func:`.memory.load_value`), each key prefetching the row :data:`AHEAD`
+keys on (pages are separate streams the hardware prefetcher does not
+follow). The online softmax in between is the forward's own
+(:func:`.tile_step.softmax_tile`).
+
+Measured (``scripts/compare_trees.py --decode``, 12 heads, d 64, one query,
+Tk=32768 in shuffled 16-key pages, float32; Intel Xeon of the Emerald Rapids
+class, 2 cores): 0.76-0.91x the time of the gather path on one core (CPU
+time), 0.74-0.91x on two threads. Not routed here, as measured no faster:
+contiguous or large-page caches (BLAS reads the tile in place: float32 at
+1.0-1.35x the BLAS time here), bf16 caches in large pages (the widening copy
+streams from memory better: 0.86-1.2x, inside the noise), and items of
+several rows (docs/decoding.md).
+
+Rows are addressed through the flat cache (``reshape(-1)`` of the C-contiguous
+``(blocks, Hkv, P, width)`` array) by an unsigned element offset per key:
+signed offsets make Numba emit a negative-index check that keeps LLVM from
+vectorising the row loops (measured 12x slower).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from . import FASTMATH
+from .memory import CACHE_LINE, load_value, prefetch
+from .tile_step import KeptScores, flag_non_finite, rescale_rows, softmax_tile
+from .tiles import SEG_KEY, SEG_LENGTH, tile_sees_all
+from .vectors import wide_vectors
+
+#: Items with at most this many query rows take this path when their cache
+#: pages are smaller than a tile (see the docstring).
+ROW_WISE_ROWS = 1
+
+#: Each key's row prefetches the row this many keys on (the same stream).
+AHEAD = 16
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def row_offset(table_row, heads, hk, page, width, j):
+    """Flat element offset (uint64) of key ``j``'s row of kv head ``hk`` in a
+    ``(blocks, heads, page, width)`` cache whose sequence maps its pages
+    through ``table_row``."""
+    block = table_row[j // page]
+    return np.uint64(((block * heads + hk) * page + j % page) * width)
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def prefetch_row(flat, table_row, heads, hk, page, width, j, j_end):
+    """Prefetch key ``j``'s row (:func:`row_offset`) if ``j < j_end``."""
+    if j < j_end:
+        o = row_offset(table_row, heads, hk, page, width, j)
+        step = np.uint64(max(1, CACHE_LINE // flat.itemsize))
+        for c in range(np.uint64(0), np.uint64(width), step):
+            prefetch(flat, o + c)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def cache_scores(q_tile, flat, fmt, table_row, heads, hk, page, j0, n, s, j_end):
+    """``s[r, t] = q_tile[r] . key_{j0 + t}`` for ``t < n``: the keys' rows read
+    from the flat cache ``flat`` (format flag ``fmt``), one page's run at a
+    time. ``q_tile (rows, d)``, ``s (rows, >= n)``, both in the work dtype.
+    Each key prefetches the row :data:`AHEAD` keys on, below ``j_end``."""
+    wide_vectors()
+    rows, d = q_tile.shape
+    width = np.uint64(d)
+    t = 0
+    while t < n:
+        j = j0 + t
+        run = min(page - j % page, n - t)
+        base = row_offset(table_row, heads, hk, page, d, j)
+        for u in range(run):
+            prefetch_row(flat, table_row, heads, hk, page, d, j + u + AHEAD, j_end)
+            o = base + np.uint64(u) * width
+            for r in range(rows):
+                acc = s.dtype.type(0.0)
+                for c in range(width):
+                    acc += q_tile[r, c] * load_value(flat, o + c, fmt)
+                s[r, t + u] = acc
+        t += run
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def cache_values(p, flat, fmt, table_row, heads, hk, page, j0, n, acc, j_end):
+    """``acc += p[:, :n] @ V`` for the value rows of keys ``j0 .. j0 + n - 1``
+    read from the flat cache ``flat`` (format ``fmt``), one page's run at a
+    time, two keys per pass over ``acc (rows, dv)``; prefetching as
+    :func:`cache_scores`."""
+    wide_vectors()
+    rows, dv = acc.shape
+    width = np.uint64(dv)
+    t = 0
+    while t < n:
+        j = j0 + t
+        run = min(page - j % page, n - t)
+        base = row_offset(table_row, heads, hk, page, dv, j)
+        u = 0
+        while u + 2 <= run:
+            prefetch_row(flat, table_row, heads, hk, page, dv, j + u + AHEAD, j_end)
+            prefetch_row(flat, table_row, heads, hk, page, dv, j + u + 1 + AHEAD, j_end)
+            o0 = base + np.uint64(u) * width
+            o1 = o0 + width
+            for r in range(rows):
+                w0, w1 = p[r, t + u], p[r, t + u + 1]
+                for c in range(width):
+                    acc[r, c] += w0 * load_value(flat, o0 + c, fmt) + w1 * load_value(
+                        flat, o1 + c, fmt
+                    )
+            u += 2
+        if u < run:
+            prefetch_row(flat, table_row, heads, hk, page, dv, j + u + AHEAD, j_end)
+            o0 = base + np.uint64(u) * width
+            for r in range(rows):
+                w0 = p[r, t + u]
+                for c in range(width):
+                    acc[r, c] += w0 * load_value(flat, o0 + c, fmt)
+        t += run
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def fold_cache_tile(
+    q_tile, k_flat, v_flat, fmt, table_row, heads, hk, page, j0, j1, s, raw, m, ell, alpha, acc,
+    segs, tile, variants, full, raw_flag, j_end,
+):  # fmt: skip
+    """Fold keys ``[j0, j1)`` of one sequence and kv head into the rows' state
+    ``(m, ell, acc)``: :func:`.tile_step.fold_key_tile` for rows read in
+    place. ``s``, ``raw``: two ``(rows, j1 - j0)`` float tiles, the second a
+    copy of the raw scores for a rare rebase (there is no key tile to
+    recompute them from); ``k_flat``/``v_flat``: the flat caches of
+    ``heads`` kv heads in pages of ``page`` keys; the rest as there."""
+    n = j1 - j0
+    cache_scores(q_tile, k_flat, fmt, table_row, heads, hk, page, j0, n, s, j_end)
+    if raw_flag.size > 0:
+        flag_non_finite(s, raw_flag)
+    raw[:] = s
+    softmax_tile(
+        s, s, m, ell, alpha, q_tile, KeptScores(raw), 1.0, segs, tile, variants, full, raw_flag
+    )
+    rescale_rows(acc, alpha)
+    cache_values(s, v_flat, fmt, table_row, heads, hk, page, j0, n, acc, j_end)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def walk_cache_rows(
+    q_tile, k_flat, v_flat, fmt, table_row, heads, hk, page, lo, hi, tile_keys, s_buf, m, ell,
+    alpha, acc, segs, tile, variants, raw_flag,
+):  # fmt: skip
+    """Fold keys ``[lo, hi)`` into the rows' state, ``tile_keys`` at a time
+    (:func:`fold_cache_tile`). ``s_buf``: at least ``2 * rows * tile_keys``
+    floats (the scores, then their kept copy); ``segs``: the one-segment
+    table the tile step reads; the rest as there."""
+    rows = q_tile.shape[0]
+    kept = rows * tile_keys
+    j0 = lo
+    while j0 < hi:
+        j1 = min(j0 + tile_keys, hi)
+        n = j1 - j0
+        segs[0, SEG_KEY], segs[0, SEG_LENGTH] = j0, n
+        fold_cache_tile(
+            q_tile, k_flat, v_flat, fmt, table_row, heads, hk, page, j0, j1,
+            s_buf[: rows * n].reshape((rows, n)), s_buf[kept : kept + rows * n].reshape((rows, n)),
+            m, ell, alpha, acc, segs, tile, variants, tile_sees_all(tile, j0, j1, variants),
+            raw_flag, hi,
+        )  # fmt: skip
+        j0 = j1
