@@ -29,8 +29,11 @@ vectorising the row loops (measured 12x slower).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from . import FASTMATH
 from .memory import CACHE_LINE, load_value, prefetch
@@ -41,6 +44,61 @@ from .vectors import wide_vectors
 #: Items with at most this many query rows take this path when their cache
 #: pages are smaller than a tile (see the docstring).
 ROW_WISE_ROWS = 1
+
+
+class TileWalk(NamedTuple):
+    """Walk flag: a decode call's items fold BLAS tiles (:mod:`.decode`)."""
+
+
+class RowWalk(NamedTuple):
+    """Walk flag: a decode call's items read their rows in place (this module)."""
+
+
+def walk_flag(rows: int, page: int, pages: int, tile_keys: int) -> TileWalk | RowWalk:
+    """The decode kernel's walk for items of ``rows`` query rows over a cache
+    of ``pages`` pages per sequence of ``page`` keys each: the one routing
+    rule (see the docstring; a contiguous cache is one page per sequence,
+    whose tiles BLAS reads in place). The flag is a type of its own, so the
+    kernel compiles only the walk a call uses."""
+    small_pages = pages > 1 and page < tile_keys
+    return RowWalk() if rows <= ROW_WISE_ROWS and small_pages else TileWalk()
+
+
+def reads_rows(walk) -> bool:
+    """Whether ``walk`` is :class:`RowWalk`, a constant in compiled code. Only
+    callable from compiled code."""
+    raise NotImplementedError("reads_rows is only available inside Numba kernels")
+
+
+@overload(reads_rows, inline="always")
+def _reads_rows(walk):
+    rows = _is_row_walk(walk)
+    return (lambda walk: True) if rows else (lambda walk: False)
+
+
+def _is_row_walk(walk) -> bool:
+    return isinstance(walk, types.BaseNamedTuple) and walk.instance_class is RowWalk
+
+
+def walk_rows(walk, lo, hi, rest):
+    """With :class:`RowWalk`, fold keys ``[lo, hi)`` (``walk_cache_rows(lo, hi,
+    *rest)``) and return ``hi``; with :class:`TileWalk`, compile to nothing
+    and return ``lo`` (the caller's tile walk then does the keys). Only
+    callable from compiled code."""
+    raise NotImplementedError("walk_rows is only available inside Numba kernels")
+
+
+@overload(walk_rows)
+def _walk_rows(walk, lo, hi, rest):
+    if not _is_row_walk(walk):
+        return lambda walk, lo, hi, rest: lo
+
+    def impl(walk, lo, hi, rest):
+        walk_cache_rows(lo, hi, *rest)
+        return hi
+
+    return impl
+
 
 #: Each key's row prefetches the row this many keys on (the same stream).
 AHEAD = 16
@@ -152,7 +210,7 @@ def fold_cache_tile(
 
 @njit(fastmath=FASTMATH, cache=True)
 def walk_cache_rows(
-    q_tile, k_flat, v_flat, fmt, table_row, heads, hk, page, lo, hi, tile_keys, s_buf, m, ell,
+    lo, hi, q_tile, k_flat, v_flat, fmt, table_row, heads, hk, page, tile_keys, s_buf, m, ell,
     alpha, acc, segs, tile, variants, raw_flag,
 ):  # fmt: skip
     """Fold keys ``[lo, hi)`` into the rows' state, ``tile_keys`` at a time

@@ -34,7 +34,7 @@ from numba import njit, prange
 from numba.extending import overload
 
 from . import FASTMATH
-from .cache_rows import ROW_WISE_ROWS, walk_cache_rows
+from .cache_rows import reads_rows, walk_rows
 from .memory import FloatValues, is_flag, load_value, prefetch_rows
 from .tile_step import attend_tile, finish_rows, item_buffers, one_segment
 from .tiles import (
@@ -127,7 +127,7 @@ def prefetch_keys(k, v, table_row, hk, page, j0, j1):
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def decode_kernel(
-    q, k, v, fmt, table, seqlens, items, part_out, part_lse, part_flag, scale, variants,
+    q, k, v, fmt, walk, table, seqlens, items, part_out, part_lse, part_flag, scale, variants,
     tile_keys, gemm_fn,
 ):  # fmt: skip
     """Partial attention of each item's queries over its key chunk.
@@ -137,6 +137,8 @@ def decode_kernel(
         k, v: ``(blocks, Hkv, P, d / dv)`` cache pages, in the compute dtype,
             or uint16 (16-bit patterns, widened tile by tile).
         fmt: the caches' format flag (:func:`.memory.cache_operands`).
+        walk: how items walk their keys, :func:`.cache_rows.walk_flag` (a
+            flag type: only the walk a call uses is compiled).
         table: ``(B, pages)`` int64 block table (see the module docstring).
         seqlens: ``(B,)`` int64 valid keys per sequence; query ``i`` of
             sequence ``b`` sits at position ``seqlens[b] - Tq + i``.
@@ -163,11 +165,9 @@ def decode_kernel(
     # 12 heads, d 64, Tk=32768). With a GQA group's rows there is compute to
     # hide it behind (32/8, d 128: without it 1.13-1.23x the time).
     prefetch_ahead = rows > 1
-    # Single-row items in pages smaller than a tile read the rows in place
-    # (.cache_rows) instead of gathering them for BLAS; elsewhere BLAS
-    # measured as fast or faster (docs/decoding.md). Their raw scores are
-    # kept after the scores in the score buffer (a rebase reads them).
-    row_wise = rows <= ROW_WISE_ROWS and page < tile_keys
+    # Items that read rows in place (walk: .cache_rows.walk_flag) keep the raw
+    # scores after the scores (a rebase reads them) and gather nothing.
+    row_wise = reads_rows(walk)
     k_flat, v_flat = k.reshape(k.size), v.reshape(v.size)  # their addressing
     floats = rows * tile_keys * (2 if row_wise else 1)
     scratch = 0 if row_wise else tile_keys  # rows of the gather tiles
@@ -188,13 +188,11 @@ def decode_kernel(
 
         lo, hi = tile_key_range(tile, variants)
         lo, hi = max(lo, j_lo), min(hi, j_hi)
-        if row_wise:
-            walk_cache_rows(
-                q_tile, k_flat, v_flat, fmt, table_row, k.shape[1], hk, page, lo, hi, tile_keys,
-                s_buf, m, ell, alpha, acc, segs, tile, variants, part_flag[n : n + 1],
-            )  # fmt: skip
-            lo = hi  # done: skip the tile walk below
-        j0 = lo
+        rest = (
+            q_tile, k_flat, v_flat, fmt, table_row, k.shape[1], hk, page, tile_keys, s_buf, m,
+            ell, alpha, acc, segs, tile, variants, part_flag[n : n + 1],
+        )  # fmt: skip
+        j0 = walk_rows(walk, lo, hi, rest)  # hi when it read the rows: no tiles left
         while j0 < hi:
             j1 = min(j0 + tile_keys, hi)
             if page >= tile_keys:
@@ -221,7 +219,7 @@ def decode_kernel(
 
 @njit(fastmath=FASTMATH, cache=True)
 def decode_call(
-    q, k, v, fmt, table, seqlens, items, spans, check_raw, scale, variant_fields, tile_keys,
+    q, k, v, fmt, walk, table, seqlens, items, spans, check_raw, scale, variant_fields, tile_keys,
     gemm_fn,
 ):  # fmt: skip
     """One decoding call in compiled code: :func:`decode_kernel` over
@@ -245,7 +243,7 @@ def decode_call(
     part_lse = np.empty((slots, rows), dtype=q.dtype)
     part_flag = np.zeros(slots if check_raw else 0, dtype=np.uint8)
     decode_kernel(
-        q, k, v, fmt, table, seqlens, items, part_out, part_lse, part_flag, scale, variants,
+        q, k, v, fmt, walk, table, seqlens, items, part_out, part_lse, part_flag, scale, variants,
         tile_keys, gemm_fn,
     )  # fmt: skip
     out = np.empty((batch, hq, tq, dv), dtype=q.dtype)

@@ -46,6 +46,7 @@ def _kernels() -> types.SimpleNamespace:
     statement in each call costs about a microsecond)."""
     from .backward import backward_kernel
     from .blas import gemm_for, single_threaded_blas
+    from .cache_rows import walk_flag
     from .decode import decode_call
     from .forward import forward_call
     from .half import to_bfloat16
@@ -54,7 +55,7 @@ def _kernels() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         backward_kernel=backward_kernel, gemm_for=gemm_for, forward_call=forward_call,
         single_threaded_blas=single_threaded_blas, decode_call=decode_call,
-        cache_operands=cache_operands, to_bfloat16=to_bfloat16,
+        cache_operands=cache_operands, to_bfloat16=to_bfloat16, walk_flag=walk_flag,
     )  # fmt: skip
 
 
@@ -161,10 +162,11 @@ def run_decode(plan) -> tuple[np.ndarray, np.ndarray, bool, bool]:
     rows = (q.shape[1] // layout.heads) * q.shape[2]
     # Numba has no 16-bit floats: the kernel widens the bit patterns itself.
     k, v, fmt = kernels.cache_operands(layout.k, layout.v)
+    walk = kernels.walk_flag(rows, k.shape[2], layout.table.shape[1], plan.tile_keys)
     gemm_fn = kernels.gemm_for(q.dtype, rows=rows)
     # Raw-score reports (precision.py) matter only for float32 work.
     return _call(
-        plan.threads, gemm_fn, kernels.decode_call, q, k, v, fmt, layout.table, layout.seqlens,
-        plan.items, plan.spans, q.dtype == np.float32, plan.scale, as_fields(plan.variants),
-        plan.tile_keys,
+        plan.threads, gemm_fn, kernels.decode_call, q, k, v, fmt, walk, layout.table,
+        layout.seqlens, plan.items, plan.spans, q.dtype == np.float32, plan.scale,
+        as_fields(plan.variants), plan.tile_keys,
     )  # fmt: skip
