@@ -72,32 +72,12 @@ def reads_rows(walk) -> bool:
 
 @overload(reads_rows, inline="always")
 def _reads_rows(walk):
-    rows = _is_row_walk(walk)
-    return (lambda walk: True) if rows else (lambda walk: False)
+    return (lambda walk: True) if is_row_walk(walk) else (lambda walk: False)
 
 
-def _is_row_walk(walk) -> bool:
+def is_row_walk(walk) -> bool:
+    """Whether the Numba type ``walk`` is :class:`RowWalk` (for overloads)."""
     return isinstance(walk, types.BaseNamedTuple) and walk.instance_class is RowWalk
-
-
-def walk_rows(walk, lo, hi, rest):
-    """With :class:`RowWalk`, fold keys ``[lo, hi)`` (``walk_cache_rows(lo, hi,
-    *rest)``) and return ``hi``; with :class:`TileWalk`, compile to nothing
-    and return ``lo`` (the caller's tile walk then does the keys). Only
-    callable from compiled code."""
-    raise NotImplementedError("walk_rows is only available inside Numba kernels")
-
-
-@overload(walk_rows)
-def _walk_rows(walk, lo, hi, rest):
-    if not _is_row_walk(walk):
-        return lambda walk, lo, hi, rest: lo
-
-    def impl(walk, lo, hi, rest):
-        walk_cache_rows(lo, hi, *rest)
-        return hi
-
-    return impl
 
 
 #: Each key's row prefetches the row this many keys on (the same stream).
