@@ -94,6 +94,13 @@ def row_offset(table_row, heads, hk, page, width, j):
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
+def page_run(table_row, heads, hk, page, width, j, left):
+    """``(run, offset)``: how many of the next ``left`` keys from key ``j`` lie
+    in ``j``'s page, and the flat offset of ``j``'s row (consecutive there)."""
+    return min(page - j % page, left), row_offset(table_row, heads, hk, page, width, j)
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
 def prefetch_row(flat, table_row, heads, hk, page, width, j, j_end):
     """Prefetch key ``j``'s row (:func:`row_offset`) if ``j < j_end``."""
     if j < j_end:
@@ -115,8 +122,7 @@ def cache_scores(q_tile, flat, fmt, table_row, heads, hk, page, j0, n, s, j_end)
     t = 0
     while t < n:
         j = j0 + t
-        run = min(page - j % page, n - t)
-        base = row_offset(table_row, heads, hk, page, d, j)
+        run, base = page_run(table_row, heads, hk, page, d, j, n - t)
         for u in range(run):
             prefetch_row(flat, table_row, heads, hk, page, d, j + u + AHEAD, j_end)
             o = base + np.uint64(u) * width
@@ -136,12 +142,10 @@ def cache_values(p, flat, fmt, table_row, heads, hk, page, j0, n, acc, j_end):
     :func:`cache_scores`."""
     wide_vectors()
     rows, dv = acc.shape
-    width = np.uint64(dv)
-    t = 0
+    width, t = np.uint64(dv), 0
     while t < n:
-        j = j0 + t
-        run = min(page - j % page, n - t)
-        base = row_offset(table_row, heads, hk, page, dv, j)
+        j = j0 + t  # two keys per pass: half the passes over acc
+        run, base = page_run(table_row, heads, hk, page, dv, j, n - t)
         u = 0
         while u + 2 <= run:
             prefetch_row(flat, table_row, heads, hk, page, dv, j + u + AHEAD, j_end)
