@@ -84,6 +84,26 @@ def is_row_walk(walk) -> bool:
 AHEAD = 16
 
 
+def walk_rows(walk, lo, hi, rest):
+    """With :class:`RowWalk`, fold keys ``[lo, hi)`` (``walk_cache_rows(lo, hi,
+    *rest)``) and return ``hi``; with :class:`TileWalk`, compile to nothing
+    and return ``lo`` (the caller's tile walk then does the keys). Only
+    callable from compiled code."""
+    raise NotImplementedError("walk_rows is only available inside Numba kernels")
+
+
+@overload(walk_rows)
+def _walk_rows(walk, lo, hi, rest):
+    if not is_row_walk(walk):
+        return lambda walk, lo, hi, rest: lo
+
+    def impl(walk, lo, hi, rest):
+        walk_cache_rows(lo, hi, *rest)
+        return hi
+
+    return impl
+
+
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def row_offset(table_row, heads, hk, page, width, j):
     """Flat element offset (uint64) of key ``j``'s row of kv head ``hk`` in a

@@ -34,7 +34,7 @@ from numba import njit, prange
 from numba.extending import overload
 
 from . import FASTMATH
-from .cache_rows import is_row_walk, reads_rows, walk_cache_rows
+from .cache_rows import reads_rows, walk_rows
 from .memory import FloatValues, is_flag, load_value, prefetch_rows
 from .tile_step import attend_tile, finish_rows, item_buffers, one_segment
 from .tiles import (
@@ -125,54 +125,6 @@ def prefetch_keys(k, v, table_row, hk, page, j0, j1):
         j += run
 
 
-@njit(fastmath=FASTMATH, cache=True)
-def walk_tiles(
-    lo, hi, q_tile, k, v, fmt, table_row, hk, page, tile_keys, s_buf, k_buf, v_buf, m, ell, alpha,
-    acc, segs, tile, variants, raw_flag, prefetch_ahead, gemm_fn,
-):  # fmt: skip
-    """Fold keys ``[lo, hi)`` of one item into its rows' state, a BLAS tile
-    at a time (:func:`.tile_step.attend_tile`): tiles inside a page in place,
-    others gathered (:func:`load_tile`) into ``k_buf``/``v_buf``. Arguments
-    as in :func:`decode_kernel` and :func:`.cache_rows.walk_cache_rows`."""
-    rows = q_tile.shape[0]
-    j0 = lo
-    while j0 < hi:
-        j1 = min(j0 + tile_keys, hi)
-        if page >= tile_keys:
-            # End the tile at its page, so it is read in place. Such tiles
-            # wait on DRAM unless asked for early: prefetch the next one.
-            # (Tiles of small pages prefetch page by page as they are
-            # gathered instead; a whole tile ahead measured slower there.)
-            j1 = min(j1, j0 - j0 % page + page)
-            if prefetch_ahead:
-                prefetch_keys(k, v, table_row, hk, page, j1, min(j1 + tile_keys, hi))
-        k_tile = load_tile(k, fmt, table_row, hk, page, j0, j1, k_buf, hi)
-        v_tile = load_tile(v, fmt, table_row, hk, page, j0, j1, v_buf, hi)
-        s = s_buf[: rows * (j1 - j0)].reshape((rows, j1 - j0))
-        full = tile_sees_all(tile, j0, j1, variants)
-        segs[0, SEG_KEY], segs[0, SEG_LENGTH] = j0, j1 - j0
-        attend_tile(
-            gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, variants, full, 0,
-            0, k_buf[:0], v_buf[:0], raw_flag,
-        )  # fmt: skip
-        j0 = j1
-
-
-def walk_keys(walk, lo, hi, rows_walk, tiles_walk):
-    """An item's keys ``[lo, hi)``: ``walk_cache_rows(lo, hi, *rows_walk)`` for
-    a :class:`.cache_rows.RowWalk`, else ``walk_tiles(lo, hi, *tiles_walk)``.
-    Chosen when the kernel compiles, so it compiles one walker, not both.
-    Only callable from compiled code."""
-    raise NotImplementedError("walk_keys is only available inside Numba kernels")
-
-
-@overload(walk_keys)
-def _walk_keys(walk, lo, hi, rows_walk, tiles_walk):
-    if is_row_walk(walk):
-        return lambda walk, lo, hi, rows_walk, tiles_walk: walk_cache_rows(lo, hi, *rows_walk)
-    return lambda walk, lo, hi, rows_walk, tiles_walk: walk_tiles(lo, hi, *tiles_walk)
-
-
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def decode_kernel(
     q, k, v, fmt, walk, table, seqlens, items, part_out, part_lse, part_flag, scale, variants,
@@ -236,15 +188,31 @@ def decode_kernel(
 
         lo, hi = tile_key_range(tile, variants)
         lo, hi = max(lo, j_lo), min(hi, j_hi)
-        rows_walk = (
+        rest = (
             q_tile, k_flat, v_flat, fmt, table_row, k.shape[1], hk, page, tile_keys, s_buf, m,
             ell, alpha, acc, segs, tile, variants, part_flag[n : n + 1],
         )  # fmt: skip
-        tiles_walk = (
-            q_tile, k, v, fmt, table_row, hk, page, tile_keys, s_buf, k_buf, v_buf, m, ell, alpha,
-            acc, segs, tile, variants, part_flag[n : n + 1], prefetch_ahead, gemm_fn,
-        )  # fmt: skip
-        walk_keys(walk, lo, hi, rows_walk, tiles_walk)
+        j0 = walk_rows(walk, lo, hi, rest)  # hi when it read the rows: no tiles left
+        while j0 < hi:
+            j1 = min(j0 + tile_keys, hi)
+            if page >= tile_keys:
+                # End the tile at its page, so it is read in place. Such tiles
+                # wait on DRAM unless asked for early: prefetch the next one.
+                # (Tiles of small pages prefetch page by page as they are
+                # gathered instead; a whole tile ahead measured slower there.)
+                j1 = min(j1, j0 - j0 % page + page)
+                if prefetch_ahead:
+                    prefetch_keys(k, v, table_row, hk, page, j1, min(j1 + tile_keys, hi))
+            k_tile = load_tile(k, fmt, table_row, hk, page, j0, j1, k_buf, hi)
+            v_tile = load_tile(v, fmt, table_row, hk, page, j0, j1, v_buf, hi)
+            s = s_buf[: rows * (j1 - j0)].reshape((rows, j1 - j0))
+            full = tile_sees_all(tile, j0, j1, variants)
+            segs[0, SEG_KEY], segs[0, SEG_LENGTH] = j0, j1 - j0
+            attend_tile(
+                gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, variants,
+                full, 0, 0, k_buf[:0], v_buf[:0], part_flag[n : n + 1],
+            )  # fmt: skip
+            j0 = j1
         out_heads = part_out[slot].reshape((group, tq, dv))
         finish_rows(acc, m, ell, out_heads, part_lse[slot].reshape((group, tq)), 0, 0, tq)
 
