@@ -59,7 +59,7 @@ def walk_flag(rows: int, page: int, pages: int, tile_keys: int) -> TileWalk | Ro
     of ``pages`` pages per sequence of ``page`` keys each: the one routing
     rule (see the docstring; a contiguous cache is one page per sequence,
     whose tiles BLAS reads in place). The flag is a type of its own, so the
-    kernel compiles only the walk a call uses."""
+    kernels of other calls do not compile the row walk."""
     small_pages = pages > 1 and page < tile_keys
     return RowWalk() if rows <= ROW_WISE_ROWS and small_pages else TileWalk()
 
