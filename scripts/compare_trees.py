@@ -6,8 +6,9 @@ usage: python scripts/compare_trees.py OLD_SRC NEW_SRC [rounds] [--decode] [--on
 With ``NUMBA_NUM_THREADS=1`` the default mode times CPU seconds on one thread.
 
 ``--decode`` times only decoding (GQA 32/8, d 128: Tk=8192, Tk=65536 and
-Tk=65536 in shuffled pages of 16 keys; MHA with one query, 12 heads, d 64,
-Tk=32768), first on one thread in CPU seconds
+Tk=65536 in shuffled pages of 16 keys; MHA with one query, 12 heads, d 64:
+Tk=2048 and 32768 in float32 and bf16, Tk=32768 in shuffled pages of 16
+keys), first on one thread in CPU seconds
 (``time.process_time``: on a shared machine, time slicing by other jobs then
 does not count), then on two threads in wall seconds.
 
@@ -213,8 +214,8 @@ def decode_inputs() -> dict:
     pk[order] = k[0].reshape(8, n, page, 128).transpose(1, 0, 2, 3)
     pv[order] = v[0].reshape(8, n, page, 128).transpose(1, 0, 2, 3)
     data["decode Tk=65536 paged 16"] = (q, pk, pv, order[None, :])
-    # MHA: one row per work item (read row-wise from the cache since the
-    # seventh session), contiguous and in shuffled pages, float32 and bf16.
+    # MHA: one row per work item, float32 and bf16; in shuffled 16-key pages
+    # such items read their rows in place (cpu/cache_rows.py, seventh session).
     bf16 = ml_dtypes.bfloat16
     for t in (2048, 32768):
         q = rng.standard_normal((1, 12, 1, 64), dtype=np.float32)
@@ -222,6 +223,7 @@ def decode_inputs() -> dict:
         v = rng.standard_normal((1, 12, t, 64), dtype=np.float32)
         data[f"decode MHA 12 d64 Tk={t}"] = (q, k, v, None)
         data[f"decode MHA bf16 Tk={t}"] = (q.astype(bf16), k.astype(bf16), v.astype(bf16), None)
+    q, k, v, _ = data["decode MHA 12 d64 Tk=32768"]
     n = 32768 // 16
     order = rng.permutation(n)
     pk, pv = (np.empty((n, 12, 16, 64), dtype=np.float32) for _ in range(2))

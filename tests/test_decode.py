@@ -193,8 +193,11 @@ def test_single_row_late_maximum_rebases_from_the_kept_scores(rng):
     q, k, v = _problem(rng, batch=1, hq=1, hkv=1, tq=1, d=4, t_max=2000)
     k[0, 0, 1990] = q[0, 0, 0] * 60
     q *= 20
+    kp, vp, table = _paged(rng, k, v, [2000], 16)  # paged: the row-wise walk
     for kw in ({}, {"softcap": 400.0}):
-        out = flashtile.decode_attention(q, k, v, num_splits=1, **kw)
+        out = flashtile.decode_attention(
+            q, kp, vp, cache_seqlens=[2000], num_splits=1, block_table=table, **kw
+        )
         want, _ = _dense_decode(q, k, v, [2000], **kw)
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
 
@@ -365,7 +368,10 @@ def test_a_non_finite_score_gives_nan_like_attention_whatever_the_split(
     else:
         k[0, 0, 10, 2] = np.nan if where == "k nan" else np.inf
         q[..., 2] = np.abs(q[..., 2])  # +inf in a score (-inf would only hide the key)
-    out, lse = flashtile.decode_attention(q, k, v, num_splits=num_splits, return_lse=True)
+    kp, vp, table = _paged(rng, k, v, [600], 16)  # single rows: the row-wise walk
+    out, lse = flashtile.decode_attention(
+        q, kp, vp, cache_seqlens=[600], num_splits=num_splits, block_table=table, return_lse=True
+    )
     want = flashtile.attention(
         q[0], np.repeat(k[0], 2 // hkv, axis=0), np.repeat(v[0], 2 // hkv, axis=0), causal=True
     )

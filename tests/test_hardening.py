@@ -350,6 +350,12 @@ def test_decoding_overflow_that_leaves_lse_finite_is_caught(softcap):
     out, lse = ft.decode_attention(q, k, v, scale=1.0, return_lse=True, **kw)
     np.testing.assert_allclose(out.astype(np.float64), want, rtol=2e-2, atol=1e-2)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-2, atol=1e-2)
+    # In 16-key pages the one query row reads the rows in place (cpu/cache_rows.py).
+    pages = [a[0].reshape(1, t // 16, 16, d).transpose(1, 0, 2, 3).copy() for a in (k, v)]
+    table = np.arange(t // 16)[None, :]
+    out, lse = ft.decode_attention(q, *pages, block_table=table, scale=1.0, return_lse=True, **kw)
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=2e-2, atol=1e-2)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-2, atol=1e-2)
 
 
 def test_rebase_recompute_reports_a_non_finite_raw_score():

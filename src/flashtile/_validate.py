@@ -32,17 +32,25 @@ _FLOAT32, _FLOAT64 = np.dtype(np.float32), np.dtype(np.float64)
 
 
 def as_numpy(x) -> np.ndarray:
-    """``x`` as a NumPy array, by ``np.asarray`` (no copy where none is
-    needed), except that a torch bfloat16 tensor, whose dtype NumPy cannot
-    name (``np.asarray`` raises torch's "unsupported ScalarType"), comes back
-    as an ``ml_dtypes.bfloat16`` view of the same memory. Tensors that
-    ``np.asarray`` refuses (on a GPU, or requiring grad) are refused alike."""
+    """``x`` as a NumPy array without a copy where none is needed:
+    ``np.asarray``, except for torch tensors, which are viewed through
+    ``Tensor.numpy()`` (bfloat16 ones, which NumPy cannot name, as an
+    ``ml_dtypes.bfloat16`` view of the same memory). A tensor that requires
+    grad is refused: the NumPy API computes no gradients."""
     if type(x) is np.ndarray:
         return x
     torch = sys.modules.get("torch")  # a tensor exists only once torch is imported
-    if torch is not None and isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16:
-        return np.asarray(x.view(torch.int16)).view(BFLOAT16)
-    return np.asarray(x)
+    if torch is None or not isinstance(x, torch.Tensor):
+        return np.asarray(x)
+    if x.requires_grad:
+        raise TypeError(
+            f"a tensor that requires grad ({x.dtype}, shape {tuple(x.shape)}) reached "
+            f"flashtile's NumPy API, which computes no gradients: use "
+            f"flashtile.torch.attention, or pass tensor.detach()"
+        )
+    if x.dtype == torch.bfloat16:  # Tensor.numpy() raises on bf16
+        return x.view(torch.int16).numpy().view(BFLOAT16)
+    return x.numpy()  # refuses GPU tensors, as np.asarray does
 
 
 def as_float_array(x, name: str) -> np.ndarray:

@@ -42,7 +42,7 @@ from .tiles import SEG_KEY, SEG_LENGTH, tile_sees_all
 from .vectors import wide_vectors
 
 #: Items with at most this many query rows take this path when their cache
-#: pages are smaller than a tile (see the docstring).
+#: is paged (several pages per sequence) in pages smaller than a tile.
 ROW_WISE_ROWS = 1
 
 
@@ -221,6 +221,7 @@ def walk_cache_rows(
     (:func:`fold_cache_tile`). ``s_buf``: at least ``2 * rows * tile_keys``
     floats (the scores, then their kept copy); ``segs``: the one-segment
     table the tile step reads; the rest as there."""
+    wide_vectors()
     rows = q_tile.shape[0]
     kept = rows * tile_keys
     j0 = lo

@@ -21,8 +21,8 @@ folded by the forward's tile step (:func:`.tile_step.attend_tile`: the same
 online softmax, variants and epilogue), and the next rows are prefetched
 (:mod:`.memory`): the next tile while this one is computed, or, for small
 pages, the next page while this one is copied. Items of a single query row
-in small pages skip the gather and BLAS: :mod:`.cache_rows` reads their
-rows in place.
+in a paged cache of pages smaller than a tile skip the gather and BLAS:
+:mod:`.cache_rows` reads their rows in place.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def decode_kernel(
             or uint16 (16-bit patterns, widened tile by tile).
         fmt: the caches' format flag (:func:`.memory.cache_operands`).
         walk: how items walk their keys, :func:`.cache_rows.walk_flag` (a
-            flag type: only the walk a call uses is compiled).
+            flag type: kernels for tile walks do not compile the row walk).
         table: ``(B, pages)`` int64 block table (see the module docstring).
         seqlens: ``(B,)`` int64 valid keys per sequence; query ``i`` of
             sequence ``b`` sits at position ``seqlens[b] - Tq + i``.

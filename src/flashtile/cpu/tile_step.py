@@ -132,7 +132,7 @@ def raw_scores(s, r, lo, hi, q_row, keys, s_mult):
     raise NotImplementedError("raw_scores is only available inside Numba kernels")
 
 
-@overload(raw_scores, fastmath=FASTMATH)
+@overload(raw_scores, fastmath=FASTMATH, inline="always")  # in rebase_row: its vector width
 def _raw_scores(s, r, lo, hi, q_row, keys, s_mult):
     if isinstance(keys, types.BaseNamedTuple) and keys.instance_class is KeptScores:
 
