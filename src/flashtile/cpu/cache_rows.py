@@ -45,6 +45,9 @@ from .vectors import wide_vectors
 #: is paged (several pages per sequence) in pages smaller than a tile.
 ROW_WISE_ROWS = 1
 
+#: Each key's row prefetches the row this many keys on (the same stream).
+AHEAD = 16
+
 
 class TileWalk(NamedTuple):
     """Walk flag: a decode call's items fold BLAS tiles (:mod:`.decode`)."""
@@ -78,10 +81,6 @@ def _reads_rows(walk):
 def is_row_walk(walk) -> bool:
     """Whether the Numba type ``walk`` is :class:`RowWalk` (for overloads)."""
     return isinstance(walk, types.BaseNamedTuple) and walk.instance_class is RowWalk
-
-
-#: Each key's row prefetches the row this many keys on (the same stream).
-AHEAD = 16
 
 
 def walk_rows(walk, lo, hi, rest):
