@@ -12,6 +12,7 @@ import pytest
 
 import flashtile
 from dense import dense_attention, dense_variant_attention
+from flashtile.cpu.cache_rows import RowWalk, TileWalk, walk_flag
 from flashtile.cpu.decode import copy_row
 from flashtile.cpu.memory import Float16Bits
 from flashtile.planning import plan_splits
@@ -169,6 +170,16 @@ def test_single_row_items_read_the_cache_in_place(rng, variants, page):
     want_out, want_lse = reference_decode(*(a.astype(np.float64) for a in (q, k, v)), **kw)
     np.testing.assert_allclose(out, want_out, **TOL32)
     np.testing.assert_allclose(lse, want_lse, **TOL32)
+
+
+def test_the_row_walk_is_for_single_float32_rows_in_small_pages():
+    # (rows, page, pages per sequence, tile keys, work dtype) -> the walk
+    f32, f64 = np.dtype(np.float32), np.dtype(np.float64)
+    assert isinstance(walk_flag(1, 16, 8, 256, f32), RowWalk)
+    assert isinstance(walk_flag(1, 16, 1, 256, f32), TileWalk)  # one page: contiguous
+    assert isinstance(walk_flag(1, 256, 8, 256, f32), TileWalk)  # pages as large as a tile
+    assert isinstance(walk_flag(2, 16, 8, 256, f32), TileWalk)  # several rows: BLAS
+    assert isinstance(walk_flag(1, 16, 8, 256, f64), TileWalk)  # float64 work
 
 
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])  # (float32: the test above)

@@ -125,13 +125,20 @@ def test_varlen_plan_drops_sequences_without_queries():
 
 def test_block_map_matches_the_final_tiles_and_is_writeable(rng):
     """The block map is summarised for the tiles the kernel runs (after every
-    shrink), and is a fresh writeable array (one compiled kernel per dtype)."""
+    shrink), and is a fresh writeable array; the bool mask is read-only
+    whether it came raw, from a BlockMask or not at all (one compiled kernel
+    per dtype)."""
     q = rng.standard_normal((1, 2, 100, 4))
-    bm = ft.block_mask(rng.random((100, 100)) < 0.5, 32, 64)
+    raw = rng.random((100, 100)) < 0.5
+    bm = ft.block_mask(raw, 32, 64)
     plan = planning.plan_forward(check_call(q, q, q, False, None, {"mask": bm}))
     assert (plan.block_q, plan.block_k) == (32, 64)
     assert plan.variants.states.shape[2:] == (4, 2)
     assert plan.variants.states.flags.writeable
+    for variants in ({"mask": bm}, {"mask": raw}, {}):
+        plan = planning.plan_forward(check_call(q, q, q, False, None, variants))
+        assert not plan.variants.mask_bool.flags.writeable
+    assert raw.flags.writeable  # the caller's array is untouched
     plan = planning.plan_forward(check_call(q, q, q, False, None, {"mask": bm}), 50, 50)
     assert plan.variants.states.shape[2:] == (2, 2)
 

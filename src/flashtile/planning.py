@@ -348,6 +348,10 @@ def kernel_variants(va: Variants, work, heads: int) -> KernelVariants:
     mask_bool = np.zeros((0, 0, 0, 0), dtype=np.bool_)
     if va.mask_bool is not None:
         mask_bool = _mask4(va.mask_bool)
+    # Read-only always: a BlockMask keeps its mask read-only, and a writeable
+    # array would be another Numba type, so another compilation of each kernel.
+    mask_bool = mask_bool.view()
+    mask_bool.flags.writeable = False
     states = np.zeros((0, 0, 0, 0), dtype=np.int8)
     softcap = 0.0 if va.softcap is None else va.softcap * LOG2E
     return KernelVariants(va.causal, va.left, va.right, softcap, alibi, mask_add, mask_bool, states)

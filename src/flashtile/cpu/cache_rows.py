@@ -19,7 +19,8 @@ time), 0.74-0.91x on two threads. Not routed here, as measured no faster:
 contiguous or large-page caches (BLAS reads the tile in place: float32 at
 1.0-1.35x the BLAS time here), bf16 caches in large pages (the widening copy
 streams from memory better: 0.86-1.2x, inside the noise), and items of
-several rows (docs/decoding.md).
+several rows (docs/decoding.md), and float64 work (float64 caches and the
+float32 range fallback: not the serving case, and one compilation less).
 
 Rows are addressed through the flat cache (``reshape(-1)`` of the C-contiguous
 ``(blocks, Hkv, P, width)`` array) by an unsigned element offset per key:
@@ -57,14 +58,20 @@ class RowWalk(NamedTuple):
     """Walk flag: a decode call's items read their rows in place (this module)."""
 
 
-def walk_flag(rows: int, page: int, pages: int, tile_keys: int) -> TileWalk | RowWalk:
+def walk_flag(
+    rows: int, page: int, pages: int, tile_keys: int, work: np.dtype
+) -> TileWalk | RowWalk:
     """The decode kernel's walk for items of ``rows`` query rows over a cache
-    of ``pages`` pages per sequence of ``page`` keys each: the one routing
-    rule (see the docstring; a contiguous cache is one page per sequence,
-    whose tiles BLAS reads in place). The flag is a type of its own, so the
-    kernels of other calls do not compile the row walk."""
+    of ``pages`` pages per sequence of ``page`` keys each, in the work dtype
+    ``work``: the one routing rule (see the docstring; a contiguous cache is
+    one page per sequence, whose tiles BLAS reads in place). The flag is a
+    type of its own, so the kernels of other calls do not compile the row
+    walk. float64 work (float64 caches, and the float32 range fallback of
+    :mod:`flashtile.precision`) keeps the tile walk: it is not the serving
+    case, and a row-walk kernel in float64 would be one more compilation."""
     small_pages = pages > 1 and page < tile_keys
-    return RowWalk() if rows <= ROW_WISE_ROWS and small_pages else TileWalk()
+    row_wise = rows <= ROW_WISE_ROWS and small_pages and work == np.float32
+    return RowWalk() if row_wise else TileWalk()
 
 
 def reads_rows(walk) -> bool:

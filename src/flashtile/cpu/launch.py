@@ -162,7 +162,7 @@ def run_decode(plan) -> tuple[np.ndarray, np.ndarray, bool, bool]:
     rows = (q.shape[1] // layout.heads) * q.shape[2]
     # Numba has no 16-bit floats: the kernel widens the bit patterns itself.
     k, v, fmt = kernels.cache_operands(layout.k, layout.v)
-    walk = kernels.walk_flag(rows, k.shape[2], layout.table.shape[1], plan.tile_keys)
+    walk = kernels.walk_flag(rows, k.shape[2], layout.table.shape[1], plan.tile_keys, q.dtype)
     gemm_fn = kernels.gemm_for(q.dtype, rows=rows)
     # Raw-score reports (precision.py) matter only for float32 work.
     return _call(
