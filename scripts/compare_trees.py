@@ -5,8 +5,8 @@ usage: python scripts/compare_trees.py OLD_SRC NEW_SRC [rounds] [--decode] [--on
 (e.g. ``git worktree add /tmp/base <rev>`` and ``/tmp/base/src`` as OLD_SRC).
 With ``NUMBA_NUM_THREADS=1`` the default mode times CPU seconds on one thread.
 
-``--decode`` times only decoding (GQA 32/8, d 128: Tk=8192, Tk=65536 and
-Tk=65536 in shuffled pages of 16 keys; MHA with one query, 12 heads, d 64:
+``--decode`` times only decoding (GQA 32/8, d 128: Tk=8192, Tk=65536 in
+float32 and bf16, and Tk=65536 in shuffled pages of 16 keys; MHA with one query, 12 heads, d 64:
 Tk=2048 and 32768 in float32 and bf16, Tk=32768 in shuffled pages of 16
 keys), first on one thread in CPU seconds
 (``time.process_time``: on a shared machine, time slicing by other jobs then
@@ -208,6 +208,8 @@ def decode_inputs() -> dict:
         k = rng.standard_normal((1, 8, t, 128), dtype=np.float32)
         v = rng.standard_normal((1, 8, t, 128), dtype=np.float32)
         data[f"decode Tk={t}"] = (q, k, v, None)
+        bf16 = ml_dtypes.bfloat16
+        data[f"decode GQA bf16 Tk={t}"] = (q.astype(bf16), k.astype(bf16), v.astype(bf16), None)
     n, page = 65536 // 16, 16
     order = rng.permutation(n)
     pk, pv = (np.empty((n, 8, page, 128), dtype=np.float32) for _ in range(2))
@@ -243,6 +245,8 @@ DECODE_CASES = {
     "decode Tk=8192": 2 * 8 * 8192 * 128 * 4,
     "decode Tk=65536": 2 * 8 * 65536 * 128 * 4,
     "decode Tk=65536 paged 16": 2 * 8 * 65536 * 128 * 4,
+    "decode GQA bf16 Tk=8192": 2 * 8 * 8192 * 128 * 2,
+    "decode GQA bf16 Tk=65536": 2 * 8 * 65536 * 128 * 2,
     "decode MHA 12 d64 Tk=2048": 2 * 12 * 2048 * 64 * 4,
     "decode MHA 12 d64 Tk=32768": 2 * 12 * 32768 * 64 * 4,
     "decode MHA bf16 Tk=2048": 2 * 12 * 2048 * 64 * 2,

@@ -301,3 +301,87 @@ def test_tiny_scale_with_huge_values_keeps_float32_products(rng, path):
     want, _ = dense_attention(*(a.astype(np.float64) for a in (q, k, v)), scale=8e-40)
     assert np.isfinite(out.astype(np.float32)).all()
     assert rel_err(out.astype(np.float64), want) < 1e-2
+
+
+def _paged(rng, k, v, page):
+    """``(k_pages, v_pages, block_table)``: every sequence in shuffled pages of ``page`` keys."""
+    batch, hkv, t, d = k.shape
+    per_seq = -(-t // page)
+    order = rng.permutation(batch * per_seq)
+    pad = ((0, 0), (0, 0), (0, per_seq * page - t), (0, 0))
+    out = []
+    for a in (k, v):
+        pages = np.pad(a, pad).reshape(batch, hkv, per_seq, page, d).transpose(0, 2, 1, 3, 4)
+        shuffled = np.empty((batch * per_seq, hkv, page, d), dtype=a.dtype)
+        shuffled[order] = pages.reshape(-1, hkv, page, d)
+        out.append(shuffled)
+    return out[0], out[1], order.reshape(batch, per_seq)
+
+
+@pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("heads", [(6, 6), (8, 2)], ids=["mha", "gqa"])
+def test_decoding_accuracy_rule(rng, path, heads, page):
+    """bf16 queries against a bf16 cache: bf16 products where the CPU has
+    them (tiles in place, or their bits gathered across pages), judged by
+    FlashAttention's rule, as the forward is."""
+    from flashtile.kvlayout import check_cache
+    from flashtile.planning import decode_operands
+
+    q, k, v = bf16_qkv(rng, 2, heads[0], heads[1], 1, 777, 64)
+    kc, vc, table = (k, v, None) if page is None else _paged(rng, k, v, page)
+    lengths = np.array([777, 777])  # (pages hold a few more)
+    out, lse = ft.decode_attention(
+        q, kc, vc, cache_seqlens=lengths, block_table=table, return_lse=True
+    )
+    assert out.dtype == BF16 and lse.dtype == np.float32
+    layout = check_cache(q, kc, vc, lengths, table)[1]
+    assert (decode_operands(q.dtype, layout) == BF16) == (path == "bf16")
+    ref, ref_lse = float64_reference(q, k, v, False)
+    rounding = rel_err(ref.astype(BF16), ref)
+    assert rel_err(out, ref) <= 2 * rel_err(torch_bf16_math(q, k, v, False), ref) + rounding
+    assert np.abs(lse - ref_lse).max() < 1e-3
+    # A decode-shaped flashtile.attention call runs the same kernel.
+    np.testing.assert_array_equal(ft.attention(q, k, v), ft.decode_attention(q, k, v))
+
+
+@pytest.mark.parametrize(
+    "variants",
+    [{"window": (50, 0)}, {"softcap": 2.0}, {"alibi_slopes": np.array([0.5, 0.25, 0.1, 0.05])}],
+    ids=["window", "softcap", "alibi"],
+)
+def test_decoding_bf16_products_with_variants(rng, path, variants):
+    # Two queries of a GQA group, ragged lengths (one sequence shorter than
+    # the queries: a row that sees nothing), pages of 40 keys.
+    from flashtile.reference import decode_attention as reference_decode
+
+    q, k, v = bf16_qkv(rng, 2, 4, 2, 2, 600, 32)
+    kc, vc, table = _paged(rng, k, v, 40)
+    lengths = np.array([600, 1])
+    kw = dict(cache_seqlens=lengths, block_table=table, return_lse=True, **variants)
+    out, lse = ft.decode_attention(q, kc, vc, **kw)
+    wide = (a.astype(np.float64) for a in (q, kc, vc))
+    want, want_lse = reference_decode(*wide, **kw)
+    assert not np.isnan(out.astype(np.float32)).any()
+    assert rel_err(out, want) < 2 * rel_err(want.astype(BF16), want)
+    seen = np.isfinite(want_lse)
+    assert np.array_equal(np.isfinite(lse), seen)
+    assert np.abs(lse[seen] - want_lse[seen]).max() < 1e-3
+
+
+@pytest.mark.parametrize("scale", [8e-40, 1e38], ids=["tiny-scale-huge-values", "huge-scale"])
+def test_decoding_past_float32_range_runs_in_float64(rng, path, scale):
+    # bf16 products sum q . k before the scale: 1e40 overflows float32 there
+    # (the step is computed again in float64, as for a huge scale).
+    q, k, v = bf16_qkv(rng, 1, 4, 2, 1, 600, 16)
+    if scale < 1:
+        q, k = ((a.astype(np.float32) * np.float32(1e20)).astype(BF16) for a in (q, k))
+    out = ft.decode_attention(q, k, v, scale=scale)
+    want, _ = dense_attention(*float64_inputs(q, k, v), scale=scale)
+    assert np.isfinite(out.astype(np.float32)).all()
+    assert rel_err(out.astype(np.float64), want) < 1e-2
+
+
+def float64_inputs(q, k, v):
+    """q, k, v in float64, k and v repeated for q's heads (GQA)."""
+    group = q.shape[1] // k.shape[1]
+    return q.astype(np.float64), *(np.repeat(a.astype(np.float64), group, 1) for a in (k, v))

@@ -126,7 +126,11 @@ def test_bf16_cache_matches_the_reference_on_its_values(rng, page, variants):
     np.testing.assert_allclose(lse, want_lse, **TOL32)
 
 
-def test_bf16_queries_give_bf16_output_and_float32_lse(rng):
+def test_bf16_queries_give_bf16_output_and_float32_lse(rng, monkeypatch):
+    # The widening path (OpenBLAS: no bf16 products; those are test_bf16.py's).
+    import flashtile.cpu.blas as blas
+
+    monkeypatch.setattr(blas, "_choice", "openblas")
     q, k, v = _problem(rng, batch=1, tq=1)
     out, lse = flashtile.decode_attention(q.astype(BF16), k, v, return_lse=True)
     assert out.dtype == BF16 and lse.dtype == np.float32

@@ -41,7 +41,7 @@ from ._validate import (
 )
 from .cpu.launch import run_backward, run_decode, run_forward
 from .planning import Call, decode_shaped, plan_backward, plan_decode_call, plan_forward
-from .precision import decode_overflowed, narrow_lse, score_bound
+from .precision import decode_bound, decode_overflowed, narrow_lse
 from .variants import Variants, clear_padded_keys, resolve_variants
 
 
@@ -116,7 +116,7 @@ def _overflowed(call, plan, lse, flagged, finite) -> bool:
     shapes = call.shapes
 
     def bound():
-        return score_bound(call.scale, call.q, call.k, call.variants, shapes.tq, shapes.tk)
+        return decode_bound(call.scale, call.q, call.k, call.variants, shapes.tq, shapes.tk)
 
     return decode_overflowed(lse, plan.layout.seqlens, bound, flagged, finite)
 

@@ -21,7 +21,7 @@ from ._validate import check_flag, check_num_splits, resolve_scale
 from .cpu.launch import run_decode
 from .kvlayout import check_cache, decode_variants
 from .planning import plan_decode
-from .precision import decode_overflowed, narrow_lse, score_bound
+from .precision import decode_bound, decode_overflowed, narrow_lse
 
 
 def decode_attention(
@@ -85,7 +85,7 @@ def decode_attention(
     capacity = layout.table.shape[1] * layout.page
 
     def bound():
-        return score_bound(scale, q, layout.k, variants, q.shape[2], capacity)
+        return decode_bound(scale, q, layout.k, variants, q.shape[2], capacity)
 
     if decode_overflowed(lse, layout.seqlens, bound, flagged, finite):
         wide = layout._replace(k=layout.k.astype(np.float64), v=layout.v.astype(np.float64))

@@ -408,7 +408,8 @@ def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> Deco
     """The decode kernel's plan for validated ``q (B, Hq, Tq, d)`` and cache.
 
     ``num_splits``: chunks per sequence, or None to choose (:func:`plan_splits`).
-    The work dtype is float64 for a float64 cache, else float32.
+    The work dtype is float64 for a float64 cache, else float32; ``q`` is
+    cast to it, or kept bf16 for bf16 products (:func:`decode_operands`).
     """
     work = compute_dtype(layout.k.dtype)
     _, hq, tq, d = q.shape
@@ -422,8 +423,19 @@ def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> Deco
         variants = _plain_schedule_variants(va.causal, va.left, va.right, va.softcap, work)
     else:
         variants = kernel_variants(va, work, hq)
-    q_work = np.ascontiguousarray(q, dtype=work)
+    q_work = np.ascontiguousarray(q, dtype=decode_operands(q.dtype, layout))
     return DecodePlan(q_work, layout, items, spans, variants, scale, DECODE_TILE, threads)
+
+
+def decode_operands(q_dtype, layout: CacheLayout) -> np.dtype:
+    """The dtype of the decode kernel's tile products: bfloat16 when the
+    queries and the cache are bf16 and the CPU has bf16 products (the
+    forward's rule, :func:`bf16_products`: scores of bf16 operands, ``P``
+    rounded to bf16), else the work dtype (a 16-bit cache widened)."""
+    k, v = layout.k.dtype, layout.v.dtype
+    if q_dtype == BFLOAT16 and k == BFLOAT16 and v == BFLOAT16 and bf16_products(q_dtype):
+        return BFLOAT16
+    return compute_dtype(k)
 
 
 @lru_cache(maxsize=256)
@@ -480,9 +492,9 @@ def plan_decode_call(call: Call) -> DecodePlan:
     values are a contiguous cache of ``Tk`` keys (``kv_lengths`` valid). No
     score bound first (it would read the keys once more): the caller checks
     the step's ``lse`` afterwards, as decoding does (:mod:`flashtile.precision`)."""
-    # The cache as given (a 16-bit one is read as such: no widened copy per call).
-    q4 = _as4d(call.q, compute_dtype(call.q.dtype))
-    k4, v4 = (_as4d(a, a.dtype) for a in (call.k, call.v))
+    # The arrays as given (a 16-bit cache is read as such: no widened copy
+    # per call); plan_decode gives q its dtype.
+    q4, k4, v4 = (_as4d(a, a.dtype) for a in (call.q, call.k, call.v))
     n, tk = q4.shape[0], k4.shape[2]
     table, seqlens = _whole_cache(n, tk)
     if call.variants.kv_lengths is not None:

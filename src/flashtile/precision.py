@@ -180,6 +180,15 @@ def bounds(scale: float, q: np.ndarray, k: np.ndarray, va: Variants, tq: int, tk
     return bound_formula(big_q, big_k, d, scale, additive)
 
 
+def decode_bound(scale: float, q: np.ndarray, k: np.ndarray, va: Variants, tq: int, tk: int):
+    """The bound a decode step's float32 scores answer to (:func:`decode_overflowed`):
+    :func:`score_bound`, and for bf16 queries and keys (which may have been
+    multiplied as bf16, :func:`flashtile.planning.decode_operands`) the
+    unscaled products' bound too, as :func:`bounds` explains."""
+    score, products = bounds(scale, q, k, va, tq, tk)
+    return max(score, products) if q.dtype == BFLOAT16 == k.dtype else score
+
+
 def work_dtype(dtype: np.dtype, bound: float) -> np.dtype:
     """The dtype to compute inputs of ``dtype`` in, given :func:`score_bound`:
     :func:`compute_dtype`, or float64 where float32 scores could overflow."""
@@ -194,7 +203,7 @@ def decode_overflowed(
 
     A raw score that was not finite (``flagged``, from the kernel) or a row of
     a non-empty sequence with a non-finite ``lse (B, Hq, Tq)`` raises the
-    question (cheap tests); then ``bound()``, the call's :func:`score_bound`
+    question (cheap tests); then ``bound()``, the call's :func:`decode_bound`
     (a pass over the cache), answers it. ``finite``: the kernel found every
     ``lse`` finite.
     """

@@ -16,8 +16,11 @@ P, d)`` arrays. A contiguous ``(B, Hkv, T_max, d)`` cache is the special case
 used in place; a tile spanning pages (small pages) or stored in 16 bits
 (float16 or bfloat16, told apart by a compile-time format flag, see
 :func:`.memory.cache_operands`) is gathered, and widened, into a scratch
-tile first. Either way each tile is
-folded by the forward's tile step (:func:`.tile_step.attend_tile`: the same
+tile first. With bf16 queries and a bf16 cache where the CPU has bf16
+products (:func:`flashtile.planning.decode_operands`), the tiles stay bf16:
+used in place, or their bits gathered, and the products are the forward's
+bf16 ones (``P`` rounded to bf16). Either way each tile is
+folded by the forward's tile step (:func:`.tile_step.fold_key_tile`: the same
 online softmax, variants and epilogue), and the next rows are prefetched
 (:mod:`.memory`): the next tile while this one is computed, or, for small
 pages, the next page while this one is copied. Items of a single query row
@@ -30,13 +33,15 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.core.errors import TypingError
 from numba.extending import overload
 
 from . import FASTMATH
 from .cache_rows import reads_rows, walk_rows
-from .memory import FloatValues, is_flag, load_value, prefetch_rows
-from .tile_step import attend_tile, finish_rows, item_buffers, one_segment
+from .half import prob_buffer, split_scale, work_empty
+from .memory import BFloat16Bits, FloatValues, is_flag, load_value, prefetch_rows
+from .tile_step import finish_rows, fold_key_tile, item_buffers, one_segment
 from .tiles import (
     LOG2E,
     SEG_KEY,
@@ -54,12 +59,13 @@ PREFETCH_PAGES = 1
 
 
 def load_tile(src, fmt, table_row, hk, page, j0, j1, buf, j_end):
-    """Rows of keys ``[j0, j1)`` (one sequence, kv head ``hk``) in the compute dtype.
+    """Rows of keys ``[j0, j1)`` (one sequence, kv head ``hk``) in the dtype of ``buf``.
 
     ``src (blocks, Hkv, P, width)`` in the format ``fmt`` (a flag of
-    :mod:`.memory`). Float rows inside one page come back in place (a
-    view); rows spanning pages are copied into ``buf`` and 16-bit patterns
-    (uint16) are widened into it.
+    :mod:`.memory`). Rows inside one page come back in place (a view) when
+    they need no widening: float rows, or bf16 bits for bf16 products (a
+    ``uint16`` ``buf``); rows spanning pages are copied into ``buf``, 16-bit
+    patterns widened when ``buf`` is float (:func:`copy_row`).
 
     Each small page is a separate stream that the hardware prefetcher only
     picks up halfway, so the copy prefetches the next page (below ``j_end``)
@@ -77,18 +83,35 @@ def load_tile(src, fmt, table_row, hk, page, j0, j1, buf, j_end):
 @njit(fastmath=FASTMATH, cache=True)
 def copy_row(src, dst, fmt):
     """``dst[:] = src`` for 1-D arrays, widening 16-bit patterns (uint16) by
-    the format flag ``fmt`` (:func:`.memory.load_value`)."""
+    the format flag ``fmt`` (:func:`.memory.load_value`) into a float
+    ``dst``; into a ``uint16`` ``dst`` (bf16 products) the bits as they are."""
     wide_vectors()
     for c in range(src.shape[0]):  # a loop: slice assignment copies twice
-        dst[c] = load_value(src, c, fmt)
+        dst[c] = row_element(src, c, fmt, dst)
+
+
+def row_element(src, c, fmt, dst):
+    """``src[c]`` as an element of ``dst``: its bits for a ``uint16`` ``dst``,
+    else its value (:func:`.memory.load_value`). Only callable from compiled code."""
+    raise NotImplementedError("row_element is only available inside Numba kernels")
+
+
+@overload(row_element, fastmath=FASTMATH, inline="always")
+def _row_element(src, c, fmt, dst):
+    if dst.dtype != types.uint16:
+        return lambda src, c, fmt, dst: load_value(src, c, fmt)
+    if not is_flag(fmt, BFloat16Bits):  # float16 is never read as bf16: mantissa bits would go
+        raise TypingError(f"bf16 products need a bfloat16 cache, got the format flag {fmt}")
+    return lambda src, c, fmt, dst: src[c]
 
 
 @overload(load_tile, fastmath=FASTMATH)
 def _load_tile_overload(src, fmt, table_row, hk, page, j0, j1, buf, j_end):
-    half = not is_flag(fmt, FloatValues)
+    # 16-bit patterns widened into a float buffer; bf16 products read them as they are.
+    widened = not is_flag(fmt, FloatValues) and buf.dtype != types.uint16
 
     def impl(src, fmt, table_row, hk, page, j0, j1, buf, j_end):
-        if not half and j0 % page + (j1 - j0) <= page:
+        if not widened and j0 % page + (j1 - j0) <= page:
             off = j0 % page
             return src[table_row[j0 // page], hk, off : off + j1 - j0]
         j = j0
@@ -133,9 +156,11 @@ def decode_kernel(
     """Partial attention of each item's queries over its key chunk.
 
     Args:
-        q: ``(B, Hq, Tq, d)`` in the compute dtype.
+        q: ``(B, Hq, Tq, d)`` in the compute dtype, or bf16 bits (``uint16``)
+            for bf16 products (the cache bf16 too; float32 state).
         k, v: ``(blocks, Hkv, P, d / dv)`` cache pages, in the compute dtype,
-            or uint16 (16-bit patterns, widened tile by tile).
+            or uint16 (16-bit patterns: widened tile by tile for float
+            queries, read as they are for bf16 products).
         fmt: the caches' format flag (:func:`.memory.cache_operands`).
         walk: how items walk their keys, :func:`.cache_rows.walk_flag` (a
             flag type: kernels for tile walks do not compile the row walk).
@@ -144,7 +169,8 @@ def decode_kernel(
             sequence ``b`` sits at position ``seqlens[b] - Tq + i``.
         items: ``(N, 5)`` int64 rows ``(b, kv head, j_lo, j_hi, slot)``.
         part_out: ``(slots, group * Tq, dv)``, part_lse: ``(slots, group * Tq)``
-            (natural log), written at each item's slot; a chunk whose keys
+            (natural log), in the work dtype (float32 for bf16 products),
+            written at each item's slot; a chunk whose keys
             no query sees gives zeros and ``-inf``.
         part_flag: ``(N,)`` uint8, zeros: item ``n`` sets entry ``n`` to 1
             when one of its raw scores is not finite (a score past float32's
@@ -158,7 +184,7 @@ def decode_kernel(
     page, dv = k.shape[2], v.shape[3]
     group = q.shape[1] // k.shape[1]
     rows = group * tq
-    dtype = q.dtype
+    work = part_lse.dtype  # the state's dtype: float32 for bf16 operands
     # One row per item (MHA, one query) is a pure stream that the hardware
     # prefetcher keeps up with: prefetching the next tile at once stalls on
     # the core's few outstanding misses (no prefetch: 0.76-0.86x the time,
@@ -171,7 +197,7 @@ def decode_kernel(
     k_flat, v_flat = k.reshape(k.size), v.reshape(v.size)  # their addressing
     floats = rows * tile_keys * (2 if row_wise else 1)
     scratch = 0 if row_wise else tile_keys  # rows of the gather tiles
-    q_mult = dtype.type(scale * LOG2E)
+    q_mult, s_mult = split_scale(q, part_lse, scale * LOG2E)
     for n in prange(items.shape[0]):
         wide_vectors()  # the prange body is a function of its own
         b, hk, j_lo, j_hi, slot = items[n, 0], items[n, 1], items[n, 2], items[n, 3], items[n, 4]
@@ -179,11 +205,13 @@ def decode_kernel(
         table_row = table[b]
         # Every query of the sequence in one tile: i0 = 0, br = Tq.
         tile = QueryTile(b, hk * group, tq, 0, tq, length, length)
-        q_tile = np.empty((rows, d), dtype=dtype)
+        q_tile = np.empty((rows, d), dtype=q.dtype)
         load_q_tile(q, tile, group, 0, q_mult, q_tile)
-        acc, m, ell, alpha, s_buf = item_buffers(rows, dv, floats, dtype)
-        k_buf = np.empty((scratch, d), dtype=dtype)
-        v_buf = np.empty((scratch, dv), dtype=dtype)
+        acc, m, ell, alpha, s_buf = item_buffers(rows, dv, floats, work)
+        p_buf = prob_buffer(q, rows * tile_keys, s_buf)  # bf16: P rounded for the value product
+        # Gathered tiles in the operands' dtype (bf16 bits for bf16 products).
+        k_buf = np.empty((scratch, d), dtype=q.dtype)
+        v_buf = np.empty((scratch, dv), dtype=q.dtype)
         segs = one_segment()  # no boolean mask in decoding
 
         lo, hi = tile_key_range(tile, variants)
@@ -208,9 +236,9 @@ def decode_kernel(
             s = s_buf[: rows * (j1 - j0)].reshape((rows, j1 - j0))
             full = tile_sees_all(tile, j0, j1, variants)
             segs[0, SEG_KEY], segs[0, SEG_LENGTH] = j0, j1 - j0
-            attend_tile(
+            fold_key_tile(
                 gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, variants,
-                full, 0, 0, k_buf[:0], v_buf[:0], part_flag[n : n + 1],
+                full, 0, 0, k_buf[:0], v_buf[:0], p_buf, s_mult, part_flag[n : n + 1],
             )  # fmt: skip
             j0 = j1
         out_heads = part_out[slot].reshape((group, tq, dv))
@@ -229,7 +257,8 @@ def decode_call(
     are allocated here; the variants as a plain tuple,
     :func:`.tiles.as_fields`); ``check_raw``: report raw scores that are not
     finite (float32 work, :mod:`flashtile.precision`). Returns ``(out (B,
-    Hq, Tq, dv), lse (B, Hq, Tq), flagged, finite)``: ``flagged``, a raw
+    Hq, Tq, dv), lse (B, Hq, Tq), flagged, finite)``, both in the work dtype
+    (float32 for bf16 products): ``flagged``, a raw
     score was not finite; ``finite``, every ``lse`` is. One call from Python
     instead of five allocations, two kernel calls and two reductions: inside
     a model's loop each of those costs microseconds.
@@ -239,15 +268,15 @@ def decode_call(
     dv = v.shape[3]
     rows = (hq // k.shape[1]) * tq
     slots = items.shape[0]
-    part_out = np.empty((slots, rows, dv), dtype=q.dtype)
-    part_lse = np.empty((slots, rows), dtype=q.dtype)
+    part_out = work_empty((slots, rows, dv), q)
+    part_lse = work_empty((slots, rows), q)
     part_flag = np.zeros(slots if check_raw else 0, dtype=np.uint8)
     decode_kernel(
         q, k, v, fmt, walk, table, seqlens, items, part_out, part_lse, part_flag, scale, variants,
         tile_keys, gemm_fn,
     )  # fmt: skip
-    out = np.empty((batch, hq, tq, dv), dtype=q.dtype)
-    lse = np.empty((batch, hq, tq), dtype=q.dtype)
+    out = work_empty((batch, hq, tq, dv), q)
+    lse = work_empty((batch, hq, tq), q)
     merge_partials(part_out, part_lse, spans, out, lse)
     return out, lse, part_flag.any(), np.isfinite(lse).all()
 

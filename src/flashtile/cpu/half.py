@@ -187,6 +187,19 @@ overload(narrow, fastmath=FASTMATH, inline="always")(_narrowing(bf16_bits))
 overload(narrow_operand, fastmath=FASTMATH, inline="always")(_narrowing(bf16_operand_bits))
 
 
+def work_empty(shape, q):
+    """``np.empty(shape)`` in the work dtype of operands like ``q``: float32
+    for bf16 bits (``uint16``), else ``q``'s own float dtype."""
+    raise NotImplementedError("work_empty is only available inside Numba kernels")
+
+
+@overload(work_empty, fastmath=FASTMATH, inline="always")
+def _work_empty(shape, q):
+    if q.dtype == types.uint16:
+        return lambda shape, q: np.empty(shape, dtype=np.float32)
+    return lambda shape, q: np.empty(shape, dtype=q.dtype)
+
+
 def split_scale(q, work, c):
     """``(q_mult, s_mult)``: scores are ``s_mult * (q_mult * Q) K^T``, with
     ``q_mult * s_mult = c``; both in the dtype of the ``work`` array."""

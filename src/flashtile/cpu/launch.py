@@ -160,13 +160,17 @@ def run_decode(plan) -> tuple[np.ndarray, np.ndarray, bool, bool]:
     kernels = _kernels()
     q, layout = plan.q, plan.layout
     rows = (q.shape[1] // layout.heads) * q.shape[2]
-    # Numba has no 16-bit floats: the kernel widens the bit patterns itself.
+    # Numba has no 16-bit floats: the kernel widens the bit patterns itself
+    # (or, for bf16 products, multiplies them as they are).
     k, v, fmt = kernels.cache_operands(layout.k, layout.v)
     walk = kernels.walk_flag(rows, k.shape[2], layout.table.shape[1], plan.tile_keys, q.dtype)
     gemm_fn = kernels.gemm_for(q.dtype, rows=rows)
     # Raw-score reports (precision.py) matter only for float32 work.
+    check_raw = compute_dtype(q.dtype) == np.float32
+    if q.dtype == BFLOAT16:
+        q = q.view(np.uint16)
     return _call(
         plan.threads, gemm_fn, kernels.decode_call, q, k, v, fmt, walk, layout.table,
-        layout.seqlens, plan.items, plan.spans, q.dtype == np.float32, plan.scale,
-        as_fields(plan.variants), plan.tile_keys,
+        layout.seqlens, plan.items, plan.spans, check_raw, plan.scale, as_fields(plan.variants),
+        plan.tile_keys,
     )  # fmt: skip

@@ -1,7 +1,7 @@
 """The tile step: one key tile folded into a tile of query rows, and the epilogue.
 
 The attention forward (plain and gathered tiles) and the decode kernel walk
-key tiles differently but fold each one the same way (:func:`attend_tile`).
+key tiles differently but fold each one the same way (:func:`fold_key_tile`).
 Per row a tile of stacked query rows (:mod:`.tiles`) keeps a reference
 ``m_i`` at or above the running max (log2 units, see :func:`softmax_tile`),
 the normaliser ``ell_i`` and the unnormalised output ``acc``::
@@ -289,18 +289,6 @@ def rescale_rows(acc, alpha):
         if alpha[r] != 1.0:  # most rows keep their reference: nothing to rescale
             for c in range(acc.shape[1]):
                 acc[r, c] *= alpha[r]
-
-
-@njit(fastmath=FASTMATH, cache=True, inline="always")
-def attend_tile(
-    gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, variants, full, top,
-    top_w, k_next, v_next, raw_flag,
-):  # fmt: skip
-    """:func:`fold_key_tile` for float tiles: a scaled query tile, ``P`` used in place."""
-    fold_key_tile(
-        gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, variants, full, top,
-        top_w, k_next, v_next, s[0, :0], 1.0, raw_flag,
-    )  # fmt: skip
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
