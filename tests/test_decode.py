@@ -17,6 +17,7 @@ from flashtile.cpu.decode import copy_row
 from flashtile.cpu.memory import Float16Bits
 from flashtile.planning import plan_splits
 from flashtile.reference import decode_attention as reference_decode
+from flashtile.workitems import decode_tile
 
 TOL32 = dict(rtol=2e-5, atol=2e-5)
 
@@ -159,10 +160,11 @@ def test_large_logits_and_late_maxima(rng):
 def test_single_row_items_read_the_cache_in_place(rng, variants, page):
     # One query row per kv head (MHA, Tq = 1): pages smaller than a tile (1,
     # 7) take the row-wise path (cpu/cache_rows.py), rows read where they
-    # lie; the contiguous float32 cache and 300-key pages stay on BLAS. An
-    # odd head dim leaves the rows unaligned.
-    q, k, v = _problem(rng, hq=6, hkv=6, tq=1, d=13, dv=11, t_max=600)
-    lengths = np.array([600, 257, 1])
+    # lie; 300-key pages stay on BLAS, and so does the contiguous float32
+    # cache, in tiles of 1024 keys (workitems.decode_tile). An odd head dim
+    # leaves the rows unaligned.
+    q, k, v = _problem(rng, hq=6, hkv=6, tq=1, d=13, dv=11, t_max=1300)
+    lengths = np.array([1300, 257, 1])
     kw = dict(cache_seqlens=lengths, return_lse=True, **variants)
     if page is not None:
         k, v, kw["block_table"] = _paged(rng, k, v, lengths, page)
@@ -180,6 +182,8 @@ def test_the_row_walk_is_for_single_float32_rows_in_small_pages():
     assert isinstance(walk_flag(1, 256, 8, 256, f32), TileWalk)  # pages as large as a tile
     assert isinstance(walk_flag(2, 16, 8, 256, f32), TileWalk)  # several rows: BLAS
     assert isinstance(walk_flag(1, 16, 8, 256, f64), TileWalk)  # float64 work
+    # Tile lengths: one-row items in long pages take longer tiles.
+    assert decode_tile(1, 1300) == 1024 and decode_tile(4, 1300) == decode_tile(1, 300) == 256
 
 
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])  # (float32: the test above)

@@ -50,9 +50,9 @@ from .masks import block_key_range, block_mask
 from .precision import FLOAT32_SCORE_LIMIT, bounds, work_dtype
 from .variants import Variants
 from .workitems import (
-    DECODE_TILE,
     ITEMS_PER_THREAD,
     backward_items,
+    decode_tile,
     forward_items,
     plan_splits,
 )
@@ -424,7 +424,8 @@ def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> Deco
     else:
         variants = kernel_variants(va, work, hq)
     q_work = np.ascontiguousarray(q, dtype=decode_operands(q.dtype, layout))
-    return DecodePlan(q_work, layout, items, spans, variants, scale, DECODE_TILE, threads)
+    tile_keys = decode_tile((hq // layout.heads) * tq, layout.page)
+    return DecodePlan(q_work, layout, items, spans, variants, scale, tile_keys, threads)
 
 
 def decode_operands(q_dtype, layout: CacheLayout) -> np.dtype:

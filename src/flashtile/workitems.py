@@ -21,6 +21,14 @@ ITEMS_PER_THREAD = 4
 #: Decoding: keys per tile. A 256-key K tile of d=128 float32 is 128 KiB, so
 #: the tile, its V tile and the prefetched next pair stay in L2.
 DECODE_TILE = 256
+#: Decoding items of one query row (MHA, one query) in a contiguous cache or
+#: pages of at least this many keys take tiles of this many: the two tile
+#: products are then a gemv each, whose fixed cost a longer tile spreads
+#: (12 heads, d 64, Tk 2048-8192, 2 threads: 0.88-0.90x the time of 256-key
+#: tiles in bf16, 0.93-0.95x in float32). Items of several rows keep 256
+#: (GQA 32/8, d 128, float32: 512-key tiles took 2x the time), and smaller
+#: pages too (a longer tile would gather pages that a 256-key one reads in place).
+DECODE_ROW_TILE = 1024
 #: A decode chunk is never shorter than this (unless the sequence is): below
 #: it the per-chunk work (loading the queries, writing a partial) stops being small.
 MIN_SPLIT_KEYS = 512
@@ -113,6 +121,12 @@ def backward_items(seqs, n_kv, block_q, threads) -> tuple[np.ndarray, int]:
     ).reshape(-1, 3)
     costs = (seqs[items[:, 0], SEQ_TQ] * seqs[items[:, 0], SEQ_TK]).astype(np.float64)
     return balance(items, costs), parts
+
+
+def decode_tile(rows: int, page: int) -> int:
+    """Keys per tile for decode items of ``rows`` query rows over a cache in
+    pages of ``page`` keys (a contiguous cache: one page of all its keys)."""
+    return DECODE_ROW_TILE if rows == 1 and page >= DECODE_ROW_TILE else DECODE_TILE
 
 
 def plan_splits(ranges, kv_heads, num_splits, threads, tile=DECODE_TILE):
