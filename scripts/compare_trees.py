@@ -232,6 +232,12 @@ def decode_inputs() -> dict:
     pk[order] = k[0].reshape(12, n, 16, 64).transpose(1, 0, 2, 3)
     pv[order] = v[0].reshape(12, n, 16, 64).transpose(1, 0, 2, 3)
     data["decode MHA Tk=32768 paged 16"] = (q, pk, pv, order[None, :])
+    data["decode MHA bf16 Tk=32768 paged 16"] = (
+        q.astype(bf16),
+        pk.astype(bf16),
+        pv.astype(bf16),
+        order[None, :],
+    )
     return data
 
 
@@ -252,6 +258,7 @@ DECODE_CASES = {
     "decode MHA bf16 Tk=2048": 2 * 12 * 2048 * 64 * 2,
     "decode MHA bf16 Tk=32768": 2 * 12 * 32768 * 64 * 2,
     "decode MHA Tk=32768 paged 16": 2 * 12 * 32768 * 64 * 4,
+    "decode MHA bf16 Tk=32768 paged 16": 2 * 12 * 32768 * 64 * 2,
 }
 
 

@@ -322,10 +322,11 @@ def _paged(rng, k, v, page):
 @pytest.mark.parametrize("heads", [(6, 6), (8, 2)], ids=["mha", "gqa"])
 def test_decoding_accuracy_rule(rng, path, heads, page):
     """bf16 queries against a bf16 cache: bf16 products where the CPU has
-    them (tiles in place, or their bits gathered across pages), judged by
+    them (tiles in place, or their bits gathered across pages; one-row
+    items in small pages read rows in place, widened), judged by
     FlashAttention's rule, as the forward is."""
-    from flashtile.kvlayout import check_cache
-    from flashtile.planning import decode_operands
+    from flashtile.kvlayout import check_cache, decode_variants
+    from flashtile.planning import plan_decode
 
     q, k, v = bf16_qkv(rng, 2, heads[0], heads[1], 1, 777, 64)
     kc, vc, table = (k, v, None) if page is None else _paged(rng, k, v, page)
@@ -335,7 +336,10 @@ def test_decoding_accuracy_rule(rng, path, heads, page):
     )
     assert out.dtype == BF16 and lse.dtype == np.float32
     layout = check_cache(q, kc, vc, lengths, table)[1]
-    assert (decode_operands(q.dtype, layout) == BF16) == (path == "bf16")
+    plan = plan_decode(q, layout, decode_variants(q, layout), 0.125, None)
+    row_walk = heads[0] == heads[1] and page is not None
+    assert plan.row_walk == row_walk
+    assert (plan.q.dtype == BF16) == (path == "bf16" and not row_walk)
     ref, ref_lse = float64_reference(q, k, v, False)
     rounding = rel_err(ref.astype(BF16), ref)
     assert rel_err(out, ref) <= 2 * rel_err(torch_bf16_math(q, k, v, False), ref) + rounding
@@ -379,6 +383,19 @@ def test_decoding_past_float32_range_runs_in_float64(rng, path, scale):
     want, _ = dense_attention(*float64_inputs(q, k, v), scale=scale)
     assert np.isfinite(out.astype(np.float32)).all()
     assert rel_err(out.astype(np.float64), want) < 1e-2
+
+
+@pytest.mark.parametrize("entry", ["attention", "decode_attention"])
+def test_huge_scale_with_tiny_values_keeps_float32_products(rng, path, entry):
+    # bf16 products flush terms of q . k below 2**-126 to zero: at scale 1e38
+    # with values near 5e-20 every score would read 0 (scores of std ~3 here).
+    # The scale alone sends such calls to float32 products.
+    q, k, v = bf16_qkv(rng, 1, 4, 4, 1 if entry == "decode_attention" else 8, 700, 128)
+    q, k = ((a.astype(np.float32) * np.float32(5e-20)).astype(BF16) for a in (q, k))
+    for scale in (1e38, 2.5e37):
+        out = getattr(ft, entry)(q, k, v, scale=scale)
+        want, _ = dense_attention(*float64_inputs(q, k, v), scale=scale)
+        assert rel_err(out.astype(np.float64), want) < 1e-2
 
 
 def float64_inputs(q, k, v):

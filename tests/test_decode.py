@@ -15,9 +15,10 @@ from dense import dense_attention, dense_variant_attention
 from flashtile.cpu.cache_rows import RowWalk, TileWalk, walk_flag
 from flashtile.cpu.decode import copy_row
 from flashtile.cpu.memory import Float16Bits
-from flashtile.planning import plan_splits
+from flashtile.kvlayout import check_cache, decode_variants
+from flashtile.planning import plan_decode, plan_splits
 from flashtile.reference import decode_attention as reference_decode
-from flashtile.workitems import decode_tile
+from flashtile.workitems import decode_tile, row_walk
 
 TOL32 = dict(rtol=2e-5, atol=2e-5)
 
@@ -174,16 +175,23 @@ def test_single_row_items_read_the_cache_in_place(rng, variants, page):
     np.testing.assert_allclose(lse, want_lse, **TOL32)
 
 
-def test_the_row_walk_is_for_single_float32_rows_in_small_pages():
-    # (rows, page, pages per sequence, tile keys, work dtype) -> the walk
-    f32, f64 = np.dtype(np.float32), np.dtype(np.float64)
-    assert isinstance(walk_flag(1, 16, 8, 256, f32), RowWalk)
-    assert isinstance(walk_flag(1, 16, 1, 256, f32), TileWalk)  # one page: contiguous
-    assert isinstance(walk_flag(1, 256, 8, 256, f32), TileWalk)  # pages as large as a tile
-    assert isinstance(walk_flag(2, 16, 8, 256, f32), TileWalk)  # several rows: BLAS
-    assert isinstance(walk_flag(1, 16, 8, 256, f64), TileWalk)  # float64 work
+def test_the_row_walk_is_for_single_float32_rows_in_small_pages(rng):
+    # (rows, page, pages per sequence, tile keys) -> whether rows are read in place
+    assert row_walk(1, 16, 8, 256)
+    assert not row_walk(1, 16, 1, 256)  # one page: contiguous
+    assert not row_walk(1, 256, 8, 256)  # pages as large as a tile
+    assert not row_walk(2, 16, 8, 256)  # several rows: BLAS
     # Tile lengths: one-row items in long pages take longer tiles.
     assert decode_tile(1, 1300) == 1024 and decode_tile(4, 1300) == decode_tile(1, 300) == 256
+    # Planned: float32 work only (float64 keeps tiles); the flag types.
+    q, k, v = _problem(rng, batch=1, hq=2, hkv=2, tq=1, d=4, t_max=64)
+    kp, vp, table = _paged(rng, k, v, [64], 16)
+    for dtype, rows_in_place in ((np.float32, True), (np.float64, False)):
+        a = [x.astype(dtype) for x in (q, kp, vp)]
+        layout = check_cache(a[0], a[1], a[2], None, table)[1]
+        plan = plan_decode(a[0], layout, decode_variants(a[0], layout), 0.5, None)
+        assert plan.row_walk == rows_in_place
+    assert isinstance(walk_flag(True), RowWalk) and isinstance(walk_flag(False), TileWalk)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])  # (float32: the test above)

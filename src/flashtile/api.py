@@ -116,7 +116,8 @@ def _overflowed(call, plan, lse, flagged, finite) -> bool:
     shapes = call.shapes
 
     def bound():
-        return decode_bound(call.scale, call.q, call.k, call.variants, shapes.tq, shapes.tk)
+        q, k, va = call.q, call.k, call.variants
+        return decode_bound(call.scale, q, k, va, shapes.tq, shapes.tk, plan.q.dtype)
 
     return decode_overflowed(lse, plan.layout.seqlens, bound, flagged, finite)
 

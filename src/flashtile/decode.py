@@ -49,7 +49,10 @@ def decode_attention(
             ``(num_pages, Hkv, page_size, d / dv)`` with ``block_table``
             (see :mod:`flashtile.kvlayout`); float32, float64, or float16 /
             ``ml_dtypes.bfloat16`` (read as 16 bits and widened tile by tile,
-            computed in float32; never copied). C-contiguous.
+            computed in float32; never copied; a bf16 cache with bf16
+            queries is multiplied as bf16 where the CPU has bf16 products,
+            ``P`` rounded to bf16, as :func:`flashtile.attention` does).
+            C-contiguous.
             ``Hkv`` divides ``Hq`` (GQA/MQA: each kv head is read once for
             its group of query heads).
         cache_seqlens: ``(B,)`` valid keys per sequence (default: all).
@@ -70,7 +73,8 @@ def decode_attention(
 
     The compute dtype is float64 when the cache is float64, else float32
     (``lse`` is float32 then, also for bf16 or float16 queries);
-    ``q`` is cast to it. Where float32 scores passed float32's range (a huge
+    ``q`` is cast to it (bf16 queries stay bf16 for bf16 products,
+    :func:`flashtile.planning.decode_operands`). Where float32 scores passed float32's range (a huge
     ``scale`` or huge values), the step is computed again in float64
     (:mod:`flashtile.precision`; ``lse`` stays float32).
     """
@@ -81,11 +85,12 @@ def decode_attention(
         q, layout, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap
     )
     scale = resolve_scale(scale, q.shape[3])
-    out, lse, flagged, finite = run_decode(plan_decode(q, layout, variants, scale, num_splits))
+    plan = plan_decode(q, layout, variants, scale, num_splits)
+    out, lse, flagged, finite = run_decode(plan)
     capacity = layout.table.shape[1] * layout.page
 
     def bound():
-        return decode_bound(scale, q, layout.k, variants, q.shape[2], capacity)
+        return decode_bound(scale, q, layout.k, variants, q.shape[2], capacity, plan.q.dtype)
 
     if decode_overflowed(lse, layout.seqlens, bound, flagged, finite):
         wide = layout._replace(k=layout.k.astype(np.float64), v=layout.v.astype(np.float64))

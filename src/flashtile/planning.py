@@ -47,7 +47,7 @@ from .cpu.tiles import (
 )
 from .kvlayout import CacheLayout
 from .masks import block_key_range, block_mask
-from .precision import FLOAT32_SCORE_LIMIT, bounds, work_dtype
+from .precision import FLOAT32_SCORE_LIMIT, bf16_products_fit, bounds, work_dtype
 from .variants import Variants
 from .workitems import (
     ITEMS_PER_THREAD,
@@ -55,6 +55,7 @@ from .workitems import (
     decode_tile,
     forward_items,
     plan_splits,
+    row_walk,
 )
 
 #: Default tile sizes (query rows per item x keys), picked by sweeps on the
@@ -257,11 +258,14 @@ def kernel_arrays(call: Call):
     (the arrays themselves, or views, when they already are). The work dtype
     is float64 also for 16-bit and float32 inputs whose scores could pass
     float32's range (:mod:`flashtile.precision`); bfloat16 stays bfloat16
-    where the CPU has bf16 products (:func:`bf16_products`)."""
+    where the CPU has bf16 products (:func:`bf16_products`) and they fit the
+    call (the unscaled products inside float32's range, and
+    :func:`flashtile.precision.bf16_products_fit`)."""
     shapes = call.shapes
     bound, products = bounds(call.scale, call.q, call.k, call.variants, shapes.tq, shapes.tk)
     work = work_dtype(call.q.dtype, bound)
-    if work == np.float32 and products < FLOAT32_SCORE_LIMIT and bf16_products(call.q.dtype):
+    fit = products < FLOAT32_SCORE_LIMIT and bf16_products_fit(call.scale, shapes.d)
+    if work == np.float32 and fit and bf16_products(call.q.dtype):
         work = BFLOAT16
     return _as4d(call.q, work), _as4d(call.k, work), _as4d(call.v, work)
 
@@ -392,6 +396,8 @@ class DecodePlan(NamedTuple):
         variants: :class:`KernelVariants` (no mask arrays).
         scale: the score multiplier; tile_keys: keys per tile.
         threads: how many threads run the kernel (1 below SERIAL_WORK).
+        row_walk: the items read their K/V rows in place (``cpu/cache_rows.py``)
+            instead of gathering tiles (:func:`flashtile.workitems.row_walk`).
     """
 
     q: np.ndarray
@@ -402,6 +408,7 @@ class DecodePlan(NamedTuple):
     scale: float
     tile_keys: int
     threads: int
+    row_walk: bool
 
 
 def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> DecodePlan:
@@ -410,6 +417,10 @@ def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> Deco
     ``num_splits``: chunks per sequence, or None to choose (:func:`plan_splits`).
     The work dtype is float64 for a float64 cache, else float32; ``q`` is
     cast to it, or kept bf16 for bf16 products (:func:`decode_operands`).
+    Items read rows in place (:func:`flashtile.workitems.row_walk`) in
+    float32 only: float64 work (float64 caches and the range fallback of
+    :mod:`flashtile.precision`) is not the serving case, and a float64 row
+    walk would be one more compiled kernel.
     """
     work = compute_dtype(layout.k.dtype)
     _, hq, tq, d = q.shape
@@ -423,18 +434,29 @@ def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> Deco
         variants = _plain_schedule_variants(va.causal, va.left, va.right, va.softcap, work)
     else:
         variants = kernel_variants(va, work, hq)
-    q_work = np.ascontiguousarray(q, dtype=decode_operands(q.dtype, layout))
-    tile_keys = decode_tile((hq // layout.heads) * tq, layout.page)
-    return DecodePlan(q_work, layout, items, spans, variants, scale, tile_keys, threads)
+    rows = (hq // layout.heads) * tq
+    tile_keys = decode_tile(rows, layout.page)
+    in_place = row_walk(rows, layout.page, layout.table.shape[1], tile_keys)
+    operands = decode_operands(q.dtype, layout, scale, in_place)
+    q_work = np.ascontiguousarray(q, dtype=operands)
+    in_place = in_place and operands == np.float32
+    return DecodePlan(q_work, layout, items, spans, variants, scale, tile_keys, threads, in_place)
 
 
-def decode_operands(q_dtype, layout: CacheLayout) -> np.dtype:
+def decode_operands(q_dtype, layout: CacheLayout, scale: float, row_walk: bool) -> np.dtype:
     """The dtype of the decode kernel's tile products: bfloat16 when the
-    queries and the cache are bf16 and the CPU has bf16 products (the
-    forward's rule, :func:`bf16_products`: scores of bf16 operands, ``P``
-    rounded to bf16), else the work dtype (a 16-bit cache widened)."""
+    queries and the cache are bf16, the CPU has bf16 products and they fit
+    the scale (the forward's rule, :func:`bf16_products` and
+    :func:`flashtile.precision.bf16_products_fit`: scores of bf16 operands,
+    ``P`` rounded to bf16), else the work dtype (a 16-bit cache widened).
+    Not for items that read rows in place (``row_walk``): they widen in
+    registers, faster than a bf16 gather and gemv per tile (12 heads, d 64,
+    16-key pages: the bf16 products took 1.09-1.10x the time). The unscaled
+    products' range is checked after the step
+    (:func:`flashtile.precision.decode_bound`)."""
     k, v = layout.k.dtype, layout.v.dtype
-    if q_dtype == BFLOAT16 and k == BFLOAT16 and v == BFLOAT16 and bf16_products(q_dtype):
+    bf16 = q_dtype == BFLOAT16 and k == BFLOAT16 and v == BFLOAT16 and not row_walk
+    if bf16 and bf16_products_fit(scale, layout.k.shape[3]) and bf16_products(q_dtype):
         return BFLOAT16
     return compute_dtype(k)
 

@@ -28,6 +28,12 @@ holds such inputs for both kernels. What no check after the call can see:
 terms of q.k near float32's largest value that cancel to a finite but
 inexact score (rounding, not range); the forward's bound sends such inputs
 to float64, decoding computes them in float32.
+
+bf16 tile products (oneMKL's bf16 gemm: ``vdpbf16ps`` or AMX) flush terms
+of ``q . k`` below float32's smallest normal to zero, and sum ``q . k``
+before the scale. Neither shows after the call when the scale is huge and
+the values tiny (every score then reads 0): :func:`bf16_products_fit` keeps
+such calls on float32 products, decided before the call from the scale.
 """
 
 from __future__ import annotations
@@ -180,13 +186,28 @@ def bounds(scale: float, q: np.ndarray, k: np.ndarray, va: Variants, tq: int, tk
     return bound_formula(big_q, big_k, d, scale, additive)
 
 
-def decode_bound(scale: float, q: np.ndarray, k: np.ndarray, va: Variants, tq: int, tk: int):
+def decode_bound(scale, q, k, va: Variants, tq: int, tk: int, operands: np.dtype) -> float:
     """The bound a decode step's float32 scores answer to (:func:`decode_overflowed`):
-    :func:`score_bound`, and for bf16 queries and keys (which may have been
-    multiplied as bf16, :func:`flashtile.planning.decode_operands`) the
-    unscaled products' bound too, as :func:`bounds` explains."""
+    :func:`score_bound`, and where the tiles were multiplied as bf16
+    (``operands``, the dtype of the plan's queries,
+    :func:`flashtile.planning.decode_operands`) the unscaled products'
+    bound too, as :func:`bounds` explains."""
     score, products = bounds(scale, q, k, va, tq, tk)
-    return max(score, products) if q.dtype == BFLOAT16 == k.dtype else score
+    return max(score, products) if operands == BFLOAT16 else score
+
+
+#: :func:`bf16_products_fit`: how far a flushed term may move a score (log2 units).
+BF16_FLUSH_LIMIT = 2.0**-12
+
+
+def bf16_products_fit(scale: float, d: int) -> bool:
+    """Whether bf16 tile products are exact enough at score multiplier
+    ``scale`` and head dim ``d``: each of the ``d`` terms of ``q . k`` that
+    the products flush to zero (below float32's smallest normal, 2**-126)
+    moves a score by at most ``|scale| * 2**-126 * log2(e)``; all of them
+    together must stay under :data:`BF16_FLUSH_LIMIT`. Any ``scale`` below
+    about ``1e34 / d`` fits (the default ``1/sqrt(d)`` by far)."""
+    return abs(scale) * d * 2.0**-126 * LOG2E < BF16_FLUSH_LIMIT
 
 
 def work_dtype(dtype: np.dtype, bound: float) -> np.dtype:

@@ -123,6 +123,20 @@ def backward_items(seqs, n_kv, block_q, threads) -> tuple[np.ndarray, int]:
     return balance(items, costs), parts
 
 
+#: Decoding items of at most this many query rows read their K/V rows in
+#: place (cpu/cache_rows.py) in a paged cache of pages smaller than a tile.
+ROW_WISE_ROWS = 1
+
+
+def row_walk(rows: int, page: int, pages: int, tile_keys: int) -> bool:
+    """Whether decode items of ``rows`` query rows, over a cache of ``pages``
+    pages per sequence of ``page`` keys each in tiles of ``tile_keys``, read
+    their rows in place rather than gather BLAS tiles (for float32 work:
+    :func:`flashtile.planning.plan_decode` applies it). A contiguous cache is
+    one page per sequence, whose tiles BLAS reads in place."""
+    return rows <= ROW_WISE_ROWS and pages > 1 and page < tile_keys
+
+
 def decode_tile(rows: int, page: int) -> int:
     """Keys per tile for decode items of ``rows`` query rows over a cache in
     pages of ``page`` keys (a contiguous cache: one page of all its keys)."""

@@ -18,9 +18,13 @@ class, 2 cores): 0.76-0.91x the time of the gather path on one core (CPU
 time), 0.74-0.91x on two threads. Not routed here, as measured no faster:
 contiguous or large-page caches (BLAS reads the tile in place: float32 at
 1.0-1.35x the BLAS time here), bf16 caches in large pages (the widening copy
-streams from memory better: 0.86-1.2x, inside the noise), and items of
+streams from memory better: 0.86-1.2x, inside the noise), items of
 several rows (docs/decoding.md), and float64 work (float64 caches and the
 float32 range fallback: not the serving case, and one compilation less).
+bf16 queries in small pages come here too, widened, rather than to bf16
+tile products (which took 1.09-1.10x the time). The routing rule is the
+plan's (:func:`flashtile.workitems.row_walk`, applied by
+:func:`flashtile.planning.plan_decode`).
 
 Rows are addressed through the flat cache (``reshape(-1)`` of the C-contiguous
 ``(blocks, Hkv, P, width)`` array) by an unsigned element offset per key:
@@ -42,10 +46,6 @@ from .tile_step import KeptScores, flag_non_finite, rescale_rows, softmax_tile
 from .tiles import SEG_KEY, SEG_LENGTH, tile_sees_all
 from .vectors import wide_vectors
 
-#: Items with at most this many query rows take this path when their cache
-#: is paged (several pages per sequence) in pages smaller than a tile.
-ROW_WISE_ROWS = 1
-
 #: Each key's row prefetches the row this many keys on (the same stream).
 AHEAD = 16
 
@@ -58,20 +58,11 @@ class RowWalk(NamedTuple):
     """Walk flag: a decode call's items read their rows in place (this module)."""
 
 
-def walk_flag(
-    rows: int, page: int, pages: int, tile_keys: int, work: np.dtype
-) -> TileWalk | RowWalk:
-    """The decode kernel's walk for items of ``rows`` query rows over a cache
-    of ``pages`` pages per sequence of ``page`` keys each, in the work dtype
-    ``work``: the one routing rule (see the docstring; a contiguous cache is
-    one page per sequence, whose tiles BLAS reads in place). The flag is a
-    type of its own, so the kernels of other calls do not compile the row
-    walk. float64 work (float64 caches, and the float32 range fallback of
-    :mod:`flashtile.precision`) keeps the tile walk: it is not the serving
-    case, and a row-walk kernel in float64 would be one more compilation."""
-    small_pages = pages > 1 and page < tile_keys
-    row_wise = rows <= ROW_WISE_ROWS and small_pages and work == np.float32
-    return RowWalk() if row_wise else TileWalk()
+def walk_flag(row_walk: bool) -> TileWalk | RowWalk:
+    """The decode kernel's walk flag for a plan's ``row_walk`` (the routing
+    rule is :func:`flashtile.planning.plan_decode`'s). The flag is a type of
+    its own, so the kernels of other calls do not compile the row walk."""
+    return RowWalk() if row_walk else TileWalk()
 
 
 def reads_rows(walk) -> bool:
