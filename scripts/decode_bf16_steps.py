@@ -9,7 +9,7 @@ model shape (32 query heads, 8 kv heads, d 128) and an MHA one (12 heads,
 d 64), Tk = 2048, 8192 and 65536. ``flashtile.torch.attention`` routes
 these decode-shaped calls to the split-KV decode kernel; with bf16 queries
 and cache its tile products are bf16 (oneMKL's ``gemm_bf16bf16f32`` where
-the CPU has bf16 instructions: ``flashtile.planning.decode_operands``).
+the CPU has bf16 instructions: ``flashtile.decode_planning.decode_operands``).
 Each round times every case in a shuffled order (the median of its calls);
 the script prints the medians over rounds, the spread of the rounds and the
 ratios SDPA time / flashtile time and float32 time / bf16 time (above 1:

@@ -325,8 +325,8 @@ def test_decoding_accuracy_rule(rng, path, heads, page):
     them (tiles in place, or their bits gathered across pages; one-row
     items in small pages read rows in place, widened), judged by
     FlashAttention's rule, as the forward is."""
+    from flashtile.decode_planning import plan_decode
     from flashtile.kvlayout import check_cache, decode_variants
-    from flashtile.planning import plan_decode
 
     q, k, v = bf16_qkv(rng, 2, heads[0], heads[1], 1, 777, 64)
     kc, vc, table = (k, v, None) if page is None else _paged(rng, k, v, page)

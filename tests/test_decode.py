@@ -15,10 +15,10 @@ from dense import dense_attention, dense_variant_attention
 from flashtile.cpu.cache_rows import RowWalk, TileWalk, walk_flag
 from flashtile.cpu.decode import copy_row
 from flashtile.cpu.memory import Float16Bits
+from flashtile.decode_planning import plan_decode
 from flashtile.kvlayout import check_cache, decode_variants
-from flashtile.planning import plan_decode, plan_splits
 from flashtile.reference import decode_attention as reference_decode
-from flashtile.workitems import decode_tile, row_walk
+from flashtile.workitems import decode_tile, plan_splits, row_walk
 
 TOL32 = dict(rtol=2e-5, atol=2e-5)
 

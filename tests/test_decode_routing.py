@@ -1,7 +1,7 @@
 """Decode-shaped calls on the split-KV kernel, cached plans, serial small calls.
 
 ``flashtile.attention`` sends a few queries against many keys to the decode
-kernel (``planning.decode_shaped``); the results must be the forward kernel's
+kernel (``decode_planning.decode_shaped``); the results must be the forward kernel's
 (explicit tile sizes keep a call on the forward kernel) and the reference's,
 and gradients through the torch op must stay right.
 """
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import flashtile
-from flashtile import api, planning
+from flashtile import api, decode_planning, planning
 from flashtile.reference import naive_attention
 
 
@@ -41,34 +41,35 @@ def _call(q, k, v, causal=False, **variants):
 
 def test_the_rule():
     z = np.zeros
-    q, k = z((1, 4, 1, 8)), z((1, 2, planning.DECODE_MIN_KEYS, 8))
-    assert planning.decode_shaped(_call(q, k, k, True))
-    assert not planning.decode_shaped(_call(q, k[:, :, :-1], k[:, :, :-1]))  # too few keys
-    many = z((1, 4, planning.DECODE_MAX_QUERIES + 1, 8))
-    assert not planning.decode_shaped(_call(many, k, k))
+    q, k = z((1, 4, 1, 8)), z((1, 2, decode_planning.DECODE_MIN_KEYS, 8))
+    assert decode_planning.decode_shaped(_call(q, k, k, True))
+    assert not decode_planning.decode_shaped(_call(q, k[:, :, :-1], k[:, :, :-1]))  # too few keys
+    many = z((1, 4, decode_planning.DECODE_MAX_QUERIES + 1, 8))
+    assert not decode_planning.decode_shaped(_call(many, k, k))
     # One query per head goes to the decode kernel, MHA too; several MHA
     # queries stay on the forward kernel while their (batch, kv head) pairs
     # fill the threads, and a single pair does not.
     mha = z((numba.get_num_threads(), 2, 1, 8))
     kk = z((mha.shape[0], 2, 512, 8))
-    assert planning.decode_shaped(_call(mha, kk, kk))
+    assert decode_planning.decode_shaped(_call(mha, kk, kk))
     mha2 = np.concatenate([mha, mha], axis=2)
-    assert not planning.decode_shaped(_call(mha2, kk, kk))
+    assert not decode_planning.decode_shaped(_call(mha2, kk, kk))
     one = _call(mha2[:1, :1], kk[:1, :1], kk[:1, :1])
-    assert planning.decode_shaped(one) == (numba.get_num_threads() > 1)
-    assert not planning.decode_shaped(_call(q, k, k), block_q=16)  # forward tiles asked for
-    assert not planning.decode_shaped(_call(q, k, k, mask=z((1, 512), dtype=bool)))
+    assert decode_planning.decode_shaped(one) == (numba.get_num_threads() > 1)
+    assert not decode_planning.decode_shaped(_call(q, k, k), block_q=16)  # forward tiles asked for
+    assert not decode_planning.decode_shaped(_call(q, k, k, mask=z((1, 512), dtype=bool)))
     short = np.array([500])
-    assert planning.decode_shaped(_call(q, k, k, True, kv_lengths=short))
+    assert decode_planning.decode_shaped(_call(q, k, k, True, kv_lengths=short))
     # With fewer valid keys the decode kernel would move the window and the
     # causal limit of several queries: those stay on the forward kernel.
-    assert not planning.decode_shaped(_call(q, k, k, True, kv_lengths=short, window=(8, 0)))
+    assert not decode_planning.decode_shaped(_call(q, k, k, True, kv_lengths=short, window=(8, 0)))
     q3 = z((1, 4, 3, 8))
-    assert not planning.decode_shaped(_call(q3, k, k, True, kv_lengths=short))
-    assert planning.decode_shaped(_call(q3, k, k, False, kv_lengths=short))
+    assert not decode_planning.decode_shaped(_call(q3, k, k, True, kv_lengths=short))
+    assert decode_planning.decode_shaped(_call(q3, k, k, False, kv_lengths=short))
     # A right side of 0 without causal limits keys by position just as causal does.
-    assert not planning.decode_shaped(_call(q3, k, k, False, kv_lengths=short, window=(None, 0)))
-    assert planning.decode_shaped(_call(q, k, k, False, kv_lengths=short, window=(None, 4)))
+    right_zero = _call(q3, k, k, False, kv_lengths=short, window=(None, 0))
+    assert not decode_planning.decode_shaped(right_zero)
+    assert decode_planning.decode_shaped(_call(q, k, k, False, kv_lengths=short, window=(None, 4)))
 
 
 CASES = [  # (B, Hq, Hkv, Tq, Tk, d, variants)

@@ -460,7 +460,7 @@ def test_decode_shaped_call_past_float32_range_is_computed_again_in_float64():
     # One query against many keys runs on the decode kernel without a pass over
     # the keys first; its non-finite lse sends it back to the checked forward.
     from flashtile.api import check_call
-    from flashtile.planning import decode_shaped
+    from flashtile.decode_planning import decode_shaped
 
     rng = np.random.default_rng(3)
     q = rng.standard_normal((1, 8, 1, 16)).astype(np.float32)

@@ -40,7 +40,8 @@ from ._validate import (
     resolve_scale,
 )
 from .cpu.launch import run_backward, run_decode, run_forward
-from .planning import Call, decode_shaped, plan_backward, plan_decode_call, plan_forward
+from .decode_planning import decode_shaped, plan_decode_call
+from .planning import Call, plan_backward, plan_forward
 from .precision import decode_bound, decode_overflowed, narrow_lse
 from .variants import Variants, clear_padded_keys, resolve_variants
 
@@ -89,7 +90,7 @@ def _check_gradient_inputs(call, out, lse, dout):
 
 def run_call(call, block_q=None, block_k=None, return_lse=False):
     """Run a validated call (:func:`check_call`): the decode kernel for a decode-shaped one
-    (:func:`~flashtile.planning.decode_shaped`), else the forward kernel;
+    (:func:`~flashtile.decode_planning.decode_shaped`), else the forward kernel;
     the results in the caller's layout and dtype (``lse`` in the compute
     dtype, also where float64 was needed)."""
     out = None
@@ -151,7 +152,7 @@ def attention(
         that sees no key gets a zero row and ``lse = -inf``.
 
     A decode-shaped call (a few queries against many keys, no mask; the rule
-    is :func:`flashtile.planning.decode_shaped`) runs on the split-KV decode
+    is :func:`flashtile.decode_planning.decode_shaped`) runs on the split-KV decode
     kernel of :func:`flashtile.decode_attention`, which splits the keys
     across threads; the result is the same up to rounding.
     """

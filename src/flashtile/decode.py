@@ -8,7 +8,7 @@ with the online-softmax merge (:func:`flashtile.merge_states`; the kernel
 uses its compiled twin).
 
 Cache layouts (contiguous or paged) and their checks: :mod:`flashtile.kvlayout`;
-the split planning: :func:`flashtile.planning.plan_decode`; the kernel:
+the split planning: :func:`flashtile.decode_planning.plan_decode`; the kernel:
 :mod:`flashtile.cpu.decode`. The reference:
 :func:`flashtile.reference.decode_attention`.
 """
@@ -19,8 +19,8 @@ import numpy as np
 
 from ._validate import check_flag, check_num_splits, resolve_scale
 from .cpu.launch import run_decode
+from .decode_planning import plan_decode
 from .kvlayout import check_cache, decode_variants
-from .planning import plan_decode
 from .precision import decode_bound, decode_overflowed, narrow_lse
 
 
@@ -74,7 +74,8 @@ def decode_attention(
     The compute dtype is float64 when the cache is float64, else float32
     (``lse`` is float32 then, also for bf16 or float16 queries);
     ``q`` is cast to it (bf16 queries stay bf16 for bf16 products,
-    :func:`flashtile.planning.decode_operands`). Where float32 scores passed float32's range (a huge
+    :func:`flashtile.decode_planning.decode_operands`). Where float32
+    scores passed float32's range (a huge
     ``scale`` or huge values), the step is computed again in float64
     (:mod:`flashtile.precision`; ``lse`` stays float32).
     """

@@ -190,7 +190,7 @@ def decode_bound(scale, q, k, va: Variants, tq: int, tk: int, operands: np.dtype
     """The bound a decode step's float32 scores answer to (:func:`decode_overflowed`):
     :func:`score_bound`, and where the tiles were multiplied as bf16
     (``operands``, the dtype of the plan's queries,
-    :func:`flashtile.planning.decode_operands`) the unscaled products'
+    :func:`flashtile.decode_planning.decode_operands`) the unscaled products'
     bound too, as :func:`bounds` explains."""
     score, products = bounds(scale, q, k, va, tq, tk)
     return max(score, products) if operands == BFLOAT16 else score

@@ -132,7 +132,7 @@ def row_walk(rows: int, page: int, pages: int, tile_keys: int) -> bool:
     """Whether decode items of ``rows`` query rows, over a cache of ``pages``
     pages per sequence of ``page`` keys each in tiles of ``tile_keys``, read
     their rows in place rather than gather BLAS tiles (for float32 work:
-    :func:`flashtile.planning.plan_decode` applies it). A contiguous cache is
+    :func:`flashtile.decode_planning.plan_decode` applies it). A contiguous cache is
     one page per sequence, whose tiles BLAS reads in place."""
     return rows <= ROW_WISE_ROWS and pages > 1 and page < tile_keys
 

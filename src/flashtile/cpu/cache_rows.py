@@ -24,7 +24,7 @@ float32 range fallback: not the serving case, and one compilation less).
 bf16 queries in small pages come here too, widened, rather than to bf16
 tile products (which took 1.09-1.10x the time). The routing rule is the
 plan's (:func:`flashtile.workitems.row_walk`, applied by
-:func:`flashtile.planning.plan_decode`).
+:func:`flashtile.decode_planning.plan_decode`).
 
 Rows are addressed through the flat cache (``reshape(-1)`` of the C-contiguous
 ``(blocks, Hkv, P, width)`` array) by an unsigned element offset per key:
@@ -60,7 +60,7 @@ class RowWalk(NamedTuple):
 
 def walk_flag(row_walk: bool) -> TileWalk | RowWalk:
     """The decode kernel's walk flag for a plan's ``row_walk`` (the routing
-    rule is :func:`flashtile.planning.plan_decode`'s). The flag is a type of
+    rule is :func:`flashtile.decode_planning.plan_decode`'s). The flag is a type of
     its own, so the kernels of other calls do not compile the row walk."""
     return RowWalk() if row_walk else TileWalk()
 

@@ -7,7 +7,7 @@ head, stacked as rows (as in :mod:`.forward`), against one chunk of that
 sequence's keys. Chunks of one sequence run in parallel and each writes a
 partial ``(out, lse)``; :func:`merge_partials` folds them with the
 ``merge_states`` rule. Planning (how many chunks, which thread takes which)
-is :func:`flashtile.planning.plan_decode`'s job.
+is :func:`flashtile.decode_planning.plan_decode`'s job.
 
 The cache is always addressed through pages: key ``j`` of sequence ``b``
 lives in block ``table[b, j // P]`` at row ``j % P`` of the ``(blocks, Hkv,
@@ -17,7 +17,7 @@ used in place; a tile spanning pages (small pages) or stored in 16 bits
 (float16 or bfloat16, told apart by a compile-time format flag, see
 :func:`.memory.cache_operands`) is gathered, and widened, into a scratch
 tile first. With bf16 queries and a bf16 cache where the CPU has bf16
-products (:func:`flashtile.planning.decode_operands`), the tiles stay bf16:
+products (:func:`flashtile.decode_planning.decode_operands`), the tiles stay bf16:
 used in place, or their bits gathered, and the products are the forward's
 bf16 ones (``P`` rounded to bf16). Either way each tile is
 folded by the forward's tile step (:func:`.tile_step.fold_key_tile`: the same

@@ -88,7 +88,7 @@ def attention(
     compute dtype (float32 for 16-bit inputs).
 
     A few queries against many keys (a decoding step) run on the split-KV
-    decode kernel (:func:`flashtile.planning.decode_shaped` is the rule).
+    decode kernel (:func:`flashtile.decode_planning.decode_shaped` is the rule).
 
     Devices: CPU tensors run the Numba kernels; CUDA tensors (q, k and v all
     on CUDA, one GPU) run the Triton kernels (:mod:`flashtile.triton`) with the

@@ -1,0 +1,196 @@
+"""Decoding's plans: a decode step's key chunks as work items, and which
+attention calls go to the decode kernel.
+
+- :func:`plan_decode` returns a :class:`DecodePlan`: a decode step's key
+  chunks (split-KV) as work items and the slots their partial results are
+  merged from (:func:`flashtile.workitems.plan_splits`), the tile length,
+  the operands' dtype (:func:`decode_operands`: bf16 products or widened
+  16-bit caches) and whether items read K/V rows in place
+  (:func:`flashtile.workitems.row_walk`).
+- :func:`decode_shaped` is the rule that sends an attention call with a few
+  queries against many keys to the decode kernel (:func:`plan_decode_call`).
+
+The forward's and backward's plans, and the pieces shared with them
+(variants in kernel form, thread counts), are :mod:`flashtile.planning`'s.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+import numpy as np
+
+from ._validate import BFLOAT16, compute_dtype, head_group
+from .cpu.launch import numba_threads
+from .cpu.tiles import KernelVariants
+from .kvlayout import CacheLayout
+from .masks import block_key_range
+from .planning import SERIAL_WORK, Call, as_4d, bf16_products, kernel_variants
+from .precision import bf16_products_fit
+from .variants import Variants
+from .workitems import decode_tile, plan_splits, row_walk
+
+#: Decode-shaped calls (:func:`decode_shaped`): at most DECODE_MAX_QUERIES
+#: queries against at least DECODE_MIN_KEYS keys, where the split-KV decode
+#: kernel beats the forward kernel: where it stacks a GQA/MQA group's
+#: queries into 2..DECODE_MAX_ROWS rows per kv head, for one query per head
+#: (MHA too), or where the forward has fewer (batch, kv head) items than
+#: threads (the decode kernel splits the keys instead). Measured on the
+#: 2-core machine under load, one thread (time on decode / time on forward):
+#: GQA 16/4 and 32/8, one query, 512-8192 keys 0.64-0.69; 32 rows 1.0-1.15;
+#: MHA, one query, kernels alone 1.1-1.4, but whole calls 0.58-0.91 (12
+#: heads, 512-8192 keys): the forward pays a pass over k for the score bound.
+DECODE_MAX_QUERIES = 16
+DECODE_MAX_ROWS = 16
+DECODE_MIN_KEYS = 512
+
+
+class DecodePlan(NamedTuple):
+    """Everything the decode kernel reads (see :func:`plan_decode`).
+
+    Attributes:
+        q: ``(B, Hq, Tq, d)`` C-contiguous in the work dtype, or bf16 for
+            bf16 products (:func:`decode_operands`).
+        layout: the validated cache (:class:`flashtile.kvlayout.CacheLayout`).
+        items: ``(N, 5)`` int64 ``(b, kv head, j_lo, j_hi, slot)`` in thread order.
+        spans: ``(B * Hkv, 2)`` int64: first slot and count of each
+            ``(b, kv head)``'s partials.
+        variants: :class:`KernelVariants` (no mask arrays).
+        scale: the score multiplier; tile_keys: keys per tile.
+        threads: how many threads run the kernel (1 below SERIAL_WORK).
+        row_walk: the items read their K/V rows in place (``cpu/cache_rows.py``)
+            instead of gathering tiles (:func:`flashtile.workitems.row_walk`).
+    """
+
+    q: np.ndarray
+    layout: CacheLayout
+    items: np.ndarray
+    spans: np.ndarray
+    variants: KernelVariants
+    scale: float
+    tile_keys: int
+    threads: int
+    row_walk: bool
+
+
+def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> DecodePlan:
+    """The decode kernel's plan for validated ``q (B, Hq, Tq, d)`` and cache.
+
+    ``num_splits``: chunks per sequence, or None to choose (:func:`plan_splits`).
+    The work dtype is float64 for a float64 cache, else float32; ``q`` is
+    cast to it, or kept bf16 for bf16 products (:func:`decode_operands`).
+    Items read rows in place (:func:`flashtile.workitems.row_walk`) in
+    float32 only: float64 work (float64 caches and the range fallback of
+    :mod:`flashtile.precision`) is not the serving case, and a float64 row
+    walk would be one more compiled kernel.
+    """
+    work = compute_dtype(layout.k.dtype)
+    _, hq, tq, d = q.shape
+    lengths = tuple(layout.seqlens.tolist())
+    size = hq * tq * sum(lengths) * (d + layout.v.shape[3])
+    threads = 1 if size < SERIAL_WORK else numba_threads()
+    items, spans = _decode_splits(
+        lengths, tq, va.causal, va.left, va.right, layout.heads, num_splits, threads
+    )
+    if va.alibi is None:
+        variants = _plain_schedule_variants(va.causal, va.left, va.right, va.softcap, work)
+    else:
+        variants = kernel_variants(va, work, hq)
+    rows = (hq // layout.heads) * tq
+    tile_keys = decode_tile(rows, layout.page)
+    in_place = row_walk(rows, layout.page, layout.table.shape[1], tile_keys)
+    operands = decode_operands(q.dtype, layout, scale, in_place)
+    q_work = np.ascontiguousarray(q, dtype=operands)
+    in_place = in_place and operands == np.float32
+    return DecodePlan(q_work, layout, items, spans, variants, scale, tile_keys, threads, in_place)
+
+
+def decode_operands(q_dtype, layout: CacheLayout, scale: float, row_walk: bool) -> np.dtype:
+    """The dtype of the decode kernel's tile products: bfloat16 when the
+    queries and the cache are bf16, the CPU has bf16 products and they fit
+    the scale (the forward's rule, :func:`bf16_products` and
+    :func:`flashtile.precision.bf16_products_fit`: scores of bf16 operands,
+    ``P`` rounded to bf16), else the work dtype (a 16-bit cache widened).
+    Not for items that read rows in place (``row_walk``): they widen in
+    registers, faster than a bf16 gather and gemv per tile (12 heads, d 64,
+    16-key pages: the bf16 products took 1.09-1.10x the time). The unscaled
+    products' range is checked after the step
+    (:func:`flashtile.precision.decode_bound`)."""
+    k, v = layout.k.dtype, layout.v.dtype
+    bf16 = q_dtype == BFLOAT16 and k == BFLOAT16 and v == BFLOAT16 and not row_walk
+    if bf16 and bf16_products_fit(scale, layout.k.shape[3]) and bf16_products(q_dtype):
+        return BFLOAT16
+    return compute_dtype(k)
+
+
+@lru_cache(maxsize=256)
+def _decode_splits(lengths, tq, causal, left, right, kv_heads, num_splits, threads):
+    """:func:`plan_splits` for sequences of ``lengths`` keys, cached (shared arrays)."""
+    ranges = np.zeros((len(lengths), 2), dtype=np.int64)
+    for b, n in enumerate(lengths):  # keys any query of b can see
+        ranges[b] = block_key_range(0, tq, tq, n, causal, left, right, n)
+    return plan_splits(ranges, kv_heads, num_splits, threads)
+
+
+@lru_cache(maxsize=64)
+def _plain_schedule_variants(causal, left, right, softcap, work) -> KernelVariants:
+    """:func:`kernel_variants` without slopes or masks, cached (its arrays are empty)."""
+    return kernel_variants(Variants(causal, left, right, softcap=softcap), work, 0)
+
+
+def decode_shaped(call: Call, block_q=None, block_k=None) -> bool:
+    """Whether :func:`flashtile.attention` runs ``call`` on the decode kernel.
+
+    The rule (constants and measurements at DECODE_MAX_QUERIES): a batched
+    call (not packed) without a mask or explicit tile sizes (those are the
+    forward kernel's), at most DECODE_MAX_QUERIES queries against at least
+    DECODE_MIN_KEYS keys, and either at most DECODE_MAX_ROWS stacked rows
+    per kv head (one query per head, or a GQA/MQA group times its queries)
+    or fewer ``(batch, kv head)`` pairs than threads. The decode kernel
+    places query ``i`` at ``kv_len - Tq + i``, the forward at ``Tk - Tq +
+    i``: with ``kv_lengths`` shorter than ``Tk`` they agree only when no
+    window, ALiBi distance or causal limit depends on it (no window, no
+    slopes, and one query or no causal mask).
+    """
+    shapes, va = call.shapes, call.variants
+    if call.cu_seqlens is not None or block_q is not None or block_k is not None:
+        return False
+    if va.mask_bool is not None or va.mask_add is not None or 0 in shapes.batch:
+        return False
+    if not (shapes.tq <= DECODE_MAX_QUERIES and shapes.tk >= DECODE_MIN_KEYS):
+        return False
+    heads = shapes.batch[-1] if shapes.batch else 1
+    group = heads if call.k.ndim < 3 else head_group(heads, call.k.shape[-3])
+    pairs = (shapes.batch[0] if len(shapes.batch) > 1 else 1) * (heads // group)
+    stacked = (group > 1 or shapes.tq == 1) and group * shapes.tq <= DECODE_MAX_ROWS
+    if not (stacked or pairs < numba_threads()):
+        return False
+    if va.kv_lengths is None or bool((va.kv_lengths == shapes.tk).all()):
+        return True
+    # A right side >= 0 (causal is right = 0) limits keys by position, as do a
+    # left side and ALiBi distances; with one query only the left side and ALiBi.
+    return not (va.left >= 0 or va.alibi is not None or (va.right >= 0 and shapes.tq > 1))
+
+
+def plan_decode_call(call: Call) -> DecodePlan:
+    """The decode kernel's plan for a :func:`decode_shaped` call: its keys and
+    values are a contiguous cache of ``Tk`` keys (``kv_lengths`` valid). No
+    score bound first (it would read the keys once more): the caller checks
+    the step's ``lse`` afterwards, as decoding does (:mod:`flashtile.precision`)."""
+    # The arrays as given (a 16-bit cache is read as such: no widened copy
+    # per call); plan_decode gives q its dtype.
+    q4, k4, v4 = (as_4d(a, a.dtype) for a in (call.q, call.k, call.v))
+    n, tk = q4.shape[0], k4.shape[2]
+    table, seqlens = _whole_cache(n, tk)
+    if call.variants.kv_lengths is not None:
+        seqlens = call.variants.kv_lengths
+    layout = CacheLayout(k4, v4, table, seqlens, tk, False)
+    return plan_decode(q4, layout, call.variants, call.scale, None)
+
+
+@lru_cache(maxsize=64)
+def _whole_cache(n: int, tk: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(table, seqlens)`` of ``n`` contiguous caches of ``tk`` keys, all
+    valid, cached (shared arrays: the kernel only reads them)."""
+    return np.arange(n, dtype=np.int64)[:, None], np.full(n, tk, dtype=np.int64)
