@@ -10,21 +10,21 @@ d 64), Tk = 2048, 8192 and 65536. ``flashtile.torch.attention`` routes
 these decode-shaped calls to the split-KV decode kernel; with bf16 queries
 and cache its tile products are bf16 (oneMKL's ``gemm_bf16bf16f32`` where
 the CPU has bf16 instructions: ``flashtile.decode_planning.decode_operands``).
-Each round times every case in a shuffled order (the median of its calls);
-the script prints the medians over rounds, the spread of the rounds and the
+Each round times every case once, as a batch of calls, in the order of
+``flashtile bench``'s timer (:func:`flashtile.bench.timing.interleaved_times`);
+the script prints the per-call medians over rounds, their spread and the
 ratios SDPA time / flashtile time and float32 time / bf16 time (above 1:
 the bf16 flashtile step is faster).
 """
 
-import random
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 import flashtile.torch as ftt
+from flashtile.bench.timing import interleaved_times
 
 SHAPES = {"GQA 32/8 d128": (32, 8, 128), "MHA 12 d64": (12, 12, 64)}
 LENGTHS = (2048, 8192, 65536)
@@ -50,29 +50,28 @@ def cases() -> dict:
     return out
 
 
-def per_call(fn, calls: int) -> float:
-    """Median milliseconds of ``calls`` calls of ``fn``."""
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+def batch(fn, calls: int):
+    """``fn`` called ``calls`` times in a row: one timed unit of a round."""
+
+    def run():
+        for _ in range(calls):
+            fn()
+
+    return run
 
 
 def main(rounds: int) -> None:
     fns = cases()
     for fn in fns.values():  # compile and warm up
         fn()
-    times = {key: [] for key in fns}
-    for _ in range(rounds):
-        order = list(fns)
-        random.shuffle(order)
-        for key in order:
-            times[key].append(per_call(fns[key], max(3, 40_000 // key[1])))
-    med = {key: statistics.median(v) for key, v in times.items()}
+    counts = {key: max(3, 40_000 // key[1]) for key in fns}
+    names = {key: " ".join(map(str, key)) for key in fns}
+    units = {names[key]: batch(fn, counts[key]) for key, fn in fns.items()}
+    times = interleaved_times(units, rounds)  # the bench's own timer
+    per_call = {key: [t / counts[key] * 1e3 for t in times[names[key]]] for key in fns}
+    med = {key: statistics.median(v) for key, v in per_call.items()}
     for key, ms in med.items():
-        spread = f"{min(times[key]) / ms:.2f}..{max(times[key]) / ms:.2f}"
+        spread = f"{min(per_call[key]) / ms:.2f}..{max(per_call[key]) / ms:.2f}"
         print(f"{key[0]:14s} Tk={key[1]:6d} {key[2]:15s} {ms:9.3f} ms  ({spread})")
     for name in SHAPES:
         for tk in LENGTHS:
