@@ -12,9 +12,9 @@ and cache its tile products are bf16 (oneMKL's ``gemm_bf16bf16f32`` where
 the CPU has bf16 instructions: ``flashtile.decode_planning.decode_operands``).
 Each round times every case once, as a batch of calls, in the order of
 ``flashtile bench``'s timer (:func:`flashtile.bench.timing.interleaved_times`);
-the script prints the per-call medians over rounds, their spread and the
-ratios SDPA time / flashtile time and float32 time / bf16 time (above 1:
-the bf16 flashtile step is faster).
+the script prints, per call, the median over rounds of each batch's mean,
+their spread and the ratios SDPA time / flashtile time and float32 time /
+bf16 time (above 1: the bf16 flashtile step is faster).
 """
 
 import statistics

@@ -51,7 +51,9 @@ def decode_attention(
             ``ml_dtypes.bfloat16`` (read as 16 bits and widened tile by tile,
             computed in float32; never copied; a bf16 cache with bf16
             queries is multiplied as bf16 where the CPU has bf16 products,
-            ``P`` rounded to bf16, as :func:`flashtile.attention` does).
+            ``P`` rounded to bf16, as :func:`flashtile.attention` does,
+            except where :func:`flashtile.decode_planning.decode_operands`
+            keeps the widening).
             C-contiguous.
             ``Hkv`` divides ``Hq`` (GQA/MQA: each kv head is read once for
             its group of query heads).

@@ -24,7 +24,8 @@ from ._validate import BFLOAT16, as_numpy
 from .decode import decode_attention
 
 #: Storage dtypes; the 16-bit ones are read as such by the decode kernel
-#: (half the bytes per step) and computed in float32.
+#: (half the bytes per step) and computed in float32 (a bf16 cache with bf16
+#: queries: bf16 products with float32 sums, docs/decoding.md).
 STORAGE_DTYPES = (np.dtype(np.float16), BFLOAT16, np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -69,7 +70,8 @@ class KVCache:
         value_dim: ``dv`` (default ``head_dim``).
         dtype: storage, ``np.float32`` (default), ``np.float16`` or
             ``ml_dtypes.bfloat16`` (half the memory and the bytes read per
-            step; computed in float32) or ``np.float64``.
+            step; computed in float32, or in bf16 products for bf16
+            queries) or ``np.float64``.
         page_size: None for a contiguous ``(B, Hkv, capacity, d)`` cache, or
             the tokens per page of a paged ``(num_pages, Hkv, page_size, d)``
             pool with a ``block_table (B, ceil(capacity / page_size))``.

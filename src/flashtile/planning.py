@@ -1,8 +1,8 @@
 """One plan per call: everything a compiled kernel reads, decided in one place.
 
-:mod:`flashtile.api` and :mod:`flashtile.decode` validate a call, ask here
-for its plan, and hand the plan to :mod:`flashtile.cpu.launch`; the kernels
-then only execute it.
+:mod:`flashtile.api` validates a call, asks here for its plan, and hands
+the plan to :mod:`flashtile.cpu.launch`; the kernels then only execute it
+(decoding asks :mod:`flashtile.decode_planning`, which builds on this module).
 
 - :func:`plan_forward` and :func:`plan_backward` take a validated
   :class:`Call` and return a :class:`KernelPlan`: the arrays as 4-D

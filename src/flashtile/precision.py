@@ -34,6 +34,11 @@ of ``q . k`` below float32's smallest normal to zero, and sum ``q . k``
 before the scale. Neither shows after the call when the scale is huge and
 the values tiny (every score then reads 0): :func:`bf16_products_fit` keeps
 such calls on float32 products, decided before the call from the scale.
+The products flush bf16 *inputs* below float32's smallest normal too; that
+matters only where such a value meets a huge one (``1e-39 * 1e35``): the
+forward's score bound sends such calls to float64 in practice (the huge
+value makes it large), decoding (which does
+not read the cache before the step) computes them with the terms lost.
 """
 
 from __future__ import annotations
