@@ -37,11 +37,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit, types
+from numba import njit
 from numba.extending import overload
 
 from . import FASTMATH
-from .memory import CACHE_LINE, load_value, prefetch
+from .memory import CACHE_LINE, is_flag, load_value, prefetch
 from .tile_step import KeptScores, flag_non_finite, rescale_rows, softmax_tile
 from .tiles import SEG_KEY, SEG_LENGTH, tile_sees_all
 from .vectors import wide_vectors
@@ -73,12 +73,7 @@ def reads_rows(walk) -> bool:
 
 @overload(reads_rows, inline="always")
 def _reads_rows(walk):
-    return (lambda walk: True) if is_row_walk(walk) else (lambda walk: False)
-
-
-def is_row_walk(walk) -> bool:
-    """Whether the Numba type ``walk`` is :class:`RowWalk` (for overloads)."""
-    return isinstance(walk, types.BaseNamedTuple) and walk.instance_class is RowWalk
+    return (lambda walk: True) if is_flag(walk, RowWalk) else (lambda walk: False)
 
 
 def walk_rows(walk, lo, hi, rest):
@@ -91,7 +86,7 @@ def walk_rows(walk, lo, hi, rest):
 
 @overload(walk_rows)
 def _walk_rows(walk, lo, hi, rest):
-    if not is_row_walk(walk):
+    if not is_flag(walk, RowWalk):
         return lambda walk, lo, hi, rest: lo
 
     def impl(walk, lo, hi, rest):

@@ -138,7 +138,8 @@ def load_value(row, c, fmt):
 
 
 def is_flag(fmt, flag) -> bool:
-    """Whether the Numba type ``fmt`` is the format flag class ``flag``."""
+    """Whether the Numba type ``fmt`` is the flag class ``flag`` (a format
+    flag here; the decode walk flags of :mod:`.cache_rows` too)."""
     return isinstance(fmt, types.BaseNamedTuple) and fmt.instance_class is flag
 
 
