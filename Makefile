@@ -5,9 +5,11 @@ BIN     = $(VENV)/bin
 
 .PHONY: demo test fuzz lint bench clean
 
-# `make test` runs two pytest workers, one test file each at a time (loadfile:
-# a file's module fixtures, such as the distributed tests' process groups, are
-# built once); the workers share Numba's on-disk cache of compiled kernels.
+# `make test` compiles the CPU kernels first, in two processes that share the
+# work (`flashtile precompile`), then runs two pytest workers, one test file
+# each at a time (loadfile: a file's module fixtures, such as the distributed
+# tests' process groups, are built once); the workers load the kernels from
+# Numba's on-disk cache instead of both compiling the same ones at the start.
 # The stamps re-run the install whenever pyproject.toml changes.
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +33,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.dev-installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/flashtile precompile --jobs 2
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # The fuzz tests with the long budget (a few minutes; `make test` runs a small one).

@@ -1,4 +1,4 @@
-"""The ``flashtile`` command line: ``demo``, ``trace``, ``bench``, ``gpu``, and
+"""The ``flashtile`` command line: ``demo``, ``trace``, ``bench``, ``precompile``, ``gpu``, and
 the learning lab's ``learn``, ``io`` and ``plot``.
 
 Every subcommand lives with the code it runs and registers itself through an
@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 
+from . import precompile
 from .bench import cli as bench_cli
 from .learn import cli as learn_cli
 from .learn import io_table, plots, walkthrough
@@ -22,6 +23,7 @@ from .triton import cli as gpu_cli
 SUBCOMMANDS = (
     walkthrough.add_parsers,  # demo, trace
     bench_cli.add_parser,
+    precompile.add_parser,  # the CPU kernels into Numba's cache
     gpu_cli.add_parser,  # gpu compile
     learn_cli.add_parser,
     io_table.add_parser,
