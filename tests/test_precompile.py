@@ -21,7 +21,7 @@ def test_float32_tasks_run_each_float32_kernel(capsys, monkeypatch):
     monkeypatch.setattr(flashtile.decode, "run_decode", spy)
     assert main(["precompile", "--dtype", "float32", "--jobs", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    names = [name for name, dtype, _, _ in TASKS if dtype == "float32"]
+    names = [name for name, dtype, *_ in TASKS if dtype == "float32"]
     assert [line.split(":")[0] for line in lines[:-1]] == names
     assert lines[-1].startswith(f"{len(names)} tasks in ")
     f32 = np.dtype(np.float32)

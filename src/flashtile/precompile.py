@@ -71,38 +71,80 @@ def _decode(q_dtype, cache_dtype, paged):
 
 _BF16 = ml_dtypes.bfloat16
 
-#: ``(name, dtype it is selected by, function, arguments)``, the slowest
-#: compilations first so that the processes finish together.
+#: ``(name, dtype it is selected by, kernel, function, arguments)``; the
+#: slowest compilations of each kernel first.
 TASKS = (
-    ("forward float64", "float64", _forward, (np.float64,)),
-    ("forward float32", "float32", _forward, (np.float32,)),
-    ("forward bfloat16", "bfloat16", _forward, (_BF16,)),
-    ("decode float32, 16-key pages", "float32", _decode, (np.float32, np.float32, True)),
-    ("decode float16 cache, 16-key pages", "float16", _decode, (np.float16, np.float16, True)),
-    ("decode bfloat16, 16-key pages", "bfloat16", _decode, (_BF16, _BF16, True)),
-    ("backward float64", "float64", _backward, (np.float64,)),
-    ("backward float32", "float32", _backward, (np.float32,)),
-    ("backward bfloat16", "bfloat16", _backward, (_BF16,)),
-    ("decode float64", "float64", _decode, (np.float64, np.float64, False)),
-    ("decode float32", "float32", _decode, (np.float32, np.float32, False)),
-    ("decode float16 cache", "float16", _decode, (np.float16, np.float16, False)),
-    ("decode float32 queries, bfloat16 cache", "bfloat16", _decode, (np.float32, _BF16, False)),
-    ("decode bfloat16", "bfloat16", _decode, (_BF16, _BF16, False)),
-)
+    ("forward float64", "float64", "forward", _forward, (np.float64,)),
+    ("forward float32", "float32", "forward", _forward, (np.float32,)),
+    ("forward bfloat16", "bfloat16", "forward", _forward, (_BF16,)),
+    ("backward float64", "float64", "backward", _backward, (np.float64,)),
+    ("backward float32", "float32", "backward", _backward, (np.float32,)),
+    ("backward bfloat16", "bfloat16", "backward", _backward, (_BF16,)),
+    ("decode float32, 16-key pages", "float32", "decode", _decode, (np.float32, np.float32, True)),
+    ("decode float16 cache, 16-key pages", "float16", "decode", _decode,
+     (np.float16, np.float16, True)),
+    ("decode bfloat16, 16-key pages", "bfloat16", "decode", _decode, (_BF16, _BF16, True)),
+    ("decode float64", "float64", "decode", _decode, (np.float64, np.float64, False)),
+    ("decode float32", "float32", "decode", _decode, (np.float32, np.float32, False)),
+    ("decode float16 cache", "float16", "decode", _decode, (np.float16, np.float16, False)),
+    ("decode float32 queries, bfloat16 cache", "bfloat16", "decode", _decode,
+     (np.float32, _BF16, False)),
+    ("decode bfloat16", "bfloat16", "decode", _decode, (_BF16, _BF16, False)),
+)  # fmt: skip
+
+#: How the kernels share the processes: each kernel's signatures compile in
+#: one process, in turn. Numba's cache index is one file per function, which
+#: two processes saving at once can leave pointing at the other's code
+#: (numba/numba#10128); the forward and backward together take about as long
+#: as decoding's eight.
+_GROUPS = (("decode",), ("forward", "backward"))
 
 
-def _run(index: int) -> float:
-    """Run task ``index`` of :data:`TASKS`; its wall time in seconds."""
-    _, _, function, arguments = TASKS[index]
-    start = time.perf_counter()
-    function(*arguments)
-    return time.perf_counter() - start
+def _run(indices, worker=False) -> list[tuple[int, float]]:
+    """Run the tasks ``indices`` of :data:`TASKS` in turn; ``(index, seconds)``
+    each. ``worker``: in a process of its own, beside others
+    (:func:`_lock_cache_saves`)."""
+    if worker:
+        _lock_cache_saves()
+    done = []
+    for i in indices:
+        function, arguments = TASKS[i][3:]
+        start = time.perf_counter()
+        function(*arguments)
+        done.append((i, time.perf_counter() - start))
+    return done
+
+
+def _lock_cache_saves() -> None:
+    """Make this worker's saves into Numba's cache take an exclusive file
+    lock, so that the processes of one :func:`precompile` never write one
+    function's index at once (the kernels' helpers are shared between the
+    groups). Without ``fcntl`` or the Numba class this wraps, saves stay as
+    they are."""
+    try:
+        import fcntl
+
+        from numba.core.caching import IndexDataCacheFile
+    except ImportError:
+        return
+    save = IndexDataCacheFile.save
+    if getattr(save, "locked", False):
+        return
+
+    def locked(self, key, data):
+        with open(os.path.join(self._cache_path, ".flashtile-precompile.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            save(self, key, data)
+
+    locked.locked = True
+    IndexDataCacheFile.save = locked
 
 
 def precompile(dtypes=DTYPES, jobs: int = 1, report=print) -> list[tuple[str, float]]:
     """Compile the kernels of every task selected by ``dtypes`` (a subset of
-    :data:`DTYPES`) in ``jobs`` processes (1: in this one); ``report`` gets a
-    line per task as it finishes. Returns ``(task name, seconds)`` in task order.
+    :data:`DTYPES`) in up to ``jobs`` processes (1: in this one; at most one
+    per kernel group, :data:`_GROUPS`); ``report`` gets a line per task.
+    Returns ``(task name, seconds)`` in task order.
     """
     unknown = sorted(set(dtypes) - set(DTYPES))
     if unknown:
@@ -110,19 +152,21 @@ def precompile(dtypes=DTYPES, jobs: int = 1, report=print) -> list[tuple[str, fl
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"precompile: jobs must be an integer >= 1, got {jobs!r}")
     chosen = [i for i, task in enumerate(TASKS) if task[1] in dtypes]
+    groups = [[i for i in chosen if TASKS[i][2] in kernels] for kernels in _GROUPS]
+    groups = [g for g in groups if g]
     seconds = {}
-    if jobs == 1:
+    if jobs == 1 or len(groups) < 2:
         for i in chosen:
-            seconds[i] = _run(i)
+            seconds.update(_run([i]))
             report(f"{TASKS[i][0]}: {seconds[i]:.1f} s")
     else:  # fresh interpreters: a forked child would inherit Numba's thread pool
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-            running = {pool.submit(_run, i): i for i in chosen}
-            for done in concurrent.futures.as_completed(running):
-                i = running[done]
-                seconds[i] = done.result()
-                report(f"{TASKS[i][0]}: {seconds[i]:.1f} s")
+            futures = [pool.submit(_run, g, True) for g in groups]
+            for done in concurrent.futures.as_completed(futures):
+                for i, took in done.result():
+                    seconds[i] = took
+                    report(f"{TASKS[i][0]}: {took:.1f} s")
     return [(TASKS[i][0], seconds[i]) for i in chosen]
 
 
