@@ -33,7 +33,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from flashtile.cpu.blas import bf16_products, gemm_for, gemm_scaled
+from flashtile.cpu.blas import bf16_products, gemm_for, gemm_scaled, single_threaded_blas
 from flashtile.cpu.half import target_has
 
 _I8, _I64 = ir.IntType(8), ir.IntType(64)
@@ -114,6 +114,7 @@ CONFIG[48:56] = 16
 
 @njit
 def dots_only(a, b, n):
+    """``n`` steps of four ``tdpbf16ps`` on tiles loaded once: ``a (32, 32)``, ``b (16, 64)``."""
     tile_config(CONFIG)
     load_a0(a, 0, 0)
     load_a1(a, 16, 0)
@@ -143,7 +144,8 @@ def dots_with_loads(a, b, n, steps):
 @njit
 def tile_product(a, b, c, reps):
     """``c = a @ B`` from packed operands: ``a (m, k)`` row-major bf16,
-    ``b (k / 2, 2 n)`` in AMX's pair layout; 32 x 32 blocks of ``c``."""
+    ``b (k / 2, 2 n)`` in AMX's pair layout; 32 x 32 blocks of ``c`` (m, n
+    and k multiples of 32)."""
     steps = a.shape[1] // 32
     for _ in range(reps):
         tile_config(CONFIG)
@@ -177,12 +179,13 @@ def main(rounds: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if not (target_has("amx-tile") and target_has("amx-bf16")):
         sys.exit("this CPU has no AMX-BF16")
-    if libc.syscall(158, 0x1023, 18) != 0:  # arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
+    request = (ctypes.c_long(158), ctypes.c_long(0x1023), ctypes.c_long(18))
+    if libc.syscall(*request) != 0:  # arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
         sys.exit("the kernel did not grant this process AMX's tile state")
     rng = np.random.default_rng(0)
     block = 4 * 16 * 16 * 32 * 2  # flops of one step: four 16 x 16 x 32 products
-    square = _bits(rng, (32, 32))
-    cases = {"tdpbf16ps alone": (lambda r: dots_only(square, square, 2000 * r), 2000 * block)}
+    a_tiles, b_tiles = _bits(rng, (32, 32)), _bits(rng, (16, 64))
+    cases = {"tdpbf16ps alone": (lambda r: dots_only(a_tiles, b_tiles, 2000 * r), 2000 * block)}
     for steps in (2, 16):
         a, b = _bits(rng, (32, 32 * steps)), _bits(rng, (16 * steps, 64))
         cases[f"with tile loads, L1, {steps} steps"] = (
@@ -204,6 +207,12 @@ def main(rounds: int) -> None:
                 lambda r, a=a, b=b, c=c, t=trans_b, fn=fn: mkl_product(fn, a, b, c, t, 10 * r),
                 10 * flops,
             )
+    entry = gemm_for(ml_dtypes.bfloat16) if bf16_products() else None
+    with single_threaded_blas(entry):  # one core for oneMKL too, whatever its threading
+        _time(cases, rounds, rng)
+
+
+def _time(cases, rounds, rng) -> None:
     for run, _ in cases.values():
         run(1)
     times = {name: [] for name in cases}

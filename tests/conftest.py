@@ -16,6 +16,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import numpy as np
 import pytest
 
+# pytest-xdist's workers compile what `flashtile precompile` left out side by
+# side: their saves into Numba's cache take its lock (numba/numba#10128).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    from flashtile.precompile import lock_cache_saves
+
+    lock_cache_saves()
+
 _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)

@@ -2,34 +2,110 @@
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 
-import flashtile.decode
+import flashtile.cpu.launch as launch
 from flashtile.cli import main
-from flashtile.precompile import TASKS, precompile
+from flashtile.planning import bf16_products
+from flashtile.precompile import DTYPES, TASKS, lock_cache_saves, precompile
 
 
-def test_float32_tasks_run_each_float32_kernel(capsys, monkeypatch):
-    plans = []
-    run_decode = flashtile.decode.run_decode
+def _recorded_calls(monkeypatch):
+    """Replace the kernel launch with a recorder of ``(kernel name, argument
+    types)`` that returns empty results of the right shapes: the tasks' routes
+    without compiling anything."""
+    calls = []
 
-    def spy(plan):  # which walk each decoding task's plan takes
-        plans.append((plan.q.dtype, plan.layout.k.dtype, plan.row_walk))
-        return run_decode(plan)
+    def record(threads, entry, kernel, *args):
+        name = kernel.py_func.__name__
+        calls.append((name, [numba.typeof(a) for a in args]))
+        if name == "forward_call":
+            q4, v4, lse, items = args[0], args[2], args[3], args[5]
+            lse[...] = 0
+            return np.zeros(q4.shape[:-1] + v4.shape[-1:], q4.dtype), np.zeros(len(items), int)
+        if name == "decode_call":
+            q, v = args[0], args[2]
+            work = np.float64 if q.dtype == np.float64 else np.float32
+            return (
+                np.zeros(q.shape[:3] + v.shape[3:], work),
+                np.zeros(q.shape[:3], work),
+                False,
+                True,
+            )
+        return None  # backward_kernel: writes into its arguments
 
-    monkeypatch.setattr(flashtile.decode, "run_decode", spy)
+    monkeypatch.setattr(launch, "_call", record)
+    return calls
+
+
+# The recorder leaves the backward's outputs unwritten: casting them may warn.
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_each_task_reaches_its_kernel(monkeypatch):
+    calls = _recorded_calls(monkeypatch)
+    products = bf16_products(np.dtype("bfloat16"))
+    half = "uint16" if products else "float32"  # bf16 operands, or widened
+    routes = {}
+    for name, _, function, arguments in TASKS:
+        calls.clear()
+        function(*arguments)
+        kernel, types = calls[-1]
+        if kernel == "decode_call":  # q, cache, format flag, walk flag
+            route = (kernel, str(types[0].dtype), str(types[1].dtype), str(types[3]), str(types[4]))
+        else:
+            route = (kernel, str(types[0].dtype))
+        routes[name] = route
+    f32, f64, bits = "float32", "float64", "uint16"
+
+    def decode(q, cache, fmt, walk):  # the decode kernel's queries, cache, flags
+        return ("decode_call", q, cache, f"{fmt}()", f"{walk}()")
+
+    assert routes == {
+        "forward float64": ("forward_call", f64),
+        "forward float32": ("forward_call", f32),
+        "forward bfloat16": ("forward_call", half),
+        "forward float16": ("forward_call", f32),
+        "backward float64": ("backward_kernel", f64),
+        "backward float32": ("backward_kernel", f32),
+        "backward bfloat16": ("backward_kernel", half),
+        "backward float16": ("backward_kernel", f32),
+        "decode float32, 16-key pages": decode(f32, f32, "FloatValues", "RowWalk"),
+        "decode float16 cache, 16-key pages": decode(f32, bits, "Float16Bits", "RowWalk"),
+        # bf16 queries in small pages keep the widening row walk (workitems.row_walk)
+        "decode bfloat16, 16-key pages": decode(f32, bits, "BFloat16Bits", "RowWalk"),
+        "decode float64": decode(f64, f64, "FloatValues", "TileWalk"),
+        "decode float32": decode(f32, f32, "FloatValues", "TileWalk"),
+        "decode float16 cache": decode(f32, bits, "Float16Bits", "TileWalk"),
+        "decode float32 queries, bfloat16 cache": decode(f32, bits, "BFloat16Bits", "TileWalk"),
+        "decode bfloat16": decode(half, bits, "BFloat16Bits", "TileWalk"),
+    }
+    assert {task[1] for task in TASKS} == set(DTYPES)
+
+
+def test_the_float32_tasks_from_the_command_line(capsys):
     assert main(["precompile", "--dtype", "float32", "--jobs", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     names = [name for name, dtype, *_ in TASKS if dtype == "float32"]
     assert [line.split(":")[0] for line in lines[:-1]] == names
     assert lines[-1].startswith(f"{len(names)} tasks in ")
-    f32 = np.dtype(np.float32)
-    assert sorted(plans, key=str) == [(f32, f32, False), (f32, f32, True)]  # both walks
 
 
 def test_precompile_names_what_it_refuses():
     with pytest.raises(ValueError, match=r"unknown dtypes \['float8'\]"):
         precompile(("float32", "float8"))
-    with pytest.raises(ValueError, match="jobs must be an integer >= 1, got 0"):
-        precompile(("float32",), jobs=0)
+    with pytest.raises(TypeError, match="not a dtype"):
+        precompile([object()])
+    with pytest.raises(ValueError, match="jobs must be >= 1, got 0"):
+        precompile("float32", jobs=0)
+    with pytest.raises(TypeError, match="jobs must be an integer, got '2'"):
+        precompile("float32", jobs="2")
+
+
+def test_cache_saves_are_locked_once():
+    from numba.core.caching import IndexDataCacheFile
+
+    lock_cache_saves()
+    locked = IndexDataCacheFile.save
+    lock_cache_saves()  # idempotent: not wrapped twice
+    assert IndexDataCacheFile.save is locked and locked.flashtile_locked

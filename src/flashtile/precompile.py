@@ -1,20 +1,29 @@
 """``flashtile precompile``: compile the CPU kernels before their first call.
 
-The Numba kernels compile on first use, 15-55 seconds each, and are kept
-in Numba's on-disk cache (next to the kernel modules, or Numba's own cache
-directory for a read-only install). One kernel is compiled per dtype and
-path: the forward and backward per work dtype, decoding per query dtype,
-cache format and walk (:mod:`flashtile.cpu.decode`). This command makes the
-calls that compile each of them on tiny inputs, in several processes at
-once, so that a container image, a CI job or a test run pays the
-compilation once, up front, and in parallel, instead of in the first
-request (``make test`` runs it before pytest, so that its two workers do
-not both compile the same kernel).
+The Numba kernels compile on first use, 10-60 seconds each, and are kept
+in Numba's on-disk cache. One kernel is compiled per path and operand
+dtype: the forward and the backward per work dtype (float16 inputs run on
+the float32 kernels), decoding per query operands, cache format and walk
+(:mod:`flashtile.cpu.decode`). This command makes the calls that compile
+each of them on tiny inputs, in several processes at once, so that a
+container image, a CI job or a test run pays the compilation once, up
+front, and in parallel, instead of in the first request (``make test``
+runs it before pytest, so that its two workers do not both compile the
+same kernel).
 
 Each task is one public call (:data:`TASKS`): whichever kernel that call
 runs on this machine (the BLAS backend and the CPU's bf16 instructions
 choose, e.g., bf16 products or widening) is the one compiled, as it would
-be for a user. A task that finds its kernel cached takes a second.
+be for a user. A task whose kernel is cached takes well under a second.
+
+Where the cache is, and when it is used (Numba's rules): next to the kernel
+modules (``flashtile/cpu/__pycache__``) when the process can write there,
+else a per-user directory (``~/.cache/numba``), or ``NUMBA_CACHE_DIR``
+when set; a process that cannot write to a directory does not read it
+either. Entries are keyed by the CPU model and its features, so a cache
+built on one kind of CPU is not used on another. For a container image:
+precompile as the user that serves (or with the same ``NUMBA_CACHE_DIR``,
+writable at run time), on the CPU model it will run on.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import multiprocessing
+import operator
 import os
 import time
 
@@ -71,56 +81,54 @@ def _decode(q_dtype, cache_dtype, paged):
 
 _BF16 = ml_dtypes.bfloat16
 
-#: ``(name, dtype it is selected by, kernel, function, arguments)``; the
-#: slowest compilations of each kernel first.
+#: ``(name, dtype it is selected by, function, arguments)``, the slowest
+#: compilations first so that the processes finish about together. float16
+#: inputs run the forward and backward on the float32 kernels: their tasks
+#: compile those (nothing, after the float32 ones).
 TASKS = (
-    ("forward float64", "float64", "forward", _forward, (np.float64,)),
-    ("forward float32", "float32", "forward", _forward, (np.float32,)),
-    ("forward bfloat16", "bfloat16", "forward", _forward, (_BF16,)),
-    ("backward float64", "float64", "backward", _backward, (np.float64,)),
-    ("backward float32", "float32", "backward", _backward, (np.float32,)),
-    ("backward bfloat16", "bfloat16", "backward", _backward, (_BF16,)),
-    ("decode float32, 16-key pages", "float32", "decode", _decode, (np.float32, np.float32, True)),
-    ("decode float16 cache, 16-key pages", "float16", "decode", _decode,
-     (np.float16, np.float16, True)),
-    ("decode bfloat16, 16-key pages", "bfloat16", "decode", _decode, (_BF16, _BF16, True)),
-    ("decode float64", "float64", "decode", _decode, (np.float64, np.float64, False)),
-    ("decode float32", "float32", "decode", _decode, (np.float32, np.float32, False)),
-    ("decode float16 cache", "float16", "decode", _decode, (np.float16, np.float16, False)),
-    ("decode float32 queries, bfloat16 cache", "bfloat16", "decode", _decode,
-     (np.float32, _BF16, False)),
-    ("decode bfloat16", "bfloat16", "decode", _decode, (_BF16, _BF16, False)),
-)  # fmt: skip
-
-#: How the kernels share the processes: each kernel's signatures compile in
-#: one process, in turn. Numba's cache index is one file per function, which
-#: two processes saving at once can leave pointing at the other's code
-#: (numba/numba#10128); the forward and backward together take about as long
-#: as decoding's eight.
-_GROUPS = (("decode",), ("forward", "backward"))
+    ("forward float64", "float64", _forward, (np.float64,)),
+    ("forward float32", "float32", _forward, (np.float32,)),
+    ("forward bfloat16", "bfloat16", _forward, (_BF16,)),
+    ("decode float32, 16-key pages", "float32", _decode, (np.float32, np.float32, True)),
+    ("decode float16 cache, 16-key pages", "float16", _decode, (np.float16, np.float16, True)),
+    ("decode bfloat16, 16-key pages", "bfloat16", _decode, (_BF16, _BF16, True)),
+    ("backward float64", "float64", _backward, (np.float64,)),
+    ("backward float32", "float32", _backward, (np.float32,)),
+    ("backward bfloat16", "bfloat16", _backward, (_BF16,)),
+    ("decode float64", "float64", _decode, (np.float64, np.float64, False)),
+    ("decode float32", "float32", _decode, (np.float32, np.float32, False)),
+    ("decode float16 cache", "float16", _decode, (np.float16, np.float16, False)),
+    ("decode float32 queries, bfloat16 cache", "bfloat16", _decode, (np.float32, _BF16, False)),
+    ("decode bfloat16", "bfloat16", _decode, (_BF16, _BF16, False)),
+    ("forward float16", "float16", _forward, (np.float16,)),
+    ("backward float16", "float16", _backward, (np.float16,)),
+)
 
 
-def _run(indices, worker=False) -> list[tuple[int, float]]:
-    """Run the tasks ``indices`` of :data:`TASKS` in turn; ``(index, seconds)``
-    each. ``worker``: in a process of its own, beside others
-    (:func:`_lock_cache_saves`)."""
+def _run(index: int, worker: bool = False) -> float:
+    """Run task ``index`` of :data:`TASKS`; its wall time in seconds.
+    ``worker``: in a pool process, beside others (:func:`lock_cache_saves`)."""
     if worker:
-        _lock_cache_saves()
-    done = []
-    for i in indices:
-        function, arguments = TASKS[i][3:]
-        start = time.perf_counter()
-        function(*arguments)
-        done.append((i, time.perf_counter() - start))
-    return done
+        lock_cache_saves()
+    function, arguments = TASKS[index][2:]
+    start = time.perf_counter()
+    function(*arguments)
+    return time.perf_counter() - start
 
 
-def _lock_cache_saves() -> None:
-    """Make this worker's saves into Numba's cache take an exclusive file
-    lock, so that the processes of one :func:`precompile` never write one
-    function's index at once (the kernels' helpers are shared between the
-    groups). Without ``fcntl`` or the Numba class this wraps, saves stay as
-    they are."""
+def lock_cache_saves() -> None:
+    """Make this process's saves into Numba's cache take an exclusive file
+    lock (``flock`` on a file in the cache directory; idempotent).
+
+    Numba saves a compiled signature by reading the function's index file,
+    picking a data file name and writing both back. Two processes saving
+    signatures of one function at once can each pick the same name, and the
+    index then loses one entry or points it at the other's code
+    (numba/numba#10128). Every process that may compile beside others (the
+    workers of :func:`precompile`, pytest's workers) takes this lock around
+    its saves. Without ``fcntl`` (not POSIX) or the Numba class this wraps,
+    saves stay as they are.
+    """
     try:
         import fcntl
 
@@ -128,46 +136,80 @@ def _lock_cache_saves() -> None:
     except ImportError:
         return
     save = IndexDataCacheFile.save
-    if getattr(save, "locked", False):
+    if getattr(save, "flashtile_locked", False):
         return
 
     def locked(self, key, data):
-        with open(os.path.join(self._cache_path, ".flashtile-precompile.lock"), "a") as lock:
+        with open(os.path.join(self._cache_path, ".flashtile-cache.lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
             save(self, key, data)
 
-    locked.locked = True
+    locked.flashtile_locked = True
     IndexDataCacheFile.save = locked
 
 
-def precompile(dtypes=DTYPES, jobs: int = 1, report=print) -> list[tuple[str, float]]:
-    """Compile the kernels of every task selected by ``dtypes`` (a subset of
-    :data:`DTYPES`) in up to ``jobs`` processes (1: in this one; at most one
-    per kernel group, :data:`_GROUPS`); ``report`` gets a line per task.
-    Returns ``(task name, seconds)`` in task order.
-    """
-    unknown = sorted(set(dtypes) - set(DTYPES))
+def _dtype_names(dtypes) -> list[str]:
+    """``dtypes`` (a name, a dtype, or an iterable of them) as names."""
+    if isinstance(dtypes, str) or not hasattr(dtypes, "__iter__"):
+        dtypes = [dtypes]
+    names = []
+    for d in dtypes:
+        try:
+            names.append(d if isinstance(d, str) else np.dtype(d).name)
+        except TypeError:
+            message = f"precompile: {d!r} is not a dtype; use names from {list(DTYPES)}"
+            raise TypeError(message) from None
+    unknown = sorted(set(names) - set(DTYPES))
     if unknown:
         raise ValueError(f"precompile: unknown dtypes {unknown}; choose from {list(DTYPES)}")
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"precompile: jobs must be an integer >= 1, got {jobs!r}")
-    chosen = [i for i, task in enumerate(TASKS) if task[1] in dtypes]
-    groups = [[i for i in chosen if TASKS[i][2] in kernels] for kernels in _GROUPS]
-    groups = [g for g in groups if g]
+    return names
+
+
+def precompile(dtypes=DTYPES, jobs: int = 1, report=print) -> list[tuple[str, float]]:
+    """Compile the kernels of every task of ``dtypes`` (names from
+    :data:`DTYPES`, or dtypes) in ``jobs`` processes (1: in this one);
+    ``report`` gets a line per task as it finishes. Returns ``(task name,
+    seconds)`` in task order. A task that fails raises here, after the
+    tasks that finished are reported.
+    """
+    names = _dtype_names(dtypes)
+    if isinstance(jobs, bool) or not hasattr(type(jobs), "__index__"):
+        raise TypeError(f"precompile: jobs must be an integer, got {jobs!r}")
+    jobs = operator.index(jobs)
+    if jobs < 1:
+        raise ValueError(f"precompile: jobs must be >= 1, got {jobs}")
+    chosen = [i for i, task in enumerate(TASKS) if task[1] in names]
     seconds = {}
-    if jobs == 1 or len(groups) < 2:
+
+    def finished(i, took):
+        seconds[i] = took
+        report(f"{TASKS[i][0]}: {took:.1f} s")
+
+    if jobs == 1 or len(chosen) < 2:
         for i in chosen:
-            seconds.update(_run([i]))
-            report(f"{TASKS[i][0]}: {seconds[i]:.1f} s")
-    else:  # fresh interpreters: a forked child would inherit Numba's thread pool
-        context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-            futures = [pool.submit(_run, g, True) for g in groups]
-            for done in concurrent.futures.as_completed(futures):
-                for i, took in done.result():
-                    seconds[i] = took
-                    report(f"{TASKS[i][0]}: {took:.1f} s")
+            finished(i, _run(i))
+        return [(TASKS[i][0], seconds[i]) for i in chosen]
+    # Fresh interpreters: a forked child would inherit Numba's thread pool.
+    context = multiprocessing.get_context("spawn")
+    pool = concurrent.futures.ProcessPoolExecutor(min(jobs, len(chosen)), mp_context=context)
+    try:
+        futures = {pool.submit(_run, i, True): i for i in chosen}
+        for done in concurrent.futures.as_completed(futures):
+            i = futures[done]
+            if done.exception() is not None:  # report it now, not after the running tasks
+                raise RuntimeError(f"precompile: {TASKS[i][0]!r} failed") from done.exception()
+            finished(i, done.result())
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     return [(TASKS[i][0], seconds[i]) for i in chosen]
+
+
+def cache_directory() -> str | None:
+    """Where Numba keeps the forward kernel's compiled code in this process
+    (see the module docstring), or None if Numba does not say."""
+    from .cpu.forward import forward_call
+
+    return getattr(getattr(forward_call, "_cache", None), "_cache_path", None)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -177,11 +219,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="compile the CPU kernels into Numba's cache before their first call",
         description=(
             "Compile the Numba kernels of the forward, backward and decoding for the "
-            "chosen dtypes (15-55 s each), in parallel processes, into Numba's on-disk "
-            "cache; later calls in any process load them in about a second."
+            "chosen dtypes (10-60 s each), in parallel processes, into Numba's on-disk "
+            "cache; later calls in any process that can write to that cache (the same "
+            "user, or the same NUMBA_CACHE_DIR) on the same CPU model load them in "
+            "about a second."
         ),
     )
-    parser.add_argument("--dtype", choices=DTYPES, action="append", help="default: all four")
+    parser.add_argument(
+        "--dtype", choices=DTYPES, action="append", help="repeat for several (default: all four)"
+    )
     parser.add_argument(
         "--jobs", type=positive_int, default=os.cpu_count() or 1, help="processes (default: cores)"
     )
@@ -192,5 +238,5 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run_precompile(args) -> int:
     start = time.perf_counter()
     done = precompile(tuple(args.dtype or DTYPES), args.jobs)
-    print(f"{len(done)} tasks in {time.perf_counter() - start:.1f} s")
+    print(f"{len(done)} tasks in {time.perf_counter() - start:.1f} s; cache: {cache_directory()}")
     return 0
