@@ -47,7 +47,7 @@ def test_each_task_reaches_its_kernel(monkeypatch):
     products = bf16_products(np.dtype("bfloat16"))
     half = "uint16" if products else "float32"  # bf16 operands, or widened
     routes = {}
-    for name, _, function, arguments in TASKS:
+    for name, tag, function, arguments in TASKS:
         calls.clear()
         function(*arguments)
         kernel, types = calls[-1]
@@ -55,30 +55,31 @@ def test_each_task_reaches_its_kernel(monkeypatch):
             route = (kernel, str(types[0].dtype), str(types[1].dtype), str(types[3]), str(types[4]))
         else:
             route = (kernel, str(types[0].dtype))
-        routes[name] = route
-    f32, f64, bits = "float32", "float64", "uint16"
+        routes[name] = (tag, *route)  # tag: the --dtype that selects the task
+    f32, f64, bits, f16, bf16 = "float32", "float64", "uint16", "float16", "bfloat16"
+    tiles = "TileWalk"
 
-    def decode(q, cache, fmt, walk):  # the decode kernel's queries, cache, flags
-        return ("decode_call", q, cache, f"{fmt}()", f"{walk}()")
+    def decode(tag, q, cache, fmt, walk):  # the decode kernel's queries, cache, flags
+        return (tag, "decode_call", q, cache, f"{fmt}()", f"{walk}()")
 
     assert routes == {
-        "forward float64": ("forward_call", f64),
-        "forward float32": ("forward_call", f32),
-        "forward bfloat16": ("forward_call", half),
-        "forward float16": ("forward_call", f32),
-        "backward float64": ("backward_kernel", f64),
-        "backward float32": ("backward_kernel", f32),
-        "backward bfloat16": ("backward_kernel", half),
-        "backward float16": ("backward_kernel", f32),
-        "decode float32, 16-key pages": decode(f32, f32, "FloatValues", "RowWalk"),
-        "decode float16 cache, 16-key pages": decode(f32, bits, "Float16Bits", "RowWalk"),
+        "forward float64": (f64, "forward_call", f64),
+        "forward float32": (f32, "forward_call", f32),
+        "forward bfloat16": (bf16, "forward_call", half),
+        "forward float16": (f16, "forward_call", f32),
+        "backward float64": (f64, "backward_kernel", f64),
+        "backward float32": (f32, "backward_kernel", f32),
+        "backward bfloat16": (bf16, "backward_kernel", half),
+        "backward float16": (f16, "backward_kernel", f32),
+        "decode float32, 16-key pages": decode(f32, f32, f32, "FloatValues", "RowWalk"),
+        "decode float16 cache, 16-key pages": decode(f16, f32, bits, "Float16Bits", "RowWalk"),
         # bf16 queries in small pages keep the widening row walk (workitems.row_walk)
-        "decode bfloat16, 16-key pages": decode(f32, bits, "BFloat16Bits", "RowWalk"),
-        "decode float64": decode(f64, f64, "FloatValues", "TileWalk"),
-        "decode float32": decode(f32, f32, "FloatValues", "TileWalk"),
-        "decode float16 cache": decode(f32, bits, "Float16Bits", "TileWalk"),
-        "decode float32 queries, bfloat16 cache": decode(f32, bits, "BFloat16Bits", "TileWalk"),
-        "decode bfloat16": decode(half, bits, "BFloat16Bits", "TileWalk"),
+        "decode bfloat16, 16-key pages": decode(bf16, f32, bits, "BFloat16Bits", "RowWalk"),
+        "decode float64": decode(f64, f64, f64, "FloatValues", "TileWalk"),
+        "decode float32": decode(f32, f32, f32, "FloatValues", "TileWalk"),
+        "decode float16 cache": decode(f16, f32, bits, "Float16Bits", "TileWalk"),
+        "decode float32 queries, bfloat16 cache": decode(bf16, f32, bits, "BFloat16Bits", tiles),
+        "decode bfloat16": decode(bf16, half, bits, "BFloat16Bits", "TileWalk"),
     }
     assert {task[1] for task in TASKS} == set(DTYPES)
 
@@ -96,16 +97,44 @@ def test_precompile_names_what_it_refuses():
         precompile(("float32", "float8"))
     with pytest.raises(TypeError, match="not a dtype"):
         precompile([object()])
+    with pytest.raises(TypeError, match="None is not a dtype"):
+        precompile(None)
+    with pytest.raises(ValueError, match="unknown dtypes"):
+        precompile([])
     with pytest.raises(ValueError, match="jobs must be >= 1, got 0"):
         precompile("float32", jobs=0)
     with pytest.raises(TypeError, match="jobs must be an integer, got '2'"):
         precompile("float32", jobs="2")
 
 
-def test_cache_saves_are_locked_once():
-    from numba.core.caching import IndexDataCacheFile
+def test_locked_saves_save_and_load(monkeypatch, tmp_path):
+    from numba.core import caching
 
+    monkeypatch.setattr(caching.IndexDataCacheFile, "save", caching.IndexDataCacheFile.save)
     lock_cache_saves()
-    locked = IndexDataCacheFile.save
+    locked = caching.IndexDataCacheFile.save
     lock_cache_saves()  # idempotent: not wrapped twice
-    assert IndexDataCacheFile.save is locked and locked.flashtile_locked
+    assert caching.IndexDataCacheFile.save is locked and locked.flashtile_locked
+    index = caching.IndexDataCacheFile(str(tmp_path), "f-1.py311", "stamp")
+    index.save(("sig", 1), b"compiled 1")
+    assert (tmp_path / ".flashtile-cache.lock").exists()
+
+    def no_locks(fd, op):  # a file system without locks: the save still happens
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr("fcntl.flock", no_locks)
+    index.save(("sig", 2), b"compiled 2")
+    assert index.load(("sig", 1)) == b"compiled 1"
+    assert index.load(("sig", 2)) == b"compiled 2"
+
+
+def test_precompile_skips_tasks_whose_kernels_another_compiles(monkeypatch):
+    import flashtile.precompile as pc
+
+    ran = []
+    monkeypatch.setattr(pc, "_run", lambda i, worker=False: ran.append(TASKS[i][0]) or 0.0)
+    precompile(("float32", "float16"), report=lambda line: None)
+    assert "forward float16" not in ran and "forward float32" in ran
+    ran.clear()
+    precompile("float16", report=lambda line: None)
+    assert "forward float16" in ran and "backward float16" in ran
