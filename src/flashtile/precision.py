@@ -227,7 +227,7 @@ def work_dtype(dtype: np.dtype, bound: float) -> np.dtype:
     return np.dtype(np.float64) if bound >= FLOAT32_SCORE_LIMIT else work
 
 
-def check_backward_lse(lse: np.ndarray, dout: np.ndarray, d: int, dtype: np.dtype) -> None:
+def check_backward_lse(lse: np.ndarray, d: int, dtype: np.dtype) -> None:
     """Refuse a backward whose probabilities cannot be recomputed from ``lse``.
 
     The backward recomputes ``P = exp(s - lse)`` from its own score product.
@@ -239,29 +239,21 @@ def check_backward_lse(lse: np.ndarray, dout: np.ndarray, d: int, dtype: np.dtyp
     become inf or NaN while the forward was right (measured in float32, d =
     4: ``|lse|`` 5e6 put ``dv`` 31% off, 7e10 made it inf). Real logits stay
     far below (scores of 1e3 are already extreme), so this raises instead of
-    answering silently.
-
-    Only rows whose ``dout`` is not all zero count: a row whose gradient is
-    zero adds nothing whatever its ``P`` (padding rows hidden by an additive
-    mask of -1e9 and left out of the loss, say: their ``|lse|`` is 1e9 and
-    their gradients are right). ``eps``: the coarser of ``lse``'s dtype and
-    the compute dtype of inputs of ``dtype``; NaN and inf entries of ``lse``
-    are the NaN policy's, not counted.
+    answering silently. ``eps``: the coarser of ``lse``'s dtype and the
+    compute dtype of inputs of ``dtype``; NaN and inf entries are the NaN
+    policy's, not counted.
     """
     eps = float(np.finfo(compute_dtype(dtype)).eps)
     if lse.dtype.kind == "f":
         eps = max(eps, float(np.finfo(lse.dtype).eps))
     limit = 1.0 / (eps * max(d, 1))
     big = finite_max_abs(lse)
-    if big >= limit:  # rare: only then the pass over dout
-        big = finite_max_abs(lse[np.any(dout != 0, axis=-1)])
     if big >= limit:
         raise ValueError(
-            f"attention_backward: |lse| reaches {big:.3g} in rows with a nonzero dout, past "
-            f"{limit:.3g} for head dim {d} in {np.dtype(dtype).name}: the probabilities the "
-            f"backward recomputes from lse would be off by a factor e or more (inf past some "
-            f"point); use float64 q, k, v (and the float64 lse their forward returns) or "
-            f"smaller scores"
+            f"attention_backward: |lse| reaches {big:.3g}, past {limit:.3g} for head dim {d} "
+            f"in {np.dtype(dtype).name}: the probabilities the backward recomputes from lse "
+            f"would be off by a factor e or more (inf past some point); use float64 q, k, v "
+            f"(and the float64 lse their forward returns) or smaller scores"
         )
 
 
