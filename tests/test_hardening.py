@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 import flashtile as ft
-from dense import dense_attention_backward, rel_err
 
 
 def qkv(rng, *shape, dtype=np.float64):
@@ -259,26 +258,6 @@ def test_float32_scores_past_float32_range(rng, scale, magnitude):
     var = ft.varlen_attention(q, k, v, cu, cu, scale=scale)
     want_var = ft.varlen_attention(q64, k64, v64, cu, cu, scale=scale)
     np.testing.assert_allclose(var, want_var, rtol=1e-5, atol=1e-5 * magnitude)
-
-
-def test_backward_refuses_an_lse_too_large_to_recompute_from(rng):
-    """float32 scores of 1e6 and more (|lse| past 1 / (d eps)) gave gradients
-    30% off, then inf, with no error, while the forward was right: the
-    backward recomputes exp(s - lse), and lse's rounding lands in the exponent.
-    Now a clear error; float64 inputs compute them right."""
-    q, k, v = qkv(rng, 1, 2, 8, 4, dtype=np.float32)
-    q, k = q * np.float32(1e5), k * np.float32(1e5)  # |lse| about 1e10
-    dout = rng.standard_normal(q.shape).astype(np.float32)
-    out, lse = ft.attention(q, k, v, scale=1.0, return_lse=True)
-    assert np.isfinite(out).all()
-    with pytest.raises(ValueError, match=r"\|lse\| reaches .* use float64 q, k, v"):
-        ft.attention_backward(q, k, v, out, lse, dout, scale=1.0)
-    q64, k64, v64, dout64 = (a.astype(np.float64) for a in (q, k, v, dout))
-    out64, lse64 = ft.attention(q64, k64, v64, scale=1.0, return_lse=True)
-    grads = ft.attention_backward(q64, k64, v64, out64, lse64, dout64, scale=1.0)
-    assert all(np.isfinite(g).all() for g in grads)
-    _, _, want_dv = dense_attention_backward(q64, k64, v64, dout64, scale=1.0)
-    assert rel_err(grads[2], want_dv) < 1e-4  # float64 rounding of scores near 1e10
 
 
 def _float64_attention(q, k, v, scale, softcap=None):

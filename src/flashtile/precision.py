@@ -39,11 +39,6 @@ matters only where such a value meets a huge one (``1e-39 * 1e35``): the
 forward's score bound sends such calls to float64 in practice (the huge
 value makes it large), decoding (which does
 not read the cache before the step) computes them with the terms lost.
-
-The backward recomputes ``P = exp(s - lse)``, so the rounding of ``lse``
-and of its own product land in the exponent of every ``P``:
-:func:`check_backward_lse` refuses an ``lse`` too large for that to stay
-below one unit; float64 inputs move that limit about 5e8 times further.
 """
 
 from __future__ import annotations
@@ -225,36 +220,6 @@ def work_dtype(dtype: np.dtype, bound: float) -> np.dtype:
     :func:`compute_dtype`, or float64 where float32 scores could overflow."""
     work = compute_dtype(dtype)
     return np.dtype(np.float64) if bound >= FLOAT32_SCORE_LIMIT else work
-
-
-def check_backward_lse(lse: np.ndarray, d: int, dtype: np.dtype) -> None:
-    """Refuse a backward whose probabilities cannot be recomputed from ``lse``.
-
-    The backward recomputes ``P = exp(s - lse)`` from its own score product.
-    ``lse`` carries its dtype's rounding, ``|lse| eps``, and the product's
-    rounding differs from the forward's by up to about ``d |s| eps``; both
-    land in the exponent of every ``P``. When ``max |lse| * d * eps`` reaches
-    1 (float32, d = 128: ``|lse|`` about 1.3e5; float64: about 7e13), ``P``
-    can be off by a factor ``e`` or more, and far past it the gradients
-    become inf or NaN while the forward was right (measured in float32, d =
-    4: ``|lse|`` 5e6 put ``dv`` 31% off, 7e10 made it inf). Real logits stay
-    far below (scores of 1e3 are already extreme), so this raises instead of
-    answering silently. ``eps``: the coarser of ``lse``'s dtype and the
-    compute dtype of inputs of ``dtype``; NaN and inf entries are the NaN
-    policy's, not counted.
-    """
-    eps = float(np.finfo(compute_dtype(dtype)).eps)
-    if lse.dtype.kind == "f":
-        eps = max(eps, float(np.finfo(lse.dtype).eps))
-    limit = 1.0 / (eps * max(d, 1))
-    big = finite_max_abs(lse)
-    if big >= limit:
-        raise ValueError(
-            f"attention_backward: |lse| reaches {big:.3g}, past {limit:.3g} for head dim {d} "
-            f"in {np.dtype(dtype).name}: the probabilities the backward recomputes from lse "
-            f"would be off by a factor e or more (inf past some point); use float64 q, k, v "
-            f"(and the float64 lse their forward returns) or smaller scores"
-        )
 
 
 def decode_overflowed(
