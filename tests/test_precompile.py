@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import flashtile.cpu.launch as launch
+from flashtile._validate import BFLOAT16
 from flashtile.cli import main
 from flashtile.planning import bf16_products
 from flashtile.precompile import DTYPES, TASKS, lock_cache_saves, precompile
@@ -44,7 +45,7 @@ def _recorded_calls(monkeypatch):
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 def test_each_task_reaches_its_kernel(monkeypatch):
     calls = _recorded_calls(monkeypatch)
-    products = bf16_products(np.dtype("bfloat16"))
+    products = bf16_products(BFLOAT16)
     half = "uint16" if products else "float32"  # bf16 operands, or widened
     routes = {}
     for name, tag, function, arguments in TASKS:

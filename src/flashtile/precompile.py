@@ -38,9 +38,9 @@ import operator
 import os
 import time
 
-import ml_dtypes
 import numpy as np
 
+from ._validate import BFLOAT16
 from .argtypes import positive_int
 
 #: Dtypes a task can be selected by (``--dtype``).
@@ -82,8 +82,6 @@ def _decode(q_dtype, cache_dtype, paged):
     flashtile.decode_attention(q, k, v, **extra)
 
 
-_BF16 = ml_dtypes.bfloat16
-
 #: ``(name, dtype it is selected by, function, arguments)``, the slowest
 #: compilations first so that the processes finish about together. float16
 #: inputs run the forward and backward on the float32 kernels: their tasks
@@ -91,18 +89,18 @@ _BF16 = ml_dtypes.bfloat16
 TASKS = (
     ("forward float64", "float64", _forward, (np.float64,)),
     ("forward float32", "float32", _forward, (np.float32,)),
-    ("forward bfloat16", "bfloat16", _forward, (_BF16,)),
+    ("forward bfloat16", "bfloat16", _forward, (BFLOAT16,)),
     ("decode float32, 16-key pages", "float32", _decode, (np.float32, np.float32, True)),
     ("decode float16 cache, 16-key pages", "float16", _decode, (np.float16, np.float16, True)),
-    ("decode bfloat16, 16-key pages", "bfloat16", _decode, (_BF16, _BF16, True)),
+    ("decode bfloat16, 16-key pages", "bfloat16", _decode, (BFLOAT16, BFLOAT16, True)),
     ("backward float64", "float64", _backward, (np.float64,)),
     ("backward float32", "float32", _backward, (np.float32,)),
-    ("backward bfloat16", "bfloat16", _backward, (_BF16,)),
+    ("backward bfloat16", "bfloat16", _backward, (BFLOAT16,)),
     ("decode float64", "float64", _decode, (np.float64, np.float64, False)),
     ("decode float32", "float32", _decode, (np.float32, np.float32, False)),
     ("decode float16 cache", "float16", _decode, (np.float16, np.float16, False)),
-    ("decode float32 queries, bfloat16 cache", "bfloat16", _decode, (np.float32, _BF16, False)),
-    ("decode bfloat16", "bfloat16", _decode, (_BF16, _BF16, False)),
+    ("decode float32 queries, bfloat16 cache", "bfloat16", _decode, (np.float32, BFLOAT16, False)),
+    ("decode bfloat16", "bfloat16", _decode, (BFLOAT16, BFLOAT16, False)),
     ("forward float16", "float16", _forward, (np.float16,)),
     ("backward float16", "float16", _backward, (np.float16,)),
 )
