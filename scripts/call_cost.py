@@ -45,6 +45,9 @@ import torch.nn.functional as F
 
 import flashtile
 import flashtile.torch as ftt
+from flashtile.api import check_call
+from flashtile.cpu.launch import run_forward
+from flashtile.planning import plan_forward
 
 
 def per_call(fn, calls: int) -> float:
@@ -65,6 +68,8 @@ def cases() -> dict:
     tiny = [torch.randn(1, 4, 16, 32) for _ in range(3)]
     tiny_g = [t.clone().requires_grad_() for t in tiny]
     n1 = [t.numpy() for t in one]
+    n_tiny = [t.numpy() for t in tiny]
+    tiny_plan = plan_forward(check_call(*n_tiny, True, None, {}))
 
     def backward(fn):
         def run():
@@ -78,6 +83,8 @@ def cases() -> dict:
     return {
         "T=1 flashtile.attention": lambda: flashtile.attention(*n1),
         "T=1 decode_attention": lambda: flashtile.decode_attention(*n1),
+        "tiny flashtile.attention": lambda: flashtile.attention(*n_tiny, causal=True),
+        "tiny kernel alone": lambda: run_forward(tiny_plan),
         "T=1 torch op": lambda: ftt.attention(*one),
         "T=1 SDPA": lambda: sdpa(*one),
         "step torch op": lambda: ftt.attention(*step),
@@ -112,6 +119,8 @@ def main(rounds: int = 15, calls: int = 200) -> None:
         f"fixed cost (T=1): NumPy {med['T=1 flashtile.attention']:.1f} us, torch op "
         f"{med['T=1 torch op']:.1f} us, decode_attention {med['T=1 decode_attention']:.1f} us"
     )
+    above = med["tiny flashtile.attention"] - med["tiny kernel alone"]
+    print(f"tiny (1, 4, 16, 32) causal through flashtile.attention: {above:.1f} us above the kernel")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import flashtile
-from flashtile import api, decode_planning, planning
+from flashtile import api, decode_planning, frontdoor, planning
 from flashtile.reference import naive_attention
 
 
@@ -25,13 +25,13 @@ def _rel(a, b):
 def routed(monkeypatch):
     """A list that grows by one for every call planned on the decode kernel."""
     calls = []
-    original = api.plan_decode_call
+    original = frontdoor.plan_decode_call
 
     def counting(call):
         calls.append(call.shapes)
         return original(call)
 
-    monkeypatch.setattr(api, "plan_decode_call", counting)
+    monkeypatch.setattr(frontdoor, "plan_decode_call", counting)
     return calls
 
 

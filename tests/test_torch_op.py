@@ -390,9 +390,13 @@ def test_plain_eager_calls_skip_the_op_layers_and_equal_the_op(dtype, monkeypatc
     through the op's implementation), validated once per metadata while the
     key count changes (a decoding loop), with the op's results bit for bit;
     kv_lengths values are checked on every call."""
-    from flashtile.torch import _attention, _ops
+    from flashtile import frontdoor
+    from flashtile.torch import _ops
 
-    _attention._VALIDATED.clear()
+    def torch_keys():
+        return sum(key[0] == "torch" for key in frontdoor._PREPARED)
+
+    frontdoor._PREPARED.clear()
     forward = op = _ops.forward  # the op's implementation, kept for the references
     monkeypatch.setattr(_ops, "forward", lambda *a: pytest.fail("the op's layers ran"))
     g = torch.Generator().manual_seed(0)
@@ -402,12 +406,12 @@ def test_plain_eager_calls_skip_the_op_layers_and_equal_the_op(dtype, monkeypatc
         out, lse = ftt.attention(q, k, v, enable_gqa=True, return_lse=True, scale=0.3)
         want = op(q, k, v, None, None, False, 0.3, -1, -1, None, None)
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
-    assert len(_attention._VALIDATED) == 1
+    assert torch_keys() == 1
     for n in (3, 601):  # a static cache: its filled length, values checked on every call
         lengths = torch.tensor([n])
         out = ftt.attention(q, k, v, enable_gqa=True, kv_lengths=lengths)
         assert torch.equal(out, op(q, k, v, None, None, False, None, -1, -1, None, lengths)[0])
-    assert len(_attention._VALIDATED) == 2
+    assert torch_keys() == 2
     with pytest.raises(ValueError, match="kv_lengths must lie in"):
         ftt.attention(q, k, v, enable_gqa=True, kv_lengths=torch.tensor([602]))
     tiny = [torch.randn(2, 4, 16, 8, generator=g).to(dtype) for _ in range(3)]

@@ -29,6 +29,9 @@ def compute_dtype(dtype: np.dtype) -> np.dtype:
 
 
 _FLOAT32, _FLOAT64 = np.dtype(np.float32), np.dtype(np.float64)
+#: :func:`compute_dtype` of each supported dtype, for per-call code that
+#: reads it without a Python call (the kernels' launchers).
+COMPUTE_DTYPES = {np.dtype(t): compute_dtype(np.dtype(t)) for t in SUPPORTED_DTYPES}
 
 
 def as_numpy(x) -> np.ndarray:
@@ -48,9 +51,27 @@ def as_numpy(x) -> np.ndarray:
             f"flashtile's NumPy API, which computes no gradients: use "
             f"flashtile.torch.attention, or pass tensor.detach()"
         )
-    if x.dtype == torch.bfloat16:  # Tensor.numpy() raises on bf16
-        return x.view(torch.int16).numpy().view(BFLOAT16)
-    return x.numpy()  # refuses GPU tensors, as np.asarray does
+    return tensor_as_numpy(x)
+
+
+def tensor_as_numpy(x) -> np.ndarray:
+    """A torch tensor that does not require grad as a NumPy view of its memory
+    (bfloat16 as ``ml_dtypes.bfloat16``: ``Tensor.numpy()`` raises on bf16);
+    GPU tensors are refused by ``Tensor.numpy()``, as ``np.asarray`` does."""
+    return tensors_as_numpy(x)[0]
+
+
+def tensors_as_numpy(*tensors) -> list[np.ndarray]:
+    """:func:`tensor_as_numpy` of each tensor, in one call (a decoding step
+    converts three)."""
+    torch = sys.modules["torch"]  # imported: the tensors are its
+    views = []
+    for x in tensors:
+        if x.dtype == torch.bfloat16:
+            views.append(x.view(torch.int16).numpy().view(BFLOAT16))
+        else:
+            views.append(x.numpy())
+    return views
 
 
 def as_float_array(x, name: str) -> np.ndarray:

@@ -1,7 +1,8 @@
 """The fast public API. Every entry point reads: validate the call, plan it
 (:mod:`flashtile.planning`: one plan holds everything the kernel reads), run
 the plan (:mod:`flashtile.cpu.launch`), shape the results back to the
-caller's layout.
+caller's layout. The forward goes through :mod:`flashtile.frontdoor`, which
+does the three steps once per call metadata and then reuses them.
 
 Arrays are ``(B, H, T, d)`` (also ``(H, T, d)`` and ``(T, d)``). ``q`` and
 ``k``/``v`` share the batch dim; ``k``/``v`` may have fewer heads than ``q``
@@ -26,57 +27,17 @@ slopes) are computed in float64 and cast back (:mod:`flashtile.precision`).
 
 from __future__ import annotations
 
-import functools
+from ._validate import check_flag, check_same_shape
+from .cpu.launch import run_backward, run_forward
+from .frontdoor import check_call, plain_key, prepare, prepared, run_call, run_prepared
+from .planning import plan_backward, plan_forward
 
-import numpy as np
-
-from ._validate import (
-    check_cu_seqlens_pair,
-    check_flag,
-    check_kernel_layout,
-    check_packed,
-    check_qkv,
-    check_same_shape,
-    resolve_scale,
-)
-from .cpu.launch import run_backward, run_decode, run_forward
-from .decode_planning import decode_shaped, plan_decode_call
-from .planning import Call, plan_backward, plan_forward
-from .precision import decode_bound, decode_overflowed, narrow_lse
-from .variants import Variants, clear_padded_keys, resolve_variants
-
-
-def check_call(q, k, v, causal, scale, variants: dict, cu_seqlens=None) -> Call:
-    """Validate one call for the planner (the first step of every entry point).
-
-    Checks the arrays and their layout, the scale, the variant keywords
-    (``variants``, as passed to :func:`attention`) and, for a packed batch,
-    its offsets ``cu_seqlens = (cu_q, cu_k)``; raises
-    ValueError/TypeError naming the values. Also how tests build a
-    :class:`~flashtile.planning.Call` to inspect a plan.
-    """
-    if cu_seqlens is not None:
-        check_packed(q, k, v, variants)
-    q, k, v, shapes = check_qkv(q, k, v)
-    check_kernel_layout(q, k, v)
-    if cu_seqlens is not None:
-        cu_seqlens = check_cu_seqlens_pair(*cu_seqlens, shapes)
-    scale = resolve_scale(scale, shapes.d)
-    if variants:
-        va = resolve_variants(shapes, causal=causal, **variants)
-    else:  # no variant keywords: one shared record per flag (it is frozen)
-        va = _plain_variants(check_flag(causal, "causal"))
-    kpm = variants.get("key_padding_mask")
-    if kpm is not None:  # its keys are still read in their tiles (kv_lengths' are not)
-        kept = clear_padded_keys(k, v, np.asarray(kpm))
-        k, v = (a.reshape(b.shape) for a, b in zip(kept, (k, v), strict=True))
-    return Call(q, k, v, shapes, va, scale, cu_seqlens)
-
-
-@functools.cache
-def _plain_variants(causal: bool) -> Variants:
-    """:func:`resolve_variants` of a call without variant keywords (it reads no sizes)."""
-    return resolve_variants(None, causal=causal)
+__all__ = [
+    "attention",
+    "attention_backward",
+    "varlen_attention",
+    "varlen_attention_backward",
+]
 
 
 def _check_gradient_inputs(call, out, lse, dout):
@@ -86,41 +47,6 @@ def _check_gradient_inputs(call, out, lse, dout):
     dout = check_same_shape(dout, "dout", o_shape, "the gradient of out")
     lse = check_same_shape(lse, "lse", o_shape[:-1], "from return_lse=True")
     return out, lse, dout
-
-
-def run_call(call, block_q=None, block_k=None, return_lse=False):
-    """Run a validated call (:func:`check_call`): the decode kernel for a decode-shaped one
-    (:func:`~flashtile.decode_planning.decode_shaped`), else the forward kernel;
-    the results in the caller's layout and dtype (``lse`` in the compute
-    dtype, also where float64 was needed)."""
-    out = None
-    if decode_shaped(call, block_q, block_k):
-        plan = plan_decode_call(call)
-        out, lse, flagged, finite = run_decode(plan)
-        if _overflowed(call, plan, lse, flagged, finite):  # computed again, in float64
-            out = None
-    if out is None:
-        out, lse, _ = run_forward(plan_forward(call, block_q, block_k))
-    lse_shape = call.shapes.batch + (call.shapes.tq,)
-    if lse.shape != lse_shape:  # the kernels' 4-D layout, for 2-D and 3-D inputs
-        out, lse = out.reshape(lse_shape + out.shape[-1:]), lse.reshape(lse_shape)
-    if out.dtype != call.q.dtype:  # float64 was needed, or float16 inputs
-        out = out.astype(call.q.dtype)
-    return (out, narrow_lse(lse, call.q.dtype)) if return_lse else out
-
-
-def _overflowed(call, plan, lse, flagged, finite) -> bool:
-    """Whether a decode-routed call's float32 scores could have passed float32's
-    range: checked, as decoding does, only when a raw score was not finite
-    (``flagged``) or a row got a non-finite ``lse`` (the bound is a pass over
-    the keys, as long as the step itself)."""
-    shapes = call.shapes
-
-    def bound():
-        q, k, va = call.q, call.k, call.variants
-        return decode_bound(call.scale, q, k, va, shapes.tq, shapes.tk, plan.q.dtype)
-
-    return decode_overflowed(lse, plan.layout.seqlens, bound, flagged, finite)
 
 
 def _gradient_results(plan, call, grads):
@@ -156,9 +82,15 @@ def attention(
     kernel of :func:`flashtile.decode_attention`, which splits the keys
     across threads; the result is the same up to rounding.
     """
-    return_lse = check_flag(return_lse, "return_lse")
-    call = check_call(q, k, v, causal, scale, variants)
-    return run_call(call, block_q, block_k, return_lse)
+    key = plain_key(q, k, v, causal, scale, return_lse, block_q, block_k, variants)
+    entry = None if key is None else prepared(key)
+    if entry is None:  # not seen before: the whole check
+        return_lse = check_flag(return_lse, "return_lse")
+        call = check_call(q, k, v, causal, scale, variants)
+        if key is None:
+            return run_call(call, block_q, block_k, return_lse)
+        entry = prepare(key, call, block_q, block_k)
+    return run_prepared(entry, q, k, v, return_lse)
 
 
 def visited_tiles(q, k, v, *, causal=False, block_q, block_k, **variants) -> int:
@@ -250,11 +182,3 @@ def varlen_attention_backward(
     plan = plan_backward(call, block_q, block_k)
     grads = run_backward(plan, out, lse, dout)
     return _gradient_results(plan, call, grads)
-
-
-__all__ = [
-    "attention",
-    "attention_backward",
-    "varlen_attention",
-    "varlen_attention_backward",
-]

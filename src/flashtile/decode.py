@@ -15,13 +15,10 @@ the split planning: :func:`flashtile.decode_planning.plan_decode`; the kernel:
 
 from __future__ import annotations
 
-import numpy as np
-
 from ._validate import check_flag, check_num_splits, resolve_scale
-from .cpu.launch import run_decode
 from .decode_planning import plan_decode
+from .frontdoor import decode_key, prepare_decode, prepared, run_decode_checked, run_prepared_decode
 from .kvlayout import check_cache, decode_variants
-from .precision import decode_bound, decode_overflowed, narrow_lse
 
 
 def decode_attention(
@@ -81,6 +78,14 @@ def decode_attention(
     ``scale`` or huge values), the step is computed again in float64
     (:mod:`flashtile.precision`; ``lse`` stays float32).
     """
+    key = None
+    if cache_seqlens is None and block_table is None and alibi_slopes is None:
+        key = decode_key(
+            q, k_cache, v_cache, num_splits, causal, scale, window, softcap, return_lse
+        )
+        entry = None if key is None else prepared(key)
+        if entry is not None:  # checked and planned before
+            return run_prepared_decode(entry, q, k_cache, v_cache, return_lse)
     num_splits = check_num_splits(num_splits)
     return_lse = check_flag(return_lse, "return_lse")
     q, layout = check_cache(q, k_cache, v_cache, cache_seqlens, block_table)
@@ -89,15 +94,8 @@ def decode_attention(
     )
     scale = resolve_scale(scale, q.shape[3])
     plan = plan_decode(q, layout, variants, scale, num_splits)
-    out, lse, flagged, finite = run_decode(plan)
-    capacity = layout.table.shape[1] * layout.page
-
-    def bound():
-        return decode_bound(scale, q, layout.k, variants, q.shape[2], capacity, plan.q.dtype)
-
-    if decode_overflowed(lse, layout.seqlens, bound, flagged, finite):
-        wide = layout._replace(k=layout.k.astype(np.float64), v=layout.v.astype(np.float64))
-        out, lse, _, _ = run_decode(plan_decode(q, wide, variants, scale, num_splits))
-        lse = narrow_lse(lse, layout.k.dtype)
+    if key is not None:
+        prepare_decode(key, plan, variants)
+    out, lse = run_decode_checked(plan, variants, q, num_splits)
     out = out.astype(q.dtype, copy=False)
     return (out, lse) if return_lse else out

@@ -64,7 +64,7 @@ def finite_max_abs(a: np.ndarray) -> float:
     """``max |a|`` over the finite entries of ``a``, as a Python float (0 if none)."""
     if a.size == 0:
         return 0.0
-    bits = _compiled_operand(a)
+    bits = _compiled_operands(a)[0]
     if bits is not None:
         return _max_abs_compiled(bits)
     hi, lo = float(a.max()), float(a.min())
@@ -73,16 +73,21 @@ def finite_max_abs(a: np.ndarray) -> float:
     return float(np.max(np.abs(a), where=np.isfinite(a), initial=0.0))
 
 
-def _compiled_operand(a: np.ndarray):
-    """``a`` as the compiled maxima read it (:func:`_top_finite`), or None: a
-    C-contiguous float32/float64 array, flat (one compilation per dtype, not
-    per rank); bf16 always, as its ``uint16`` bits (a strided one copied
-    first: ml_dtypes' own max is some 40x slower than the copy)."""
-    if a.dtype == BFLOAT16:
-        return np.ascontiguousarray(a).reshape(-1).view(np.uint16)
-    if a.dtype in _COMPILED_FLOATS and a.flags.c_contiguous:
-        return a.reshape(-1)
-    return None
+def _compiled_operands(*arrays: np.ndarray) -> list:
+    """Each array as the compiled maxima read it (:func:`_top_finite`), or None:
+    a C-contiguous float32/float64 array, flat (one compilation per dtype,
+    not per rank); bf16 always, as its ``uint16`` bits (a strided one copied
+    first: ml_dtypes' own max is some 40x slower than the copy). Several in
+    one call: a call's bound reads ``q`` and ``k``."""
+    operands = []
+    for a in arrays:
+        if a.dtype == BFLOAT16:
+            operands.append(np.ascontiguousarray(a).reshape(-1).view(np.uint16))
+        elif a.dtype in _COMPILED_FLOATS and a.flags.c_contiguous:
+            operands.append(a.reshape(-1))
+        else:
+            operands.append(None)
+    return operands
 
 
 _COMPILED_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -181,10 +186,10 @@ def bounds(scale: float, q: np.ndarray, k: np.ndarray, va: Variants, tq: int, tk
     inside float32's range too (a tiny ``scale`` with huge values).
     float16 inputs are bounded by their dtype (no pass)."""
     scale = float(scale)
-    additive = additive_bound(va, tq, tk)
+    additive = 0.0 if va.alibi is None and va.mask_add is None else additive_bound(va, tq, tk)
     d = q.shape[-1]
     if q.dtype == k.dtype and q.size and k.size:
-        q_op, k_op = _compiled_operand(q), _compiled_operand(k)
+        q_op, k_op = _compiled_operands(q, k)
         if q_op is not None and k_op is not None:  # the common case: one compiled call
             return _bounds_compiled(q_op, k_op, d, scale, additive)
     big_q, big_k = (FLOAT16_MAX if a.dtype == np.float16 else finite_max_abs(a) for a in (q, k))

@@ -201,7 +201,7 @@ def backward_kernel(
     """Write ``dq`` and per-part ``dk``, ``dv`` for C-contiguous 4-D arrays.
 
     Arrays, ``seqs`` and ``gemm_fn`` as in :func:`.forward.forward_kernel`,
-    the variants as a plain tuple (:func:`.tiles.as_fields`); ``items (N, 3)`` are ``(sequence, kv
+    the variants as a plain tuple (``tuple(variants)``); ``items (N, 3)`` are ``(sequence, kv
     head, part)``: with ``P`` parts (``dk``/``dv`` are ``(P, NB, Hkv, TK,
     d)``) part ``p`` takes the query blocks ``p, p + P, ...`` of the
     sequence, writes their ``dq`` rows and accumulates its share of the kv

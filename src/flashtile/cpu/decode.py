@@ -255,7 +255,7 @@ def decode_call(
 
     Arguments as :func:`decode_kernel`'s (without the partial buffers, which
     are allocated here; the variants as a plain tuple,
-    :func:`.tiles.as_fields`); ``check_raw``: report raw scores that are not
+    ``tuple(variants)``); ``check_raw``: report raw scores that are not
     finite (float32 work, :mod:`flashtile.precision`). Returns ``(out (B,
     Hq, Tq, dv), lse (B, Hq, Tq), flagged, finite)``, both in the work dtype
     (float32 for bf16 products): ``flagged``, a raw

@@ -196,7 +196,7 @@ def forward_call(q, k, v, lse, seqs, items, scale, variant_fields, block_q, bloc
     """:func:`forward_kernel` into ``lse`` (allocated by the caller, in the
     work dtype) with ``out`` and ``visited`` allocated here; returns ``(out,
     visited)``. Arguments as there; ``variant_fields``: a
-    :class:`.tiles.KernelVariants` as a plain tuple (:func:`.tiles.as_fields`).
+    :class:`.tiles.KernelVariants` as a plain tuple (``tuple(variants)``).
     With no query heads or batch (``q.size == 0``) nothing is computed (the
     kernel divides by the head count). One compiled call: inside a model's
     loop, each allocation from Python costs close to a microsecond."""

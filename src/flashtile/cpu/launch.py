@@ -17,8 +17,7 @@ import types
 import numba
 import numpy as np
 
-from .._validate import BFLOAT16, compute_dtype
-from .tiles import as_fields
+from .._validate import BFLOAT16, COMPUTE_DTYPES
 
 
 @numba.njit  # not cached: it reads Numba's thread-count functions as ctypes globals
@@ -96,13 +95,13 @@ def run_forward(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """
     kernels = _kernels()
     q4, k4, v4 = plan.q4, plan.k4, plan.v4
-    lse = np.empty(q4.shape[:-1], dtype=compute_dtype(q4.dtype))
+    lse = np.empty(q4.shape[:-1], dtype=COMPUTE_DTYPES[q4.dtype])
     half = q4.dtype == BFLOAT16
     if half:  # Numba has no bf16: the same memory as uint16
         q4, k4, v4 = q4.view(np.uint16), k4.view(np.uint16), v4.view(np.uint16)
     out, visited = _call(
         plan.threads, kernels.gemm_for(plan.q4.dtype), kernels.forward_call, q4, k4, v4, lse,
-        plan.seqs, plan.items, plan.scale, as_fields(plan.variants), plan.block_q, plan.block_k,
+        plan.seqs, plan.items, plan.scale, tuple(plan.variants), plan.block_q, plan.block_k,
     )  # fmt: skip
     return (out.view(BFLOAT16) if half else out), lse, visited
 
@@ -118,7 +117,7 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
     """
     kernels = _kernels()
     q4, k4, v4 = plan.q4, plan.k4, plan.v4
-    work = compute_dtype(q4.dtype)  # lse and the dk/dv sums (float32 for bf16)
+    work = COMPUTE_DTYPES[q4.dtype]  # lse and the dk/dv sums (float32 for bf16)
 
     def like_q4(a, last, dtype=q4.dtype):
         return np.ascontiguousarray(a, dtype=dtype).reshape(q4.shape[:-1] + last)
@@ -140,7 +139,7 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
         dq_bits = dq
     _call(
         plan.threads, gemm_fn, kernels.backward_kernel, *bits, lse4, dout4, dq_bits, dk_parts,
-        dv_parts, plan.seqs, plan.items, plan.scale, as_fields(plan.variants), plan.block_q,
+        dv_parts, plan.seqs, plan.items, plan.scale, tuple(plan.variants), plan.block_q,
         plan.block_k,
     )  # fmt: skip
     dk, dv = dk_parts[0], dv_parts[0]
@@ -159,18 +158,18 @@ def run_decode(plan) -> tuple[np.ndarray, np.ndarray, bool, bool]:
     those, :func:`flashtile.precision.decode_overflowed`)."""
     kernels = _kernels()
     q, layout = plan.q, plan.layout
-    rows = (q.shape[1] // layout.heads) * q.shape[2]
+    rows = (q.shape[1] // layout.k.shape[1]) * q.shape[2]
     # Numba has no 16-bit floats: the kernel widens the bit patterns itself
     # (or, for bf16 products, multiplies them as they are).
     k, v, fmt = kernels.cache_operands(layout.k, layout.v)
     walk = kernels.walk_flag(plan.row_walk)
     gemm_fn = kernels.gemm_for(q.dtype, rows=rows)
     # Raw-score reports (precision.py) matter only for float32 work.
-    check_raw = compute_dtype(q.dtype) == np.float32
+    check_raw = COMPUTE_DTYPES[q.dtype] == np.float32
     if q.dtype == BFLOAT16:
         q = q.view(np.uint16)
     return _call(
         plan.threads, gemm_fn, kernels.decode_call, q, k, v, fmt, walk, layout.table,
-        layout.seqlens, plan.items, plan.spans, check_raw, plan.scale, as_fields(plan.variants),
+        layout.seqlens, plan.items, plan.spans, check_raw, plan.scale, tuple(plan.variants),
         plan.tile_keys,
     )  # fmt: skip

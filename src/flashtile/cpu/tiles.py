@@ -14,7 +14,8 @@ columns the positional rules leave visible.
 
 The per-call variant parameters travel as one :class:`KernelVariants`
 namedtuple (into the kernels' entry points as a plain tuple of its fields,
-:func:`as_fields`). Switched-off arrays have zero size, so every combination
+``tuple(variants)``: Numba's dispatcher types a plain tuple in C, a named
+one in Python, 1 us a call). Switched-off arrays have zero size, so every combination
 of variants runs the same compiled kernel (one compilation per dtype).
 
 The kernels' integer tables are indexed through named columns: ``SEQ_*``
@@ -95,13 +96,6 @@ class KernelVariants(NamedTuple):
     mask_add: np.ndarray
     mask_bool: np.ndarray
     states: np.ndarray
-
-
-def as_fields(variants: KernelVariants) -> tuple:
-    """``variants`` as the kernels' entry points take it: a plain tuple of its
-    fields, which they rebuild into the record. Numba's dispatcher types a
-    plain tuple in C but a named one in Python, 1 us a call."""
-    return tuple(variants)
 
 
 @njit(fastmath=FASTMATH, cache=True)

@@ -17,13 +17,14 @@ from __future__ import annotations
 import torch
 
 from .._validate import AttentionShapes
-from ..api import check_call, run_call
+from ..cpu.launch import numba_threads
+from ..frontdoor import check_call, prepare, prepared, run_call, run_prepared
 from ..masks import normalize_window
 from ..planning import Call
 from ..variants import resolve_variants
 from . import _ops, _support
 from ._support import as_constant, refusal
-from .arrays import as_numpy, as_tensor
+from .arrays import as_numpy, as_tensor, numpy_views
 
 
 def attention(
@@ -148,77 +149,63 @@ def attention(
     if _eager(q, k, v):
         run = _ops.EagerAttention.apply if _wants_grad(q, k, v) else _ops.forward
         out, lse = run(*args)
+    elif _ops.functorch_active():  # the op's own autograd does not run under torch.func
+        out, lse = _ops.FuncAttention.apply(*args)
     else:
         out, lse = torch.ops.flashtile.attention_fwd(*args)
     out = out.to(in_dtype)
     return (out, lse) if return_lse else out
 
 
-#: Plain eager calls validated before, by everything their validation reads
-#: but the key count (a decoding loop's cache grows every step) and the
-#: lengths' values: the call's ``(shapes, variants, scale)`` from
-#: :func:`flashtile.api.check_call`.
-_VALIDATED: dict = {}
-_VALIDATED_MAX = 256
-
-
 def _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengths):
     """The result of a plain call, straight on the kernels; None for any other.
 
     Plain (:func:`_plain_key`): no mask, slopes or window; 4-D CPU tensors
-    of a native dtype (``_ops.NATIVE_DTYPES``), bool flags, ``scale`` and
-    ``softcap`` None or a Python float, ``kv_lengths`` None or a CPU tensor;
-    eager, no gradient wanted. Such a call is the decoding step of a serving
-    loop (a static cache's passes ``kv_lengths``), where the layers of the
-    general path (the op's arguments, NumPy's own validation of what the
-    torch rule has checked) cost as much as the kernel: measured inside a
-    GPT-2 loop, 360 us of Python around a 366 us kernel. The first call of
-    each metadata runs the full validation (:func:`._support.refusal`, then
-    :func:`flashtile.api.check_call`, raising as the general path does);
-    later ones with other key counts reuse it, checking only what depends
-    on the count and the lengths' values
-    (:func:`flashtile.variants.resolve_variants`). Then
-    :func:`flashtile.api.run_call`, as the op would.
+    of a native dtype (``_ops.NATIVE_DTYPES``) that do not require grad,
+    bool flags, ``scale`` and ``softcap`` None or a Python float,
+    ``kv_lengths`` None or a CPU tensor; eager, no gradient wanted. Such a
+    call is the decoding step of a serving loop (a static cache's passes
+    ``kv_lengths``), where the layers of the general path (the op's
+    arguments, NumPy's own validation of what the torch rule has checked)
+    cost as much as the kernel. The first call of each metadata runs the
+    full validation (:func:`._support.refusal`, then
+    :func:`flashtile.frontdoor.check_call`, raising as the general path
+    does) and is remembered by :mod:`flashtile.frontdoor`; later ones run
+    its prepared plan (:func:`flashtile.frontdoor.run_prepared`), or with
+    ``kv_lengths`` check the lengths' values by the one rule
+    (:func:`flashtile.variants.resolve_variants`) and plan the call.
     """
     key = _plain_key(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengths)
     if key is None:
         return None
-    known = _VALIDATED.get(key)
-    if known is None:
+    entry = prepared(key)
+    if entry is None:
         refused = refusal(
             q, k, v, causal=causal, scale=scale, softcap=softcap, enable_gqa=enable_gqa,
             return_lse=return_lse, kv_lengths=kv_lengths,
         )  # fmt: skip
         if refused is not None:
             raise refused.exception()
-        if q.dtype not in _ops.NATIVE_DTYPES:
-            return None  # float16 is upcast on the general path
-    qn, kn, vn = as_numpy(q), as_numpy(k), as_numpy(v)
+    qn, kn, vn = numpy_views(q, k, v)
     lengths = None if kv_lengths is None else as_numpy(kv_lengths)
-    if known is None:
+    if entry is None:
         variants = {} if softcap is None else {"softcap": softcap}
         if lengths is not None:
             variants["kv_lengths"] = lengths
-        call = check_call(qn, kn, vn, causal, scale, variants)
-        if len(_VALIDATED) >= _VALIDATED_MAX:
-            _VALIDATED.clear()
-        # (Its variants hold this call's lengths: a later call resolves its own.)
-        _VALIDATED[key] = (call.shapes, call.variants, call.scale)
-    else:
-        shapes, va, resolved = known
-        # The key count replaced (not by _replace, which costs a few microseconds).
-        shapes = AttentionShapes(*shapes[:2], k.shape[2], *shapes[3:])
-        if lengths is not None:  # values: checked on every call, by the one rule
-            va = resolve_variants(shapes, causal=causal, softcap=softcap, kv_lengths=lengths)
-        call = Call(qn, kn, vn, shapes, va, resolved)
+        entry = prepare(key, check_call(qn, kn, vn, causal, scale, variants))
+    if lengths is None:
+        result = run_prepared(entry, qn, kn, vn, return_lse)
+    else:  # the lengths' values: checked on every call, by the one rule
+        shapes = AttentionShapes(*entry.shapes[:2], kn.shape[2], *entry.shapes[3:])
+        va = resolve_variants(shapes, causal=causal, softcap=softcap, kv_lengths=lengths)
+        result = run_call(Call(qn, kn, vn, shapes, va, entry.scale), return_lse=return_lse)
     if return_lse:
-        out, lse = run_call(call, return_lse=True)
-        return as_tensor(out), as_tensor(lse)
-    return as_tensor(run_call(call))
+        return as_tensor(result[0]), as_tensor(result[1])
+    return as_tensor(result)
 
 
 def _plain_key(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengths):
-    """The :data:`_VALIDATED` key of a plain call (see :func:`_plain_eager`):
+    """The :mod:`flashtile.frontdoor` key of a plain call (see :func:`_plain_eager`):
     everything its validation reads but the key count; None when the call
     is not plain."""
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
@@ -234,16 +221,20 @@ def _plain_key(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengt
         return None
     if _support.is_cuda_call(q, k, v) or not (q.is_cpu and k.is_cpu and v.is_cpu):
         return None  # the Triton kernels' (the one device test), or refused
+    if q.dtype not in _ops.NATIVE_DTYPES:
+        return None  # float16 is upcast on the general path
+    if q.requires_grad or k.requires_grad or v.requires_grad:
+        return None  # a gradient wanted, or tensors to detach first: the general path
     lengths = None
     if kv_lengths is not None:
         if type(kv_lengths) is not torch.Tensor or not kv_lengths.is_cpu:
             return None
         lengths = (kv_lengths.dtype, kv_lengths.shape)
-    if _wants_grad(q, k, v) or not _ops.nothing_intercepts():
+    if not _ops.nothing_intercepts():
         return None
     return (
-        qs, ks[0], ks[1], ks[3], vs[0], vs[1], vs[3], q.dtype, k.dtype, v.dtype, causal, scale,
-        softcap, enable_gqa, lengths,
+        "torch", qs, ks[0], ks[1], ks[3], vs[0], vs[1], vs[3], q.dtype, k.dtype, v.dtype,
+        causal, scale, softcap, enable_gqa, lengths, numba_threads(),
     )  # fmt: skip
 
 

@@ -230,7 +230,57 @@ class EagerAttention(torch.autograd.Function):
 
 
 #: Whether a torch.func transform (vmap, grad, ...) is running (False where torch lacks the test).
-_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+class FuncAttention(torch.autograd.Function):
+    """The forward op's autograd formula for ``torch.func`` transforms (``grad``,
+    ``vjp``, ``jacrev``, ``vmap`` of those: per-sample gradients). The
+    custom op's own autograd cannot run under them (torch builds it without
+    the ``setup_context`` that functorch needs), so under a transform
+    :func:`flashtile.torch.attention` applies this instead: the same ops
+    (``vmap`` reaches their batching rules, :mod:`._batching`), the same
+    :func:`_setup_context` and :func:`_backward`. Forward-mode AD
+    (``jvp``, ``jacfwd``) is refused with a clear error."""
+
+    generate_vmap_rule = True  # vmap runs forward/backward over the ops' own rules
+
+    @staticmethod
+    def forward(*args):
+        return torch.ops.flashtile.attention_fwd(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _backward(ctx, dout, dlse, FuncAttentionBackward.apply)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(
+            "flashtile.torch.attention has no forward-mode AD (torch.func.jvp, jacfwd, "
+            "torch.autograd.forward_ad): use reverse mode (torch.func.grad, vjp, jacrev), or "
+            "torch.nn.functional.scaled_dot_product_attention for forward-mode derivatives"
+        )
+
+
+class FuncAttentionBackward(torch.autograd.Function):
+    """The backward op under ``torch.func`` (:class:`FuncAttention`): its own
+    autograd refuses a second derivative, as the op's does."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(*args):
+        return torch.ops.flashtile.attention_bwd(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    backward = staticmethod(_no_double_backward)
 
 
 def nothing_intercepts() -> bool:
@@ -242,5 +292,5 @@ def nothing_intercepts() -> bool:
         not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
         and _get_current_dispatch_mode() is None
-        and not _functorch_active()  # vmap's batched tensors have no storage to read
+        and not functorch_active()  # vmap's batched tensors have no storage to read
     )

@@ -1,0 +1,377 @@
+"""The front door of the CPU kernels: check a call, plan it, run it; a
+repeated call reuses its checks and its plan.
+
+Every attention call on NumPy arrays or CPU tensors comes through here:
+:func:`flashtile.attention` and :func:`flashtile.varlen_attention`
+(:mod:`flashtile.api`), the forward of :func:`flashtile.torch.attention`,
+and the float64 retry of :func:`flashtile.decode_attention`.
+
+- :func:`check_call`: the one check of an attention call, giving a
+  :class:`~flashtile.planning.Call`.
+- :func:`plan_call`: the routing, written once: a decode-shaped call
+  (:func:`flashtile.decode_planning.decode_shaped`) is planned for the
+  split-KV decode kernel, any other for the forward kernel; the planners
+  choose the work dtype (:func:`flashtile.planning.kernel_arrays`,
+  :func:`flashtile.decode_planning.decode_operands`).
+- :func:`run_plan`: runs the plan and shapes the results back to the
+  caller's layout and dtype; a decode plan whose float32 scores overflowed
+  is run again in float64 (:func:`run_decode_checked`, decoding's retry too).
+
+**Prepared calls.** Everything the check and the plan decide follows from a
+call's metadata (array types, shapes, dtypes, contiguity, flags, ``scale``,
+the variant keywords that are plain values, the thread count), except the
+work dtype, which also reads the values: whether float32 scores stay inside
+float32's range (:mod:`flashtile.precision`). An entry point that can name
+a call's metadata by a hashable key (:func:`plain_key` for the NumPy API;
+the torch operator builds its own) asks :func:`prepared` for the record of
+that key. The first call of a key runs the whole check and stores a
+:class:`Prepared` record (:func:`prepare`); later calls of the key skip the
+check, plan once per key count (a growing KV cache changes it every step),
+and then pay only for the score bound of their values (one compiled pass
+over ``q`` and ``k``; none for float64 and float16, whose bound follows
+from the metadata) and the kernel (:func:`run_prepared`). A value that
+needs another work dtype (float64 for huge scores) takes the general path
+for that call.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+from ._validate import (
+    BFLOAT16,
+    AttentionShapes,
+    check_cu_seqlens_pair,
+    check_flag,
+    check_kernel_layout,
+    check_packed,
+    check_qkv,
+    resolve_scale,
+)
+from .cpu.launch import numba_threads, run_decode, run_forward
+from .decode_planning import DecodePlan, decode_shaped, plan_decode, plan_decode_call
+from .kvlayout import CacheLayout
+from .planning import Call, KernelPlan, bf16_allowed, bf16_products, plan_forward
+from .precision import (
+    FLOAT32_SCORE_LIMIT,
+    bounds,
+    decode_bound,
+    decode_overflowed,
+    narrow_lse,
+)
+from .variants import Variants, clear_padded_keys, resolve_variants
+
+
+def check_call(q, k, v, causal, scale, variants: dict, cu_seqlens=None) -> Call:
+    """Validate one call for the planner (the first step of every entry point).
+
+    Checks the arrays and their layout, the scale, the variant keywords
+    (``variants``, as passed to :func:`flashtile.attention`) and, for a
+    packed batch, its offsets ``cu_seqlens = (cu_q, cu_k)``; raises
+    ValueError/TypeError naming the values. Also how tests build a
+    :class:`~flashtile.planning.Call` to inspect a plan.
+    """
+    if cu_seqlens is not None:
+        check_packed(q, k, v, variants)
+    q, k, v, shapes = check_qkv(q, k, v)
+    check_kernel_layout(q, k, v)
+    if cu_seqlens is not None:
+        cu_seqlens = check_cu_seqlens_pair(*cu_seqlens, shapes)
+    scale = resolve_scale(scale, shapes.d)
+    if variants:
+        va = resolve_variants(shapes, causal=causal, **variants)
+    else:  # no variant keywords: one shared record per flag (it is frozen)
+        va = _plain_variants(check_flag(causal, "causal"))
+    kpm = variants.get("key_padding_mask")
+    if kpm is not None:  # its keys are still read in their tiles (kv_lengths' are not)
+        kept = clear_padded_keys(k, v, np.asarray(kpm))
+        k, v = (a.reshape(b.shape) for a, b in zip(kept, (k, v), strict=True))
+    return Call(q, k, v, shapes, va, scale, cu_seqlens)
+
+
+@functools.cache
+def _plain_variants(causal: bool) -> Variants:
+    """:func:`resolve_variants` of a call without variant keywords (it reads no sizes)."""
+    return resolve_variants(None, causal=causal)
+
+
+def plan_call(call: Call, block_q=None, block_k=None) -> KernelPlan | DecodePlan:
+    """The plan of a checked call: the decode kernel's for a decode-shaped call
+    (:func:`~flashtile.decode_planning.decode_shaped`), else the forward's."""
+    if decode_shaped(call, block_q, block_k):
+        return plan_decode_call(call)
+    return plan_forward(call, block_q, block_k)
+
+
+def run_plan(call: Call, plan, return_lse: bool):
+    """Run ``plan`` (:func:`plan_call`); the results in the caller's layout and
+    dtype (``lse`` in the compute dtype, also where float64 was needed)."""
+    if type(plan) is DecodePlan:
+        out, lse = run_decode_checked(plan, call.variants, call.q, None)
+    else:
+        out, lse, _ = run_forward(plan)
+    return _shaped(out, lse, call.shapes, call.q.dtype, return_lse)
+
+
+def run_call(call: Call, block_q=None, block_k=None, return_lse=False):
+    """:func:`plan_call` and :func:`run_plan`: the general path of a checked call."""
+    return run_plan(call, plan_call(call, block_q, block_k), return_lse)
+
+
+def _shaped(out, lse, shapes: AttentionShapes, dtype, return_lse):
+    """The kernels' 4-D results in the caller's leading dims and dtype."""
+    lse_shape = shapes.batch + (shapes.tq,)
+    if lse.shape != lse_shape:  # the kernels' 4-D layout, for 2-D and 3-D inputs
+        out, lse = out.reshape(lse_shape + out.shape[-1:]), lse.reshape(lse_shape)
+    if out.dtype != dtype:  # float64 was needed, or float16 inputs
+        out = out.astype(dtype)
+    return (out, narrow_lse(lse, dtype)) if return_lse else out
+
+
+def run_decode_checked(plan: DecodePlan, va: Variants, q, num_splits):
+    """``(out, lse)`` of a decode plan, computed again in float64 where its
+    float32 scores could have passed float32's range (the question is asked
+    only when a raw score or a row's ``lse`` was not finite:
+    :func:`flashtile.precision.decode_overflowed`). ``q``: the validated
+    queries (any layout of the plan's sizes); ``num_splits`` as planned."""
+    out, lse, flagged, finite = run_decode(plan)
+    if finite and not flagged:  # the common case: nothing to ask
+        return out, lse
+    layout = plan.layout
+    tq, capacity = plan.q.shape[2], layout.table.shape[1] * layout.page
+
+    def bound():
+        return decode_bound(plan.scale, q, layout.k, va, tq, capacity, plan.q.dtype)
+
+    if not decode_overflowed(lse, layout.seqlens, bound, flagged, finite):
+        return out, lse
+    wide = layout._replace(k=layout.k.astype(np.float64), v=layout.v.astype(np.float64))
+    q4 = q.reshape(plan.q.shape)
+    out, lse, _, _ = run_decode(plan_decode(q4, wide, va, plan.scale, num_splits))
+    return out, narrow_lse(lse, layout.k.dtype)
+
+
+class Step(NamedTuple):
+    """A prepared call's plan for one key count, without its arrays.
+
+    Attributes:
+        plan: the :class:`~flashtile.planning.KernelPlan` (its ``q4, k4, v4``
+            None) or :class:`~flashtile.decode_planning.DecodePlan` (``q``
+            None, and its layout's ``k``, ``v``).
+        shapes: the call's sizes for this key count.
+        shapes4: the 4-D shapes of ``q``, ``k``, ``v`` in the kernels' layout.
+        work: the dtype ``q`` is given to the kernel in (``k`` and ``v`` too
+            in the forward; a decode plan reads the cache as it is).
+        bounded: the work dtype reads the values (float32 and bfloat16 inputs
+            of the forward: a score bound per call); the metadata decides it
+            for float64 and float16 inputs and for decode plans, whose range
+            is checked after the step.
+        bf16: the forward multiplies bf16 tiles, whose unscaled products must
+            stay inside float32's range too.
+    """
+
+    plan: KernelPlan | DecodePlan
+    shapes: AttentionShapes
+    shapes4: tuple
+    work: np.dtype
+    bounded: bool
+    bf16: bool
+
+
+class Prepared(NamedTuple):
+    """A checked call's metadata, for later calls of the same key.
+
+    ``shapes`` holds the first call's key count (later calls replace it);
+    ``steps`` maps a key count to its :class:`Step`.
+    """
+
+    shapes: AttentionShapes
+    variants: Variants
+    scale: float
+    block_q: int | None
+    block_k: int | None
+    steps: dict
+
+
+_PREPARED: dict = {}
+#: Prepared keys kept at most (a model has a few shapes; a sweep starts over).
+PREPARED_MAX = 256
+#: Steps kept per prepared key (a decoding loop adds one per generated token).
+STEPS_MAX = 64
+#: Input dtypes whose work dtype the metadata decides (precision.bounds reads no values).
+_BOUND_FREE = frozenset((np.dtype(np.float64), np.dtype(np.float16)))
+
+
+#: ``prepared(key)``: the :class:`Prepared` record :func:`prepare` stored for
+#: ``key``, or None (the dict's own ``get``: no Python call per lookup).
+prepared = _PREPARED.get
+
+
+def prepare(key, call: Call, block_q=None, block_k=None) -> Prepared:
+    """Store ``call``'s checked metadata for later calls of ``key`` (a hashable
+    name of everything the check read but the key count and the values)."""
+    entry = Prepared(call.shapes, call.variants, call.scale, block_q, block_k, {})
+    _remember(key, entry)
+    return entry
+
+
+def _remember(key, entry: Prepared) -> None:
+    if len(_PREPARED) >= PREPARED_MAX:
+        _PREPARED.clear()
+    _PREPARED[key] = entry
+
+
+def plain_key(q, k, v, causal, scale, return_lse, block_q, block_k, variants: dict):
+    """The prepared-call key of a :func:`flashtile.attention` call on NumPy
+    arrays, or None when it has none: all three ``np.ndarray`` with the same
+    key count (at least one), no variant keyword but ``window`` and
+    ``softcap``, and the plain values of :func:`_plain_values`."""
+    if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
+        return None
+    window, softcap = variants.get("window"), variants.get("softcap")
+    if len(variants) != (window is not None) + (softcap is not None):
+        return None  # another keyword (an array, or a typo the check names)
+    if not _plain_values(causal, return_lse, scale, window, softcap, (block_q, block_k)):
+        return None
+    ks, vs = k.shape, v.shape
+    if not (k.ndim >= 2 and v.ndim >= 2 and ks[-2] == vs[-2] and ks[-2] > 0):
+        return None
+    return (
+        "attention", q.shape, ks[:-2], ks[-1], vs[:-2], vs[-1], q.dtype, k.dtype, v.dtype,
+        causal, scale, window, softcap, block_q, block_k, numba_threads(),
+        q.dtype == BFLOAT16 and bf16_products(BFLOAT16),  # the BLAS can be switched at run time
+    )  # fmt: skip
+
+
+def decode_key(q, k_cache, v_cache, num_splits, causal, scale, window, softcap, return_lse):
+    """The prepared-call key of a :func:`flashtile.decode_attention` call
+    without ``cache_seqlens``, ``block_table`` or ``alibi_slopes`` (the
+    caller's test), or None when it has none: ``np.ndarray`` queries and
+    C-contiguous caches of one dtype, and the plain values of
+    :func:`_plain_values`."""
+    if not (type(q) is np.ndarray and type(k_cache) is type(v_cache) is np.ndarray):
+        return None
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        return None  # lse in the cache's compute dtype: the general path's shaping
+    if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+        return None
+    if not _plain_values(causal, return_lse, scale, window, softcap, (num_splits,)):
+        return None
+    return (
+        "decode", q.shape, k_cache.shape, v_cache.shape, q.dtype, num_splits, causal, scale,
+        window, softcap, numba_threads(), q.dtype == BFLOAT16 and bf16_products(BFLOAT16),
+    )  # fmt: skip
+
+
+def _plain_values(causal, return_lse, scale, window, softcap, sizes) -> bool:
+    """Whether a call's scalar keywords can be part of a key: bool flags,
+    ``scale`` and ``softcap`` None or a Python float, ``window`` None or a
+    tuple of two ints, sizes None or ints. Types are part of the key: a value
+    that the check would refuse (``causal=1``, ``window=(2.0, 0)``) never
+    matches a checked one."""
+    if not (type(causal) is bool and type(return_lse) is bool):
+        return False
+    if not (
+        (scale is None or type(scale) is float) and (softcap is None or type(softcap) is float)
+    ):
+        return False
+    if window is not None and not (
+        type(window) is tuple and len(window) == 2 and type(window[0]) is type(window[1]) is int
+    ):
+        return False
+    for size in sizes:  # noqa: SIM110  (all(...) of a generator: a Python call per item)
+        if not (size is None or type(size) is int):
+            return False
+    return True
+
+
+def prepare_decode(key, plan: DecodePlan, va: Variants) -> None:
+    """Store a :func:`flashtile.decode_attention` call's checked plan for later
+    calls of ``key`` (:func:`decode_key`)."""
+    (b, hq, tq, d), (_, _, t_max, dv) = plan.q.shape, plan.layout.v.shape
+    shapes = AttentionShapes((b, hq), tq, t_max, d, dv)
+    template, shapes4 = _decode_template(plan)
+    entry = Prepared(shapes, va, plan.scale, None, None, {})
+    entry.steps[None] = Step(template, shapes, shapes4, plan.q.dtype, False, False)
+    _remember(key, entry)
+
+
+def run_prepared_decode(entry: Prepared, q, k_cache, v_cache, return_lse: bool):
+    """The result of a :func:`flashtile.decode_attention` call whose key
+    :func:`prepare_decode` stored (no check, no planning)."""
+    return _run_step(entry.steps[None], entry.variants, q, k_cache, v_cache, return_lse)
+
+
+def run_prepared(entry: Prepared, q, k, v, return_lse: bool):
+    """The result of a call whose key :func:`prepare` stored: ``q, k, v`` as the
+    key describes them (checked metadata, NumPy arrays in the caller's
+    layout). The first call of a key count plans it (:func:`plan_call`) and
+    keeps the plan where the call's values did not decide it; later ones
+    check their score bound (where the work dtype reads it) and run it."""
+    tk = k.shape[-2]
+    step = entry.steps.get(tk)
+    if step is not None and step.bounded:  # the values must allow the planned work dtype
+        score, products = bounds(entry.scale, q, k, entry.variants, step.shapes.tq, tk)
+        if score >= FLOAT32_SCORE_LIMIT or (step.bf16 and products >= FLOAT32_SCORE_LIMIT):
+            step = None  # float64 (or widened bf16) for these values: the general path
+    if step is not None:
+        return _run_step(step, entry.variants, q, k, v, return_lse)
+    shapes = entry.shapes
+    if shapes.tk != tk:  # AttentionShapes(...) rather than _replace: a few microseconds less
+        shapes = AttentionShapes(shapes.batch, shapes.tq, tk, *shapes[3:])
+    call = Call(q, k, v, shapes, entry.variants, entry.scale)
+    plan = plan_call(call, entry.block_q, entry.block_k)
+    step = _step(call, plan)
+    if step is not None:
+        if len(entry.steps) >= STEPS_MAX:
+            entry.steps.clear()
+        entry.steps[tk] = step
+    return run_plan(call, plan, return_lse)
+
+
+def _step(call: Call, plan) -> Step | None:
+    """The :class:`Step` of a plan, or None where this call's values or arrays
+    decided it: float64 work for float32 or bfloat16 inputs, bf16 inputs
+    widened for the range of their products, lengths, slopes or masks."""
+    va = call.variants
+    if va.kv_lengths is not None or va.alibi is not None or va.mask_add is not None:
+        return None
+    if va.mask_bool is not None or call.cu_seqlens is not None:
+        return None
+    if type(plan) is DecodePlan:  # chosen by the metadata: its range is checked after the step
+        template, shapes4 = _decode_template(plan)
+        return Step(template, call.shapes, shapes4, plan.q.dtype, False, False)
+    dtype, work = call.q.dtype, plan.q4.dtype
+    if work == np.float64 and dtype != np.float64:
+        return None  # float32 scores could overflow for these values
+    if dtype == BFLOAT16 and work != BFLOAT16 and bf16_allowed(call):
+        return None  # widened for these values (the range of their products)
+    shapes4 = (plan.q4.shape, plan.k4.shape, plan.v4.shape)
+    template = plan._replace(q4=None, k4=None, v4=None)
+    return Step(template, call.shapes, shapes4, work, dtype not in _BOUND_FREE, work == BFLOAT16)
+
+
+def _decode_template(plan: DecodePlan):
+    """``(plan without its arrays, 4-D shapes of q, k, v)`` of a decode plan."""
+    shapes4 = (plan.q.shape, plan.layout.k.shape, plan.layout.v.shape)
+    return plan._replace(q=None, layout=plan.layout._replace(k=None, v=None)), shapes4
+
+
+def _run_step(step: Step, va: Variants, q, k, v, return_lse: bool):
+    """A stored step on this call's arrays (no check, no planning). The casts
+    are those of the planners (a view, or a copy for 16-bit inputs widened)."""
+    plan, (sq, sk, sv), work = step.plan, step.shapes4, step.work
+    if type(plan) is DecodePlan:
+        k4, v4 = np.ascontiguousarray(k.reshape(sk)), np.ascontiguousarray(v.reshape(sv))
+        layout = CacheLayout(k4, v4, *plan.layout[2:])
+        q4 = np.ascontiguousarray(q.reshape(sq), dtype=work)
+        out, lse = run_decode_checked(DecodePlan(q4, layout, *plan[2:]), va, q4, None)
+    else:
+        q4 = np.ascontiguousarray(q.reshape(sq), dtype=work)
+        k4 = np.ascontiguousarray(k.reshape(sk), dtype=work)
+        v4 = np.ascontiguousarray(v.reshape(sv), dtype=work)
+        out, lse, _ = run_forward(KernelPlan(q4, k4, v4, *plan[3:]))
+    return _shaped(out, lse, step.shapes, q.dtype, return_lse)

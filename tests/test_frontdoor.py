@@ -1,0 +1,151 @@
+"""The front door (flashtile.frontdoor): a repeated call reuses its checks and
+plan and gives exactly what the general path gives; no check is skipped.
+
+Each case runs a call three times through the public function (the first
+call checks and prepares the key, the second plans its key count, the
+third runs the stored step) and compares every result bit for bit with
+the general path (``run_call(check_call(...))``), which never reads the
+prepared records.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import flashtile as ft
+from flashtile import frontdoor
+from flashtile.frontdoor import check_call, run_call
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _arrays(shape_q, shape_k, dtype, seed=0, big=1.0):
+    rng = np.random.default_rng(seed)
+    shape_v = shape_k[:-1] + (shape_k[-1] + 2,)
+    q, k, v = ((rng.standard_normal(s) * big).astype(dtype) for s in (shape_q, shape_k, shape_v))
+    return q, k, v
+
+
+def _general(q, k, v, causal=False, scale=None, **variants):
+    return run_call(check_call(q, k, v, causal, scale, variants), return_lse=True)
+
+
+# (q shape, k shape, keywords): forward and decode-shaped routes, 2-D to 4-D, GQA.
+CASES = [
+    ((1, 4, 16, 32), (1, 4, 16, 32), {"causal": True}),
+    ((2, 6, 37, 9), (2, 2, 53, 9), {"window": (7, 3)}),
+    ((3, 19, 5), (3, 23, 5), {"causal": True, "softcap": 3.0, "scale": 0.7}),
+    ((13, 7), (29, 7), {}),
+    ((1, 12, 1, 16), (1, 12, 700, 16), {}),  # a decoding step: the decode kernel
+    ((2, 8, 2, 8), (2, 2, 600, 8), {"causal": True}),  # GQA speculative step
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, BF16], ids=str)
+@pytest.mark.parametrize("shape_q, shape_k, kw", CASES)
+def test_prepared_calls_match_the_general_path(shape_q, shape_k, kw, dtype):
+    q, k, v = _arrays(shape_q, shape_k, dtype)
+    want_out, want_lse = _general(q, k, v, **kw)
+    for _ in range(3):
+        out, lse = ft.attention(q, k, v, return_lse=True, **kw)
+        np.testing.assert_array_equal(out, want_out)
+        np.testing.assert_array_equal(lse, want_lse)
+        assert out.dtype == want_out.dtype and lse.dtype == want_lse.dtype
+    # without lse: the same output
+    np.testing.assert_array_equal(ft.attention(q, k, v, **kw), want_out)
+
+
+@pytest.mark.parametrize("tq", [1, 24])
+def test_a_growing_cache_plans_each_key_count(tq):
+    """A decoding loop's key count changes every step: each is planned, none
+    reuses another's plan."""
+    q, k, v = _arrays((1, 4, tq, 16), (1, 4, 700, 16), np.float32, seed=3)
+    for tk in (600, 601, 600, 650, 601):
+        got = ft.attention(q, k[:, :, :tk].copy(), v[:, :, :tk].copy(), causal=True)
+        want = _general(q, k[:, :, :tk].copy(), v[:, :, :tk].copy(), causal=True)[0]
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "shape_q, shape_k", [((1, 4, 16, 8), (1, 4, 16, 8)), ((1, 4, 1, 8), (1, 4, 900, 8))]
+)
+def test_values_that_need_float64_take_it_on_a_prepared_key(shape_q, shape_k):
+    """The work dtype reads the values: a prepared float32 key still sends
+    scores past float32's range to float64 (forward), or computes the step
+    again in float64 (decode-shaped)."""
+    q, k, v = _arrays(shape_q, shape_k, np.float32, seed=5)
+    for _ in range(3):
+        ft.attention(q, k, v)
+    huge_q, huge_k = q * np.float32(1e19), k * np.float32(1e19)
+    got, lse = ft.attention(huge_q, huge_k, v, return_lse=True)
+    want, want_lse = _general(huge_q, huge_k, v)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(lse, want_lse)
+    ref = ft.naive_attention(*(a.astype(np.float64) for a in (huge_q, huge_k, v)))[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    # and the prepared step still serves ordinary values afterwards
+    np.testing.assert_array_equal(ft.attention(q, k, v), _general(q, k, v)[0])
+
+
+@pytest.mark.parametrize(
+    "keywords, error",
+    [
+        ({"causal": 1}, TypeError),
+        ({"scale": True}, TypeError),
+        ({"scale": float("nan")}, ValueError),
+        ({"window": (2.5, 0)}, TypeError),
+        ({"window": (2, 0, 1)}, ValueError),
+        ({"softcap": -1.0}, ValueError),
+        ({"return_lse": 1}, TypeError),
+        ({"block_q": 0}, ValueError),
+        ({"windw": (2, 0)}, TypeError),
+    ],
+)
+def test_a_prepared_key_never_skips_a_check(keywords, error):
+    q, k, v = _arrays((1, 2, 9, 4), (1, 2, 9, 4), np.float32, seed=7)
+    for _ in range(3):
+        ft.attention(q, k, v, causal=True, window=(2, 0), softcap=5.0, block_q=4)
+    with pytest.raises(error):
+        ft.attention(q, k, v, **{"causal": True, "window": (2, 0), **keywords})
+    with pytest.raises(error):  # also on a second try (nothing was stored)
+        ft.attention(q, k, v, **{"causal": True, "window": (2, 0), **keywords})
+
+
+def test_bad_arrays_on_a_prepared_key_are_refused():
+    q, k, v = _arrays((1, 2, 9, 4), (1, 2, 9, 4), np.float32, seed=8)
+    for _ in range(3):
+        ft.attention(q, k, v)
+    with pytest.raises(ValueError, match="keys but v has"):
+        ft.attention(q, k, v[:, :, :5])
+    with pytest.raises(TypeError, match="share one dtype"):
+        ft.attention(q, k, v.astype(np.float64))
+    with pytest.raises(ValueError, match="Tk is 0"):
+        ft.attention(q, k[:, :, :0], v[:, :, :0])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, BF16], ids=str)
+def test_prepared_decode_attention_matches_the_general_path(dtype):
+    q, k, v = _arrays((2, 8, 1, 16), (2, 2, 300, 16), dtype, seed=9)
+    want = [ft.decode_attention(q, k, v, num_splits=3, return_lse=True, window=(50, 0))]
+    frontdoor._PREPARED.clear()  # the general path again, for reference
+    for _ in range(3):
+        out, lse = ft.decode_attention(q, k, v, num_splits=3, return_lse=True, window=(50, 0))
+        np.testing.assert_array_equal(out, want[0][0])
+        np.testing.assert_array_equal(lse, want[0][1])
+    # a float32 step whose scores overflow is computed again in float64, prepared or not
+    if dtype == np.float32:
+        huge = q * np.float32(1e19), k * np.float32(1e19)
+        got = ft.decode_attention(*huge, v)
+        ref = ft.naive_attention(*(a.astype(np.float64) for a in (*huge, v)))[0]
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_prepared_records_are_bounded():
+    frontdoor._PREPARED.clear()
+    q, k, v = _arrays((1, 1, 3, 4), (1, 1, 3, 4), np.float32)
+    for i in range(frontdoor.PREPARED_MAX + 5):
+        ft.attention(q, k, v, scale=0.1 + i)
+    assert 0 < len(frontdoor._PREPARED) <= frontdoor.PREPARED_MAX
