@@ -90,23 +90,33 @@ class _Folding:
         return t[:, 0] if self.lifted else t
 
 
+def _lengths_dim(in_dims, at: int):
+    """The vmapped dim of ``kv_lengths`` (the last argument, left out of the
+    call when it is the default None)."""
+    return in_dims[at] if len(in_dims) > at else None
+
+
 @torch.library.register_vmap("flashtile::attention_fwd")
-def _attention_fwd_vmap(info, in_dims, q, k, v, mask, alibi_slopes, causal, scale, *rest):
+def _attention_fwd_vmap(
+    info, in_dims, q, k, v, mask, alibi_slopes, causal, scale, left, right, softcap,
+    kv_lengths=None,
+):  # fmt: skip
     """``attention_fwd`` over a vmapped dimension: one call with it folded into ``B``."""
     fold = _Folding(info, q, in_dims[0])
-    (dq, dk, dv, dm, da), dl = in_dims[:5], in_dims[-1]
+    dq, dk, dv, dm, da = in_dims[:5]
     out, lse = _ops.attention_fwd(
         fold.per_query(q, dq, 4), fold.per_query(k, dk, 4), fold.per_query(v, dv, 4),
         fold.constant(mask, dm, _MASK), fold.constant(alibi_slopes, da, _SLOPES), causal,
-        scale, *rest[:-1], fold.constant(rest[-1], dl, _LENGTHS),
+        scale, left, right, softcap, fold.constant(kv_lengths, _lengths_dim(in_dims, 10), _LENGTHS),
     )  # fmt: skip
     return (fold.unfold(out), fold.unfold(lse)), (0, 0)
 
 
 @torch.library.register_vmap("flashtile::attention_bwd")
 def _attention_bwd_vmap(
-    info, in_dims, dout, q, k, v, out, lse, mask, alibi_slopes, causal, scale, *rest
-):
+    info, in_dims, dout, q, k, v, out, lse, mask, alibi_slopes, causal, scale, left, right,
+    softcap, kv_lengths=None,
+):  # fmt: skip
     """``attention_bwd`` over a vmapped dimension (per-sample gradients)."""
     fold = _Folding(info, q, in_dims[1])
     ranks = (4, 4, 4, 4, 4, 3)
@@ -116,7 +126,7 @@ def _attention_bwd_vmap(
     ]
     grads = _ops.attention_bwd(
         *tensors, fold.constant(mask, in_dims[6], _MASK),
-        fold.constant(alibi_slopes, in_dims[7], _SLOPES), causal, scale, *rest[:-1],
-        fold.constant(rest[-1], in_dims[-1], _LENGTHS),
+        fold.constant(alibi_slopes, in_dims[7], _SLOPES), causal, scale, left, right, softcap,
+        fold.constant(kv_lengths, _lengths_dim(in_dims, 13), _LENGTHS),
     )  # fmt: skip
     return tuple(fold.unfold(g) for g in grads), (0, 0, 0)
