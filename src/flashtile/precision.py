@@ -8,7 +8,7 @@ and its row NaN, while float64 would be exact (a ``scale`` of 1e38, values
 near 1e19, huge ALiBi slopes). Such calls are computed in float64 instead;
 the results are cast back (an ``lse`` past float32's range becomes inf).
 
-The rule is one bound on the magnitude of every score (:func:`score_bound`).
+The rule is one bound on the magnitude of every score (:func:`bounds`).
 Calls on the forward kernel check it before planning (one pass over ``q``
 and ``k``); decoding (and attention calls routed to the decode kernel),
 whose cost is reading the cache once, checks it only when a raw score was
@@ -152,7 +152,7 @@ def _bounds_compiled(q, k, d, scale, additive):
 def bound_formula(big_q, big_k, d, scale, additive):
     """``(score_bound, product_bound)`` from ``max |q|``, ``max |k|`` over
     finite entries, the head dim, the scale and :func:`additive_bound`
-    (see :func:`score_bound`, :func:`bounds`). Python and compiled code."""
+    (see :func:`bounds`). Python and compiled code."""
     raw = max(1.0, big_q) * max(1.0, d * big_k)
     return LOG2E * (abs(scale) * raw + additive), LOG2E * raw
 
@@ -167,20 +167,15 @@ def additive_bound(va: Variants, tq: int, tk: int) -> float:
     return bound
 
 
-def score_bound(scale: float, q: np.ndarray, k: np.ndarray, va: Variants, tq: int, tk: int):
-    """A bound on every score and on the scaled query tile, in log2 units.
+def bounds(scale: float, q: np.ndarray, k: np.ndarray, va: Variants, tq: int, tk: int):
+    """``(score_bound, product_bound)`` in log2 units.
 
+    The score bound covers every score and the scaled query tile:
     ``|scale| max(1, max|q|) max(1, d max|k|) + additive_bound``, times
     ``log2(e)``: it covers ``|scale q . k|``, the query tile ``scale *
-    log2(e) * q`` and the multiplier itself. ``q (..., d)`` and ``k``: the
-    call's arrays (float16 ones are bounded by their dtype).
-    """
-    return bounds(scale, q, k, va, tq, tk)[0]
-
-
-def bounds(scale: float, q: np.ndarray, k: np.ndarray, va: Variants, tq: int, tk: int):
-    """``(score_bound, product_bound)``: :func:`score_bound`, and a bound on the
-    unscaled products ``|q . k|`` in log2 units. bf16 tile products sum
+    log2(e) * q`` and the multiplier itself (``q (..., d)`` and ``k``: the
+    call's arrays). The product bound covers the unscaled products ``|q . k|``
+    in log2 units. bf16 tile products sum
     ``q . k`` in float32 before the gemm applies the scale
     (:func:`flashtile.cpu.half.split_scale`), so they need the second one
     inside float32's range too (a tiny ``scale`` with huge values).
@@ -198,7 +193,7 @@ def bounds(scale: float, q: np.ndarray, k: np.ndarray, va: Variants, tq: int, tk
 
 def decode_bound(scale, q, k, va: Variants, tq: int, tk: int, operands: np.dtype) -> float:
     """The bound a decode step's float32 scores answer to (:func:`decode_overflowed`):
-    :func:`score_bound`, and where the tiles were multiplied as bf16
+    the score bound of :func:`bounds`, and where the tiles were multiplied as bf16
     (``operands``, the dtype of the plan's queries,
     :func:`flashtile.decode_planning.decode_operands`) the unscaled products'
     bound too, as :func:`bounds` explains."""
@@ -221,7 +216,7 @@ def bf16_products_fit(scale: float, d: int) -> bool:
 
 
 def work_dtype(dtype: np.dtype, bound: float) -> np.dtype:
-    """The dtype to compute inputs of ``dtype`` in, given :func:`score_bound`:
+    """The dtype to compute inputs of ``dtype`` in, given the score bound of :func:`bounds`:
     :func:`compute_dtype`, or float64 where float32 scores could overflow."""
     work = compute_dtype(dtype)
     return np.dtype(np.float64) if bound >= FLOAT32_SCORE_LIMIT else work

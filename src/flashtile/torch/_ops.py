@@ -276,7 +276,8 @@ def _legacy_batched(t: torch.Tensor) -> bool:
     ``check_batched_grad``), which no torch.func test sees: the backward op's
     batching fallback then runs it one entry at a time."""
     # Python has no name for that dispatch key (only FuncTorchBatched): read its set.
-    return "Batched" in str(torch._C._dispatch_keys(t)).strip("DispatchKeySet()").split(", ")
+    keys = str(torch._C._dispatch_keys(t)).removeprefix("DispatchKeySet(").removesuffix(")")
+    return "Batched" in keys.split(", ")
 
 
 class FuncAttentionBackward(torch.autograd.Function):
