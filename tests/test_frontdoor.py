@@ -149,3 +149,66 @@ def test_prepared_records_are_bounded():
     for i in range(frontdoor.PREPARED_MAX + 5):
         ft.attention(q, k, v, scale=0.1 + i)
     assert 0 < len(frontdoor._PREPARED) <= frontdoor.PREPARED_MAX
+
+
+def test_a_prepared_bf16_step_follows_a_switched_blas(monkeypatch):
+    """Whether bf16 inputs get bf16 products depends on the BLAS, which
+    ``set_backend`` switches at run time: a step planned for the other answer
+    is planned again (NumPy API, decode_attention and the torch operator)."""
+    from flashtile.cpu import blas
+
+    monkeypatch.setattr(blas, "bf16_features", lambda: ("avx512bf16",))  # as on such a CPU
+    if blas.backend() != "mkl":
+        pytest.skip("bf16 products need oneMKL")
+    q, k, v = _arrays((1, 4, 32, 16), (1, 4, 32, 16), BF16, seed=11)
+    qd, kd, vd = _arrays((1, 4, 1, 16), (1, 4, 600, 16), BF16, seed=12)
+    first = [ft.attention(q, k, v) for _ in range(3)]
+    for _ in range(3):
+        ft.decode_attention(qd, kd, vd)
+    try:
+        blas.set_backend("openblas")
+        np.testing.assert_array_equal(ft.attention(q, k, v), _general(q, k, v)[0])
+        for _ in range(2):  # widened now, as the general path (which raised before)
+            got = ft.decode_attention(qd, kd, vd).astype(np.float32)
+            want = _general(qd, kd, vd, causal=True)[0].astype(np.float32)
+            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    finally:
+        blas.set_backend("mkl")
+    np.testing.assert_array_equal(ft.attention(q, k, v), first[0])
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_one_key_with_a_short_row_stride(which):
+    """NumPy calls an array C-contiguous whatever the stride of a size-1 axis:
+    a single key from ``swapaxes`` has a row stride shorter than its row,
+    which BLAS refuses as a leading dimension (and then skips the product)."""
+    q, k, v = _arrays((1, 2, 4, 16), (1, 2, 1, 16), np.float32, seed=13)
+    a = {"k": k, "v": v}[which]
+    odd = a.reshape(1, 2, a.shape[-1], 1).swapaxes(-1, -2)
+    assert odd.flags.c_contiguous and odd.strides[-2] < a.shape[-1] * odd.itemsize
+    args = (q, odd, v) if which == "k" else (q, k, odd)
+    got, lse = ft.attention(*args, return_lse=True)
+    want, want_lse = ft.attention(*(a.copy() for a in args), return_lse=True)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(lse, want_lse)
+
+
+def test_the_decode_retry_bounds_the_callers_queries():
+    """A float16 step whose retry question is raised (an inf query) answers it
+    from the float16 queries on every call, prepared or not."""
+    rng = np.random.default_rng(0)
+    q = (rng.standard_normal((1, 8, 1, 16)) * 0.01).astype(np.float16)
+    q[0, 0, 0, 0] = np.inf
+    k = (rng.standard_normal((1, 8, 1024, 16)) * 0.01).astype(np.float16)
+    v = rng.standard_normal((1, 8, 1024, 16)).astype(np.float16)
+    kw = {"scale": 1e28, "softcap": 30.0}
+    with np.errstate(all="ignore"):
+        want = _general(q, k, v, **kw)
+        for _ in range(3):
+            got = ft.attention(q, k, v, return_lse=True, **kw)
+            np.testing.assert_array_equal(got[0], want[0])
+            np.testing.assert_array_equal(got[1], want[1])
+        runs = [ft.decode_attention(q, k, v, causal=False, return_lse=True, **kw) for _ in range(3)]
+    for out, lse in runs[1:]:
+        np.testing.assert_array_equal(out, runs[0][0])
+        np.testing.assert_array_equal(lse, runs[0][1])

@@ -124,6 +124,19 @@ def test_forward_mode_is_refused_clearly():
     q, k, v = _t(1, 2, 5, 4), _t(1, 2, 7, 4, seed=1), _t(1, 2, 7, 4, seed=2)
     with pytest.raises(NotImplementedError, match="no forward-mode AD"):
         torch.func.jvp(lambda q: ftt.attention(q, k, v), (q,), (torch.ones_like(q),))
+    for grad in (False, True):  # torch.autograd.forward_ad: no tangent dropped silently
+        with torch.autograd.forward_ad.dual_level():
+            dual = torch.autograd.forward_ad.make_dual(q.clone().requires_grad_(grad), q)
+            with pytest.raises(NotImplementedError, match="no forward-mode AD"):
+                ftt.attention(dual, k, v)
     with pytest.raises(RuntimeError, match="no double backward"):
         inner = torch.func.grad(lambda q: ftt.attention(q, k, v).sum())
         torch.func.grad(lambda q: inner(q).sum())(q)
+
+
+def test_vmap_refuses_what_the_call_refuses():
+    """Per-batch slopes need 4-D inputs, vmapped or not."""
+    q, k, v = _t(2, 4, 5, 8), _t(2, 4, 7, 8, seed=1), _t(2, 4, 7, 8, seed=2)
+    slopes = torch.rand(2, 1, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"shape \(1, 4\).*need 4-D"):
+        torch.vmap(lambda q, k, v, s: ftt.attention(q, k, v, alibi_slopes=s))(q, k, v, slopes)

@@ -85,7 +85,9 @@ def decode_attention(
         )
         entry = None if key is None else prepared(key)
         if entry is not None:  # checked and planned before
-            return run_prepared_decode(entry, q, k_cache, v_cache, return_lse)
+            result = run_prepared_decode(entry, q, k_cache, v_cache, return_lse)
+            if result is not None:  # (None: planned for another BLAS backend)
+                return result
     num_splits = check_num_splits(num_splits)
     return_lse = check_flag(return_lse, "return_lse")
     q, layout = check_cache(q, k_cache, v_cache, cache_seqlens, block_table)
@@ -95,7 +97,7 @@ def decode_attention(
     scale = resolve_scale(scale, q.shape[3])
     plan = plan_decode(q, layout, variants, scale, num_splits)
     if key is not None:
-        prepare_decode(key, plan, variants)
+        prepare_decode(key, plan, variants, q, num_splits)
     out, lse = run_decode_checked(plan, variants, q, num_splits)
     out = out.astype(q.dtype, copy=False)
     return (out, lse) if return_lse else out

@@ -171,6 +171,11 @@ class Step(NamedTuple):
             is checked after the step.
         bf16: the forward multiplies bf16 tiles, whose unscaled products must
             stay inside float32's range too.
+        products: for bfloat16 inputs, whether bf16 products were available
+            when it was planned (:func:`flashtile.planning.bf16_products`: the
+            BLAS can be switched at run time; a step planned for the other
+            answer is planned again); None for other dtypes.
+        num_splits: the decode plan's ``num_splits`` (its float64 retry's too).
     """
 
     plan: KernelPlan | DecodePlan
@@ -179,6 +184,8 @@ class Step(NamedTuple):
     work: np.dtype
     bounded: bool
     bf16: bool
+    products: bool | None
+    num_splits: int | None = None
 
 
 class Prepared(NamedTuple):
@@ -242,7 +249,6 @@ def plain_key(q, k, v, causal, scale, return_lse, block_q, block_k, variants: di
     return (
         "attention", q.shape, ks[:-2], ks[-1], vs[:-2], vs[-1], q.dtype, k.dtype, v.dtype,
         causal, scale, window, softcap, block_q, block_k, numba_threads(),
-        q.dtype == BFLOAT16 and bf16_products(BFLOAT16),  # the BLAS can be switched at run time
     )  # fmt: skip
 
 
@@ -262,7 +268,7 @@ def decode_key(q, k_cache, v_cache, num_splits, causal, scale, window, softcap, 
         return None
     return (
         "decode", q.shape, k_cache.shape, v_cache.shape, q.dtype, num_splits, causal, scale,
-        window, softcap, numba_threads(), q.dtype == BFLOAT16 and bf16_products(BFLOAT16),
+        window, softcap, numba_threads(),
     )  # fmt: skip
 
 
@@ -288,21 +294,25 @@ def _plain_values(causal, return_lse, scale, window, softcap, sizes) -> bool:
     return True
 
 
-def prepare_decode(key, plan: DecodePlan, va: Variants) -> None:
+def prepare_decode(key, plan: DecodePlan, va: Variants, q, num_splits) -> None:
     """Store a :func:`flashtile.decode_attention` call's checked plan for later
-    calls of ``key`` (:func:`decode_key`)."""
+    calls of ``key`` (:func:`decode_key`); ``q``: the call's validated queries,
+    ``num_splits`` as checked."""
     (b, hq, tq, d), (_, _, t_max, dv) = plan.q.shape, plan.layout.v.shape
     shapes = AttentionShapes((b, hq), tq, t_max, d, dv)
-    template, shapes4 = _decode_template(plan)
     entry = Prepared(shapes, va, plan.scale, None, None, {})
-    entry.steps[None] = Step(template, shapes, shapes4, plan.q.dtype, False, False)
+    entry.steps[None] = _decode_step(plan, shapes, q.dtype, num_splits)
     _remember(key, entry)
 
 
 def run_prepared_decode(entry: Prepared, q, k_cache, v_cache, return_lse: bool):
     """The result of a :func:`flashtile.decode_attention` call whose key
-    :func:`prepare_decode` stored (no check, no planning)."""
-    return _run_step(entry.steps[None], entry.variants, q, k_cache, v_cache, return_lse)
+    :func:`prepare_decode` stored (no check, no planning), or None when its
+    step no longer holds (the BLAS was switched: the caller plans the call)."""
+    step = entry.steps[None]
+    if step.products is not None and step.products != bf16_products(BFLOAT16):
+        return None
+    return _run_step(step, entry.variants, q, k_cache, v_cache, return_lse)
 
 
 def run_prepared(entry: Prepared, q, k, v, return_lse: bool):
@@ -313,6 +323,8 @@ def run_prepared(entry: Prepared, q, k, v, return_lse: bool):
     check their score bound (where the work dtype reads it) and run it."""
     tk = k.shape[-2]
     step = entry.steps.get(tk)
+    if step is not None and step.products is not None and step.products != bf16_products(BFLOAT16):
+        step = None  # planned for another BLAS (set_backend): planned again below
     if step is not None and step.bounded:  # the values must allow the planned work dtype
         score, products = bounds(entry.scale, q, k, entry.variants, step.shapes.tq, tk)
         if score >= FLOAT32_SCORE_LIMIT or (step.bf16 and products >= FLOAT32_SCORE_LIMIT):
@@ -341,23 +353,31 @@ def _step(call: Call, plan) -> Step | None:
         return None
     if va.mask_bool is not None or call.cu_seqlens is not None:
         return None
+    dtype = call.q.dtype
     if type(plan) is DecodePlan:  # chosen by the metadata: its range is checked after the step
-        template, shapes4 = _decode_template(plan)
-        return Step(template, call.shapes, shapes4, plan.q.dtype, False, False)
-    dtype, work = call.q.dtype, plan.q4.dtype
+        return _decode_step(plan, call.shapes, dtype, None)
+    work = plan.q4.dtype
     if work == np.float64 and dtype != np.float64:
         return None  # float32 scores could overflow for these values
     if dtype == BFLOAT16 and work != BFLOAT16 and bf16_allowed(call):
         return None  # widened for these values (the range of their products)
     shapes4 = (plan.q4.shape, plan.k4.shape, plan.v4.shape)
     template = plan._replace(q4=None, k4=None, v4=None)
-    return Step(template, call.shapes, shapes4, work, dtype not in _BOUND_FREE, work == BFLOAT16)
+    bounded, bf16 = dtype not in _BOUND_FREE, work == BFLOAT16
+    return Step(template, call.shapes, shapes4, work, bounded, bf16, _products(dtype))
 
 
-def _decode_template(plan: DecodePlan):
-    """``(plan without its arrays, 4-D shapes of q, k, v)`` of a decode plan."""
+def _decode_step(plan: DecodePlan, shapes: AttentionShapes, dtype, num_splits) -> Step:
+    """The :class:`Step` of a decode plan (its queries of ``dtype``)."""
     shapes4 = (plan.q.shape, plan.layout.k.shape, plan.layout.v.shape)
-    return plan._replace(q=None, layout=plan.layout._replace(k=None, v=None)), shapes4
+    template = plan._replace(q=None, layout=plan.layout._replace(k=None, v=None))
+    work = plan.q.dtype
+    return Step(template, shapes, shapes4, work, False, False, _products(dtype), num_splits)
+
+
+def _products(dtype) -> bool | None:
+    """:attr:`Step.products` for inputs of ``dtype``."""
+    return bf16_products(dtype) if dtype == BFLOAT16 else None
 
 
 def _run_step(step: Step, va: Variants, q, k, v, return_lse: bool):
@@ -367,8 +387,9 @@ def _run_step(step: Step, va: Variants, q, k, v, return_lse: bool):
     if type(plan) is DecodePlan:
         k4, v4 = np.ascontiguousarray(k.reshape(sk)), np.ascontiguousarray(v.reshape(sv))
         layout = CacheLayout(k4, v4, *plan.layout[2:])
-        q4 = np.ascontiguousarray(q.reshape(sq), dtype=work)
-        out, lse = run_decode_checked(DecodePlan(q4, layout, *plan[2:]), va, q4, None)
+        q4 = q.reshape(sq)  # the caller's dtype: the retry's bound reads it
+        run = DecodePlan(np.ascontiguousarray(q4, dtype=work), layout, *plan[2:])
+        out, lse = run_decode_checked(run, va, q4, step.num_splits)
     else:
         q4 = np.ascontiguousarray(q.reshape(sq), dtype=work)
         k4 = np.ascontiguousarray(k.reshape(sk), dtype=work)

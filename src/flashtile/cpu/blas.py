@@ -297,9 +297,18 @@ def gemm_scaled(fn, a, b, c, trans_a, trans_b, alpha, beta):
     k = a.shape[0] if trans_a else a.shape[1]
     fortran_gemm(
         fn, _TRANS if trans_b else _NOTRANS, _TRANS if trans_a else _NOTRANS, n, m, k, alpha,
-        b, b.strides[0] // b.itemsize, a, a.strides[0] // a.itemsize, beta, c,
-        c.strides[0] // c.itemsize,
+        b, _leading(b), a, _leading(a), beta, c, _leading(c),
     )  # fmt: skip
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _leading(x):
+    """The leading dimension of row-major ``x`` for BLAS: its row stride, or
+    for a one-row matrix its width. NumPy calls an array C-contiguous
+    whatever the stride of a size-1 axis, so one row (a single key, a
+    ``swapaxes`` view) may carry a row stride shorter than the row, which
+    BLAS refuses (``lda >= cols``) and then skips the product."""
+    return x.strides[0] // x.itemsize if x.shape[0] > 1 else max(x.shape[1], 1)
 
 
 @intrinsic

@@ -15,6 +15,7 @@ layer too: :func:`_plain_eager`), with one the same autograd formula as an
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad
 
 from .._validate import AttentionShapes
 from ..cpu.launch import numba_threads
@@ -120,6 +121,8 @@ def attention(
         result = _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengths)
         if result is not None:
             return result
+    if _ops.has_tangent(q, k, v):
+        raise NotImplementedError(_ops.NO_FORWARD_AD)
     refused = refusal(
         q, k, v, causal=causal, scale=scale, window=window, alibi_slopes=alibi_slopes,
         softcap=softcap, mask=mask, enable_gqa=enable_gqa, return_lse=return_lse,
@@ -230,8 +233,8 @@ def _plain_key(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengt
         if type(kv_lengths) is not torch.Tensor or not kv_lengths.is_cpu:
             return None
         lengths = (kv_lengths.dtype, kv_lengths.shape)
-    if not _ops.nothing_intercepts():
-        return None
+    if not _ops.nothing_intercepts() or forward_ad._current_level >= 0:
+        return None  # recorded, intercepted, or dual tensors possible: the general path
     return (
         "torch", qs, ks[0], ks[1], ks[3], vs[0], vs[1], vs[3], q.dtype, k.dtype, v.dtype,
         causal, scale, softcap, enable_gqa, lengths, numba_threads(),

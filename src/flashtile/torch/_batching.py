@@ -104,6 +104,13 @@ def _attention_fwd_vmap(
     """``attention_fwd`` over a vmapped dimension: one call with it folded into ``B``."""
     fold = _Folding(info, q, in_dims[0])
     dq, dk, dv, dm, da = in_dims[:5]
+    if fold.lifted and alibi_slopes is not None and _logical_rank(alibi_slopes, da) == _SLOPES:
+        shape = [n for i, n in enumerate(alibi_slopes.shape) if i != da]  # one entry's
+        shape = tuple(shape)  # refused as the unbatched call refuses it (variants.py)
+        raise ValueError(
+            f"alibi_slopes of shape {shape} under vmap: per-batch slopes (B, Hq) need 4-D "
+            f"(B, H, T, d) inputs; with (H, T, d) inputs pass (Hq,) slopes"
+        )
     out, lse = _ops.attention_fwd(
         fold.per_query(q, dq, 4), fold.per_query(k, dk, 4), fold.per_query(v, dv, 4),
         fold.constant(mask, dm, _MASK), fold.constant(alibi_slopes, da, _SLOPES), causal,

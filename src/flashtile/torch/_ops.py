@@ -41,6 +41,7 @@ and gives clearer errors.
 
 import numpy as np
 import torch
+from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import flashtile
@@ -238,6 +239,22 @@ class EagerAttention(torch.autograd.Function):
 functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
+#: The refusal of forward-mode AD (torch.func.jvp, jacfwd, torch.autograd.forward_ad).
+NO_FORWARD_AD = (
+    "flashtile.torch.attention has no forward-mode AD (torch.func.jvp, jacfwd, "
+    "torch.autograd.forward_ad dual tensors): use reverse mode (torch.func.grad, vjp, jacrev), "
+    "or torch.nn.functional.scaled_dot_product_attention for forward-mode derivatives"
+)
+
+
+def has_tangent(*tensors) -> bool:
+    """Whether a ``torch.autograd.forward_ad`` dual level is open and one of the
+    tensors carries a tangent (which the operator would otherwise drop)."""
+    if forward_ad._current_level < 0:  # the common case: no dual level
+        return False
+    return any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
 class FuncAttention(torch.autograd.Function):
     """The forward op's autograd formula for ``torch.func`` transforms (``grad``,
     ``vjp``, ``jacrev``, ``vmap`` of those: per-sample gradients). The
@@ -264,11 +281,7 @@ class FuncAttention(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, *tangents):
-        raise NotImplementedError(
-            "flashtile.torch.attention has no forward-mode AD (torch.func.jvp, jacfwd, "
-            "torch.autograd.forward_ad): use reverse mode (torch.func.grad, vjp, jacrev), or "
-            "torch.nn.functional.scaled_dot_product_attention for forward-mode derivatives"
-        )
+        raise NotImplementedError(NO_FORWARD_AD)
 
 
 def _legacy_batched(t: torch.Tensor) -> bool:
