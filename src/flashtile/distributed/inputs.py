@@ -5,10 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-import flashtile
 from flashtile._validate import check_sdpa_layout
-
-from .threads import kernel_threads
+from flashtile.frontdoor import check_call
 
 #: Input dtypes accepted; 16-bit floats travel as they are (see :mod:`.kernels` for the
 #: dtype each device computes in).
@@ -42,14 +40,13 @@ def slopes_array(alibi_slopes):
     return alibi_slopes
 
 
-def check_variants(q: torch.Tensor, scale, softcap, alibi_slopes, procs: int) -> None:
-    """Let flashtile itself validate ``scale``/``softcap``/``alibi_slopes``, before
-    any message is posted: a tiny call with the same keywords (a rank that
-    raised after posting would leave its peers waiting). It runs with this
-    process's share of threads like every other kernel call here: a larger team
-    would keep spinning on cores that other ranks are computing on."""
+def check_variants(q: torch.Tensor, scale, softcap, alibi_slopes) -> None:
+    """Validate ``scale``/``softcap``/``alibi_slopes`` by flashtile's own check
+    (:func:`flashtile.frontdoor.check_call` on a one-query probe of ``q``'s
+    batch, heads and head dim: no kernel runs, whatever the device), before
+    any message is posted: a rank that raised after posting would leave its
+    peers waiting."""
     b, h, _, d = q.shape
     probe = np.zeros((b, h, 1, d), dtype=np.float32)
-    keywords = {"scale": scale, "softcap": softcap, "alibi_slopes": alibi_slopes}
-    with kernel_threads(procs):
-        flashtile.attention(probe, probe, probe, **keywords)
+    keywords = {"softcap": softcap, "alibi_slopes": alibi_slopes}
+    check_call(probe, probe, probe, False, scale, keywords)

@@ -89,7 +89,7 @@ def ring_attention(
         )
     steps = plan_ring(ring, q.shape[2], layout, causal, window)
     alibi_slopes = slopes_array(alibi_slopes)
-    check_variants(q, scale, softcap, alibi_slopes, ring.size)
+    check_variants(q, scale, softcap, alibi_slopes)
     keywords = {"scale": scale, "softcap": softcap, "alibi_slopes": alibi_slopes}
     out, lse = RingAttention.apply(q, k, v, Setup(ring, steps, keywords, local, procs=ring.size))
     return (out, lse) if return_lse else out

@@ -100,7 +100,7 @@ def ulysses_attention(
     total = t_local * ring.size
     chunk_size(total, ring.size, layout, detail=f" ({t_local} tokens per rank x {ring.size} ranks)")
     alibi_slopes = slopes_array(alibi_slopes)
-    check_variants(q, scale, softcap, alibi_slopes, ring.size)
+    check_variants(q, scale, softcap, alibi_slopes)
     slopes = _local_slopes(alibi_slopes, hq, ring)
     whole = [(0, total)]
     steps = (tuple(plan_blocks(whole, whole, *band(causal, window))),)

@@ -19,6 +19,7 @@ from torch.autograd import forward_ad
 
 from .._validate import AttentionShapes
 from ..cpu.launch import numba_threads
+from ..decode_planning import TRITON_DECODE_MAX_QUERIES
 from ..frontdoor import check_call, prepare, prepared, run_call, run_prepared
 from ..masks import normalize_window
 from ..planning import Call
@@ -241,10 +242,6 @@ def _plain_key(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengt
     )  # fmt: skip
 
 
-#: The longest query block sent to the decoding kernel rather than the forward's.
-DECODE_MAX_TQ = 8
-
-
 def _wants_grad(q, k, v) -> bool:
     """Whether autograd will want gradients of this call."""
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -267,7 +264,8 @@ def _eager(q, k, v) -> bool:
 def _on_gpu(q, k, v, **keywords):
     """CUDA tensors (accepted by :func:`~._support.refusal`): the Triton kernels.
 
-    A decoding step (4-D, at most :data:`DECODE_MAX_TQ` queries, no gradient
+    A decoding step (4-D, at most
+    :data:`flashtile.decode_planning.TRITON_DECODE_MAX_QUERIES` queries, no gradient
     wanted) goes to :func:`flashtile.triton.decode_attention`, whose split-KV
     schedule keeps the GPU busy over a long cache where the forward would run
     one program per (head, sequence); the whole of ``k``/``v`` is the cache
@@ -279,7 +277,7 @@ def _on_gpu(q, k, v, **keywords):
     wants_grad = _wants_grad(q, k, v)
     # kv_lengths keeps positions aligned with Tk; decoding's cache_seqlens would not.
     plain = keywords["kv_lengths"] is None
-    if q.ndim == 4 and q.shape[-2] <= DECODE_MAX_TQ and not wants_grad and plain:
+    if q.ndim == 4 and q.shape[-2] <= TRITON_DECODE_MAX_QUERIES and not wants_grad and plain:
         keywords.pop("enable_gqa")  # checked by the refusal; decoding always groups
         keywords.pop("kv_lengths")
         return gpu.decode_attention(q, k, v, **keywords)
