@@ -138,5 +138,5 @@ def test_vmap_refuses_what_the_call_refuses():
     """Per-batch slopes need 4-D inputs, vmapped or not."""
     q, k, v = _t(2, 4, 5, 8), _t(2, 4, 7, 8, seed=1), _t(2, 4, 7, 8, seed=2)
     slopes = torch.rand(2, 1, 4, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"shape \(1, 4\).*need 4-D"):
+    with pytest.raises(ValueError, match=r"shape \(1, 4\).*needs 4-D"):
         torch.vmap(lambda q, k, v, s: ftt.attention(q, k, v, alibi_slopes=s))(q, k, v, slopes)

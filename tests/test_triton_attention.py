@@ -341,3 +341,29 @@ def test_interpreter_bfloat16_dot_is_still_wrong_so_the_kernels_emulate_it():
     _raw_dot[(1,)](a.bfloat16(), b.bfloat16(), c, N=16)
     exact = a.bfloat16().float() @ b.bfloat16().float()
     assert (c - exact).abs().max() > 1.0
+
+
+def test_under_torch_func():
+    """vmap (one kernel call over the folded batch), grad and per-sample
+    gradients, through the autograd formula shared with the CPU ops."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 1, 2, 9, 16, generator=gen).to(DEVICE) for _ in range(3))
+
+    def fn(q, k, v):
+        return ft.attention(q, k, v, causal=True)
+
+    want = torch.stack([fn(q[i], k[i], v[i]) for i in range(3)])
+    torch.testing.assert_close(torch.vmap(fn)(q, k, v), want, rtol=0, atol=0)
+
+    def loss(q, k, v):
+        return (fn(q, k, v) ** 2).sum()
+
+    per_sample = torch.vmap(torch.func.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    for i in range(3):
+        leaves = [t[i].clone().requires_grad_() for t in (q, k, v)]
+        loss(*leaves).backward()
+        for got, leaf in zip(per_sample, leaves, strict=True):
+            torch.testing.assert_close(got[i], leaf.grad, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="packed variable-length"):
+        cu = torch.tensor([0, 4, 9], dtype=torch.int32, device=DEVICE)
+        torch.vmap(lambda q: ft.varlen_attention(q, k[0, 0], v[0, 0], cu, cu))(q[:, 0])

@@ -21,7 +21,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
         "flashtile.torch needs PyTorch: pip install 'flashtile[torch]' (the CPU wheel)"
     ) from exc
 
-from . import _batching  # noqa: F401  (registers the operators' torch.vmap rules)
 from ._attention import attention
 from .hf import register_transformers
 from .routing import SDPARouter, route_sdpa

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad
 
+from .. import op_autograd
 from .._validate import AttentionShapes
 from ..cpu.launch import numba_threads
 from ..decode_planning import TRITON_DECODE_MAX_QUERIES
@@ -122,8 +123,8 @@ def attention(
         result = _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengths)
         if result is not None:
             return result
-    if _ops.has_tangent(q, k, v):
-        raise NotImplementedError(_ops.NO_FORWARD_AD)
+    if op_autograd.has_tangent(q, k, v):
+        raise NotImplementedError(op_autograd.NO_FORWARD_AD)
     refused = refusal(
         q, k, v, causal=causal, scale=scale, window=window, alibi_slopes=alibi_slopes,
         softcap=softcap, mask=mask, enable_gqa=enable_gqa, return_lse=return_lse,
@@ -153,8 +154,8 @@ def attention(
     if _eager(q, k, v):
         run = _ops.EagerAttention.apply if _wants_grad(q, k, v) else _ops.forward
         out, lse = run(*args)
-    elif _ops.functorch_active():  # the op's own autograd does not run under torch.func
-        out, lse = _ops.FuncAttention.apply(*args)
+    elif op_autograd.functorch_active():  # the op's own autograd does not run under torch.func
+        out, lse = op_autograd.FuncAttention.apply(_ops.OPS, *args)
     else:
         out, lse = torch.ops.flashtile.attention_fwd(*args)
     out = out.to(in_dtype)
@@ -276,7 +277,8 @@ def _on_gpu(q, k, v, **keywords):
 
     wants_grad = _wants_grad(q, k, v)
     # kv_lengths keeps positions aligned with Tk; decoding's cache_seqlens would not.
-    plain = keywords["kv_lengths"] is None
+    # (Not under torch.func: the decode op has no batching rule, the forward has.)
+    plain = keywords["kv_lengths"] is None and not op_autograd.functorch_active()
     if q.ndim == 4 and q.shape[-2] <= TRITON_DECODE_MAX_QUERIES and not wants_grad and plain:
         keywords.pop("enable_gqa")  # checked by the refusal; decoding always groups
         keywords.pop("kv_lengths")

@@ -41,10 +41,10 @@ and gives clearer errors.
 
 import numpy as np
 import torch
-from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import flashtile
+from flashtile import op_autograd, op_batching
 
 from .arrays import as_numpy, as_tensor
 
@@ -175,44 +175,35 @@ def _attention_bwd_fake(
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, mask, alibi_slopes, causal, scale, window_left, window_right, softcap, lengths = inputs
-    out, lse = output
-    # Only O(T) state is kept: the backward recomputes score tiles from lse.
-    ctx.save_for_backward(q, k, v, out, lse, mask, alibi_slopes, lengths)
-    ctx.args = (causal, scale, window_left, window_right, softcap)
-    # lse is returned for inspection and merging, not for differentiating.
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, dout, _dlse, bwd=None):
-    """The forward's gradients through ``bwd``: the backward op, or (eager, no
-    graph to record) its implementation :func:`backward`."""
-    q, k, v, out, lse, mask, alibi_slopes, lengths = ctx.saved_tensors
-    bwd = torch.ops.flashtile.attention_bwd if bwd is None else bwd
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, mask, alibi_slopes, *ctx.args, lengths)
-    # No gradients for the mask, slopes, lengths and the non-tensor arguments.
-    return dq, dk, dv, None, None, None, None, None, None, None, None
-
-
-attention_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "flashtile.torch.attention has no double backward (create_graph=True through its "
-        "gradients); use torch.nn.functional.scaled_dot_product_attention for "
-        "higher-order gradients"
-    )
-
-
-attention_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+#: The two ops as :mod:`flashtile.op_autograd` takes them.
+OPS = op_autograd.Operators(attention_fwd, attention_bwd, "flashtile.torch.attention")
+op_autograd.register(OPS)
+_MASK, _SLOPES, _LENGTHS = (
+    op_batching.constant("mask", 4), op_batching.constant("alibi_slopes", 2),
+    op_batching.constant("kv_lengths", 1),
+)  # fmt: skip
+_SCALARS = tuple(
+    op_batching.Arg(n) for n in ("causal", "scale", "window_left", "window_right", "softcap")
+)
+op_batching.register(
+    attention_fwd,
+    (*map(op_batching.query, "qkv"), _MASK, _SLOPES, *_SCALARS, _LENGTHS),
+    q_at=0,
+)
+op_batching.register(
+    attention_bwd,
+    (
+        *map(op_batching.query, ("dout", "q", "k", "v", "out")), op_batching.query("lse", 3),
+        _MASK, _SLOPES, *_SCALARS, _LENGTHS,
+    ),
+    q_at=1,
+)  # fmt: skip
 
 
 class EagerAttention(torch.autograd.Function):
     """The forward op's autograd formula without the dispatcher, for eager CPU
     training (plain tensors, nothing tracing or intercepting: the caller's
-    test). The same :func:`_setup_context` and :func:`_backward`; the backward
+    test). The same formula (:mod:`flashtile.op_autograd`); the backward
     runs :func:`backward` directly unless a graph is recorded
     (``create_graph=True``: then the backward op, which refuses a double
     backward) or something intercepts it. This skips the custom op's Python
@@ -221,7 +212,7 @@ class EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *args):
         output = forward(*args)
-        _setup_context(ctx, args, output)
+        op_autograd.setup_context(ctx, args, output)
         return output
 
     @staticmethod
@@ -232,56 +223,7 @@ class EagerAttention(torch.autograd.Function):
             and nothing_intercepts()
             and not _legacy_batched(dout)
         )
-        return _backward(ctx, dout, dlse, backward if direct else None)
-
-
-#: Whether a torch.func transform (vmap, grad, ...) is running (False where torch lacks the test).
-functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
-
-
-#: The refusal of forward-mode AD (torch.func.jvp, jacfwd, torch.autograd.forward_ad).
-NO_FORWARD_AD = (
-    "flashtile.torch.attention has no forward-mode AD (torch.func.jvp, jacfwd, "
-    "torch.autograd.forward_ad dual tensors): use reverse mode (torch.func.grad, vjp, jacrev), "
-    "or torch.nn.functional.scaled_dot_product_attention for forward-mode derivatives"
-)
-
-
-def has_tangent(*tensors) -> bool:
-    """Whether a ``torch.autograd.forward_ad`` dual level is open and one of the
-    tensors carries a tangent (which the operator would otherwise drop)."""
-    if forward_ad._current_level < 0:  # the common case: no dual level
-        return False
-    return any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
-
-
-class FuncAttention(torch.autograd.Function):
-    """The forward op's autograd formula for ``torch.func`` transforms (``grad``,
-    ``vjp``, ``jacrev``, ``vmap`` of those: per-sample gradients). The
-    custom op's own autograd cannot run under them (torch builds it without
-    the ``setup_context`` that functorch needs), so under a transform
-    :func:`flashtile.torch.attention` applies this instead: the same ops
-    (``vmap`` reaches their batching rules, :mod:`._batching`), the same
-    :func:`_setup_context` and :func:`_backward`. Forward-mode AD
-    (``jvp``, ``jacfwd``) is refused with a clear error."""
-
-    generate_vmap_rule = True  # vmap runs forward/backward over the ops' own rules
-
-    @staticmethod
-    def forward(*args):
-        return torch.ops.flashtile.attention_fwd(*args)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _setup_context(ctx, inputs, output)
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse, FuncAttentionBackward.apply)
-
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise NotImplementedError(NO_FORWARD_AD)
+        return op_autograd.gradients(ctx, dout, backward if direct else attention_bwd)
 
 
 def _legacy_batched(t: torch.Tensor) -> bool:
@@ -293,23 +235,6 @@ def _legacy_batched(t: torch.Tensor) -> bool:
     return "Batched" in keys.split(", ")
 
 
-class FuncAttentionBackward(torch.autograd.Function):
-    """The backward op under ``torch.func`` (:class:`FuncAttention`): its own
-    autograd refuses a second derivative, as the op's does."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(*args):
-        return torch.ops.flashtile.attention_bwd(*args)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    backward = staticmethod(_no_double_backward)
-
-
 def nothing_intercepts() -> bool:
     """Whether no recorder or interceptor of ops is active (``torch.compile``,
     ``torch.jit.trace``, a dispatch mode such as FakeTensorMode or a FLOP
@@ -319,5 +244,5 @@ def nothing_intercepts() -> bool:
         not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
         and _get_current_dispatch_mode() is None
-        and not functorch_active()  # vmap's batched tensors have no storage to read
+        and not op_autograd.functorch_active()  # vmap's batched tensors have no storage
     )

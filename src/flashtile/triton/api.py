@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from flashtile import op_autograd
 from flashtile._validate import (
     check_flag,
     check_num_splits,
@@ -19,7 +20,7 @@ from flashtile._validate import (
 )
 from flashtile.masks import normalize_window
 
-from . import checks, ops  # noqa: F401  (ops registers torch.ops.flashtile.triton_*)
+from . import checks, ops  # (ops also registers torch.ops.flashtile.triton_*)
 from .launch import auto_splits, cdiv, decode_rows_block
 
 
@@ -82,7 +83,7 @@ def attention(
     q, k, v, unbatched, variants = _prepare(
         q, k, v, causal, scale, window, alibi_slopes, softcap, kv_lengths, mask, enable_gqa
     )
-    out, lse = torch.ops.flashtile.triton_attention_fwd(q, k, v, *variants)
+    out, lse = _forward(q, k, v, *variants)
     if unbatched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
@@ -183,11 +184,19 @@ def varlen_attention(
             raise ValueError(f"max_seqlen_{name} = {given} but a sequence has {longest}")
     scale, left, right, cap = _scalars(causal, scale, window, softcap, q.shape[-1])
     alibi = checks.slopes(alibi_slopes, 1, q.shape[0], q.device, per_batch_ok=False)
-    out, lse = torch.ops.flashtile.triton_attention_fwd(
+    out, lse = _forward(
         q[None], k[None], v[None], alibi, None, cu_q, cu_k, longest_q, longest_k,
         scale, left, right, cap,
     )  # fmt: skip
     return (out[0], lse[0]) if return_lse else out[0]
+
+
+def _forward(q, k, v, *variants):
+    """The forward op, differentiable also under ``torch.func``, where the op's own
+    autograd does not run (:class:`flashtile.op_autograd.FuncAttention` there)."""
+    if op_autograd.functorch_active():
+        return op_autograd.FuncAttention.apply(ops.OPS, q, k, v, *variants)
+    return torch.ops.flashtile.triton_attention_fwd(q, k, v, *variants)
 
 
 def _cache(q, k_cache, v_cache, block_table):

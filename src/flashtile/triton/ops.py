@@ -16,7 +16,9 @@ float32; ``kv_lengths``/``cu_seqlens``/``cache_seqlens``/``block_table``
 int32; ``window_*`` = -1 for an unbounded side (causal is ``window_right =
 0``). ``out`` has q's dtype, ``lse`` is float32 ``(B, Hq, Tq)``. The forward's
 autograd formula calls the backward op, which recomputes probabilities from
-``lse``. Use :func:`flashtile.triton.attention` and friends, which validate
+``lse`` (the formula of :mod:`flashtile.op_autograd`, shared with the CPU
+ops; so are the ``torch.vmap`` rules, :mod:`flashtile.op_batching`). Use
+:func:`flashtile.triton.attention` and friends, which validate
 and lay out the inputs, rather than these ops directly.
 
 The ops register for every device: CUDA tensors normally, CPU tensors when
@@ -28,6 +30,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from flashtile import op_autograd, op_batching
 
 from . import launch
 
@@ -84,35 +88,25 @@ def _attention_bwd_fake(dout, q, k, v, out, lse, *variants):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, *variants = inputs
-    out, lse = output
-    # Only O(T) state is kept: the backward recomputes the score tiles from lse.
-    ctx.save_for_backward(q, k, v, out, lse, *variants[:4])
-    ctx.args = tuple(variants[4:])
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, *tensors = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flashtile.triton_attention_bwd(
-        dout, q, k, v, out, lse, *tensors, *ctx.args
-    )
-    return (dq, dk, dv) + (None,) * 10
-
-
-attention_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "flashtile.triton.attention has no double backward (create_graph=True through its "
-        "gradients); use torch.nn.functional.scaled_dot_product_attention for "
-        "higher-order gradients"
-    )
-
-
-attention_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+#: The forward and backward ops as :mod:`flashtile.op_autograd` takes them: their
+#: autograd formula, and under ``torch.func`` :class:`flashtile.op_autograd.FuncAttention`.
+OPS = op_autograd.Operators(attention_fwd, attention_bwd, "flashtile.triton.attention")
+op_autograd.register(OPS)
+_VARIANT_ARGS = (
+    op_batching.constant("alibi_slopes", 2), op_batching.constant("kv_lengths", 1),
+    op_batching.Arg("cu_seqlens_q", "packed"), op_batching.Arg("cu_seqlens_k", "packed"),
+    *(op_batching.Arg(n) for n in ("max_seqlen_q", "max_seqlen_k", "scale", "left", "right")),
+    op_batching.Arg("softcap"),
+)  # fmt: skip
+op_batching.register(attention_fwd, (*map(op_batching.query, "qkv"), *_VARIANT_ARGS), q_at=0)
+op_batching.register(
+    attention_bwd,
+    (
+        *map(op_batching.query, ("dout", "q", "k", "v", "out")), op_batching.query("lse", 3),
+        *_VARIANT_ARGS,
+    ),
+    q_at=1,
+)  # fmt: skip
 
 
 @torch.library.custom_op("flashtile::triton_decode", mutates_args=(), schema=_DECODE_SCHEMA)
