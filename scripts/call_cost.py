@@ -120,7 +120,7 @@ def main(rounds: int = 15, calls: int = 200) -> None:
         f"{med['T=1 torch op']:.1f} us, decode_attention {med['T=1 decode_attention']:.1f} us"
     )
     above = med["tiny flashtile.attention"] - med["tiny kernel alone"]
-    print(f"tiny (1, 4, 16, 32) causal through flashtile.attention: {above:.1f} us above the kernel")
+    print(f"tiny (1, 4, 16, 32) causal, flashtile.attention: {above:.1f} us above the kernel")
 
 
 if __name__ == "__main__":

@@ -140,3 +140,15 @@ def test_vmap_refuses_what_the_call_refuses():
     slopes = torch.rand(2, 1, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"shape \(1, 4\).*needs 4-D"):
         torch.vmap(lambda q, k, v, s: ftt.attention(q, k, v, alibi_slopes=s))(q, k, v, slopes)
+
+
+def test_the_router_passes_dual_tensors_to_sdpa():
+    q, k, v = _t(1, 2, 5, 4), _t(1, 2, 5, 4, seed=1), _t(1, 2, 5, 4, seed=2)
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(q, torch.ones_like(q))
+        math = torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)
+        with ftt.route_sdpa() as router, math:  # SDPA's math path has forward AD
+            out = F.scaled_dot_product_attention(dual, k, v)
+        tangent = torch.autograd.forward_ad.unpack_dual(out).tangent
+    assert router.passed == 1 and "forward-mode AD" in next(iter(router.reasons))
+    assert tangent is not None

@@ -364,6 +364,33 @@ def test_under_torch_func():
         loss(*leaves).backward()
         for got, leaf in zip(per_sample, leaves, strict=True):
             torch.testing.assert_close(got[i], leaf.grad, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="packed variable-length"):
+    with pytest.raises(ValueError, match="packed variable-length attention cannot run"):
         cu = torch.tensor([0, 4, 9], dtype=torch.int32, device=DEVICE)
         torch.vmap(lambda q: ft.varlen_attention(q, k[0, 0], v[0, 0], cu, cu))(q[:, 0])
+
+
+def test_under_torch_func_with_lengths_and_packed_sequences():
+    """A shared kv_lengths folds into a dense tensor (the kernels index it
+    without strides); varlen takes grad; dual tensors are refused."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(5, 1, 2, 6, 16, generator=gen).to(DEVICE) for _ in range(3))
+    lengths = torch.tensor([4], dtype=torch.int32, device=DEVICE)
+
+    def fn(q, k, v):
+        return ft.attention(q, k, v, kv_lengths=lengths)
+
+    want = torch.stack([fn(q[i], k[i], v[i]) for i in range(5)])
+    torch.testing.assert_close(torch.vmap(fn)(q, k, v), want, rtol=0, atol=0)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32, device=DEVICE)
+    qv, kv, vv = (t[0, 0].clone() for t in (q, k, v))
+
+    def varlen_loss(q):
+        return ft.varlen_attention(q, kv, vv, cu, cu, causal=True).square().sum()
+
+    leaf = qv.clone().requires_grad_()
+    varlen_loss(leaf).backward()
+    torch.testing.assert_close(torch.func.grad(varlen_loss)(qv), leaf.grad)
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(qv, torch.ones_like(qv))
+        with pytest.raises(NotImplementedError, match="no forward-mode AD"):
+            ft.varlen_attention(dual, kv, vv, cu, cu)

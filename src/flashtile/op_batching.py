@@ -100,8 +100,9 @@ class _Folding:
             return t
         if arg.kind == "packed":
             raise ValueError(
-                f"{arg.name} under torch.vmap: packed variable-length sequences cannot take "
-                f"a vmapped dimension; vmap over padded (B, H, T, d) batches instead"
+                f"{arg.name}: packed variable-length attention cannot run under torch.vmap "
+                f"(nor jacrev, which vmaps over the cotangents): its batch axis holds the "
+                f"packed sequences; use padded (B, H, T, d) batches with kv_lengths instead"
             )
         if arg.kind == "query":
             if self.lifted:
@@ -113,7 +114,10 @@ class _Folding:
                 f"{arg.name} of shape {shape} under vmap: a per-batch {arg.name} needs 4-D "
                 f"(B, H, T, d) inputs; with (H, T, d) inputs pass one without a batch axis"
             )
-        return _fold(t, dim, self.size, self.batch, arg.rank)
+        folded = _fold(t, dim, self.size, self.batch, arg.rank)
+        # Dense: a shared constant folds to a stride-0 view, and the Triton kernels
+        # index the lengths without strides (the CPU kernels copy masks anyway).
+        return folded.contiguous()
 
     def unfold(self, t: torch.Tensor) -> torch.Tensor:
         """A result of the folded call with the vmapped dimension first again."""

@@ -123,8 +123,6 @@ def attention(
         result = _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengths)
         if result is not None:
             return result
-    if op_autograd.has_tangent(q, k, v):
-        raise NotImplementedError(op_autograd.NO_FORWARD_AD)
     refused = refusal(
         q, k, v, causal=causal, scale=scale, window=window, alibi_slopes=alibi_slopes,
         softcap=softcap, mask=mask, enable_gqa=enable_gqa, return_lse=return_lse,

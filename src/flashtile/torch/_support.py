@@ -30,8 +30,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .. import op_autograd
 from .._validate import check_sdpa_layout
 from ..masks import normalize_window
+from ..op_autograd import NO_FORWARD_AD
 
 #: Input dtypes accepted; 16-bit floats are computed in float32.
 ACCEPTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -40,7 +42,8 @@ ACCEPTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class Refusal(NamedTuple):
     """Why flashtile cannot run a call: what the operator raises."""
 
-    error: type[Exception]  # ValueError or TypeError; ImportError for a GPU without Triton
+    error: type[Exception]  # ValueError or TypeError; ImportError for a GPU without Triton,
+    # NotImplementedError for forward-mode AD dual tensors
     message: str
 
     def exception(self) -> Exception:
@@ -273,6 +276,7 @@ def refusal(
     gpu = is_cuda_call(q, k, v)
     return (
         _tensors(q, k, v, gpu)
+        or (op_autograd.has_tangent(q, k, v) and Refusal(NotImplementedError, NO_FORWARD_AD))
         or _flag(causal, "causal")
         or _flag(enable_gqa, "enable_gqa")
         or _flag(return_lse, "return_lse")

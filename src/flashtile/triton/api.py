@@ -193,7 +193,10 @@ def varlen_attention(
 
 def _forward(q, k, v, *variants):
     """The forward op, differentiable also under ``torch.func``, where the op's own
-    autograd does not run (:class:`flashtile.op_autograd.FuncAttention` there)."""
+    autograd does not run (:class:`flashtile.op_autograd.FuncAttention` there);
+    forward-mode AD dual tensors are refused (their tangent would be dropped)."""
+    if op_autograd.has_tangent(q, k, v):
+        raise NotImplementedError(op_autograd.NO_FORWARD_AD)
     if op_autograd.functorch_active():
         return op_autograd.FuncAttention.apply(ops.OPS, q, k, v, *variants)
     return torch.ops.flashtile.triton_attention_fwd(q, k, v, *variants)

@@ -137,7 +137,13 @@ def check_range(t: torch.Tensor, name: str, low: int, high: int, why: str) -> No
     """Every value of ``t`` in ``[low, high]`` (reads ``t`` on the host)."""
     if t.numel() == 0:
         return
-    lo, hi = int(t.min()), int(t.max())
+    try:
+        lo, hi = int(t.min()), int(t.max())
+    except RuntimeError as exc:  # a vmapped tensor has no values to read on the host
+        raise ValueError(
+            f"{name} cannot be range-checked here ({exc}): under torch.vmap pass {name} "
+            f"without a vmapped dimension (the CPU operator takes a vmapped one)"
+        ) from None
     if lo < low or hi > high:
         raise ValueError(f"{name} must lie in [{low}, {high}] ({why}), got min {lo} and max {hi}")
 
@@ -145,5 +151,6 @@ def check_range(t: torch.Tensor, name: str, low: int, high: int, why: str) -> No
 def check_cu_seqlens(cu: torch.Tensor, name: str, total: int) -> int:
     """Offsets that start at 0, never decrease and end at ``total``
     (:func:`flashtile._validate.check_cu_seqlens`, on a host copy); returns the longest."""
-    host = _validate.check_cu_seqlens(cu.cpu().numpy(), name, total)
+    # tolist, not .numpy(): under torch.func the offsets are wrapped tensors without storage.
+    host = _validate.check_cu_seqlens(np.array(cu.tolist()), name, total)
     return int(np.diff(host).max())

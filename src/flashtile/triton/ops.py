@@ -58,6 +58,10 @@ def _on(t: torch.Tensor):
 
 
 def _variants(alibi, kv_lengths, cu_q, cu_k, max_q, max_k, scale, left, right, softcap):
+    # The kernels index lengths and offsets densely (no strides passed for them).
+    kv_lengths, cu_q, cu_k = (
+        None if t is None else t.contiguous() for t in (kv_lengths, cu_q, cu_k)
+    )
     return launch.Variants(scale, left, right, softcap, alibi, kv_lengths, cu_q, cu_k, max_q, max_k)
 
 
