@@ -51,19 +51,14 @@ def as_numpy(x) -> np.ndarray:
             f"flashtile's NumPy API, which computes no gradients: use "
             f"flashtile.torch.attention, or pass tensor.detach()"
         )
-    return tensor_as_numpy(x)
-
-
-def tensor_as_numpy(x) -> np.ndarray:
-    """A torch tensor that does not require grad as a NumPy view of its memory
-    (bfloat16 as ``ml_dtypes.bfloat16``: ``Tensor.numpy()`` raises on bf16);
-    GPU tensors are refused by ``Tensor.numpy()``, as ``np.asarray`` does."""
     return tensors_as_numpy(x)[0]
 
 
 def tensors_as_numpy(*tensors) -> list[np.ndarray]:
-    """:func:`tensor_as_numpy` of each tensor, in one call (a decoding step
-    converts three)."""
+    """Torch tensors that do not require grad as NumPy views of their memory,
+    several in one call (a decoding step converts three): bfloat16 as
+    ``ml_dtypes.bfloat16`` (``Tensor.numpy()`` raises on bf16); GPU tensors
+    are refused by ``Tensor.numpy()``, as ``np.asarray`` does."""
     torch = sys.modules["torch"]  # imported: the tensors are its
     views = []
     for x in tensors:

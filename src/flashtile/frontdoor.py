@@ -310,9 +310,16 @@ def run_prepared_decode(entry: Prepared, q, k_cache, v_cache, return_lse: bool):
     :func:`prepare_decode` stored (no check, no planning), or None when its
     step no longer holds (the BLAS was switched: the caller plans the call)."""
     step = entry.steps[None]
-    if step.products is not None and step.products != bf16_products(BFLOAT16):
+    if step.products is not None and _stale(step):
         return None
     return _run_step(step, entry.variants, q, k_cache, v_cache, return_lse)
+
+
+def _stale(step: Step) -> bool:
+    """Whether a bf16 ``step`` (``step.products`` not None: the callers test it
+    first, so other dtypes make no call) was planned under the other answer
+    of :func:`flashtile.planning.bf16_products` (the BLAS was switched)."""
+    return step.products != bf16_products(BFLOAT16)
 
 
 def run_prepared(entry: Prepared, q, k, v, return_lse: bool):
@@ -323,7 +330,7 @@ def run_prepared(entry: Prepared, q, k, v, return_lse: bool):
     check their score bound (where the work dtype reads it) and run it."""
     tk = k.shape[-2]
     step = entry.steps.get(tk)
-    if step is not None and step.products is not None and step.products != bf16_products(BFLOAT16):
+    if step is not None and step.products is not None and _stale(step):
         step = None  # planned for another BLAS (set_backend): planned again below
     if step is not None and step.bounded:  # the values must allow the planned work dtype
         score, products = bounds(entry.scale, q, k, entry.variants, step.shapes.tq, tk)

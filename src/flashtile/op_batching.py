@@ -114,10 +114,9 @@ class _Folding:
                 f"{arg.name} of shape {shape} under vmap: a per-batch {arg.name} needs 4-D "
                 f"(B, H, T, d) inputs; with (H, T, d) inputs pass one without a batch axis"
             )
-        folded = _fold(t, dim, self.size, self.batch, arg.rank)
-        # Dense: a shared constant folds to a stride-0 view, and the Triton kernels
-        # index the lengths without strides (the CPU kernels copy masks anyway).
-        return folded.contiguous()
+        # A shared constant folds to a stride-0 view: each op's own boundary makes
+        # dense what its kernels index without strides (triton/ops._variants).
+        return _fold(t, dim, self.size, self.batch, arg.rank)
 
     def unfold(self, t: torch.Tensor) -> torch.Tensor:
         """A result of the folded call with the vmapped dimension first again."""

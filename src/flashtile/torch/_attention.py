@@ -18,7 +18,7 @@ import torch
 from torch.autograd import forward_ad
 
 from .. import op_autograd
-from .._validate import AttentionShapes
+from .._validate import AttentionShapes, tensors_as_numpy
 from ..cpu.launch import numba_threads
 from ..decode_planning import TRITON_DECODE_MAX_QUERIES
 from ..frontdoor import check_call, prepare, prepared, run_call, run_prepared
@@ -27,7 +27,7 @@ from ..planning import Call
 from ..variants import resolve_variants
 from . import _ops, _support
 from ._support import as_constant, refusal
-from .arrays import as_numpy, as_tensor, numpy_views
+from .arrays import as_numpy, as_tensor
 
 
 def attention(
@@ -189,7 +189,7 @@ def _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_len
         )  # fmt: skip
         if refused is not None:
             raise refused.exception()
-    qn, kn, vn = numpy_views(q, k, v)
+    qn, kn, vn = tensors_as_numpy(q, k, v)
     lengths = None if kv_lengths is None else as_numpy(kv_lengths)
     if entry is None:
         variants = {} if softcap is None else {"softcap": softcap}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .._validate import BFLOAT16, tensors_as_numpy
+from .._validate import BFLOAT16
 from .._validate import as_numpy as _numpy_view
 
 
@@ -25,8 +25,3 @@ def as_tensor(a: np.ndarray) -> torch.Tensor:
     if a.dtype == BFLOAT16:
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
-
-
-#: CPU tensors that do not require grad as NumPy views, several in one call
-#: (:func:`flashtile._validate.tensors_as_numpy`).
-numpy_views = tensors_as_numpy
