@@ -27,9 +27,12 @@ slopes) are computed in float64 and cast back (:mod:`flashtile.precision`).
 
 from __future__ import annotations
 
+import numpy as np
+
 from ._validate import check_flag, check_same_shape
 from .cpu.launch import run_backward, run_forward
 from .frontdoor import check_call, plain_key, prepare, prepared, run_call, run_prepared
+from .merge import sink_gradient
 from .planning import plan_backward, plan_forward
 
 __all__ = [
@@ -49,12 +52,24 @@ def _check_gradient_inputs(call, out, lse, dout):
     return out, lse, dout
 
 
-def _gradient_results(plan, call, grads):
-    """``(dq, dk, dv)`` in the shapes of the caller's ``q``, ``k``, ``v`` and its dtype."""
-    return tuple(
+def _backward(call, out, lse, dout, block_q, block_k):
+    """The backward of a checked call: ``(dq, dk, dv)`` in the shapes of the
+    caller's ``q``, ``k``, ``v`` and its dtype, and ``dsinks`` with sinks.
+
+    ``out`` and ``lse`` are the forward's, the sinks merged in: ``P = exp(S -
+    lse)`` is then the softmax with the sink's column, so the kernels'
+    formula needs nothing more, and the sink's own gradient is
+    :func:`flashtile.merge.sink_gradient`."""
+    out, lse, dout = _check_gradient_inputs(call, out, lse, dout)
+    plan = plan_backward(call, block_q, block_k)
+    grads = tuple(
         g.reshape(a.shape).astype(plan.dtype, copy=False)
-        for g, a in zip(grads, (call.q, call.k, call.v), strict=True)
+        for g, a in zip(run_backward(plan, out, lse, dout), (call.q, call.k, call.v), strict=True)
     )
+    sinks = call.variants.sinks
+    if sinks is None:
+        return grads
+    return grads + (sink_gradient(np, out, lse, dout, sinks).astype(plan.dtype),)
 
 
 def attention(
@@ -121,10 +136,7 @@ def attention_backward(
         masks and ALiBi slopes (constants).
     """
     call = check_call(q, k, v, causal, scale, variants)
-    out, lse, dout = _check_gradient_inputs(call, out, lse, dout)
-    plan = plan_backward(call, block_q, block_k)
-    grads = run_backward(plan, out, lse, dout)
-    return _gradient_results(plan, call, grads)
+    return _backward(call, out, lse, dout, block_q, block_k)
 
 
 def varlen_attention(
@@ -178,7 +190,4 @@ def varlen_attention_backward(
 ):
     """Gradients ``(dq, dk, dv)`` of :func:`varlen_attention` (packed layout)."""
     call = check_call(q, k, v, causal, scale, variants, (cu_seqlens_q, cu_seqlens_k))
-    out, lse, dout = _check_gradient_inputs(call, out, lse, dout)
-    plan = plan_backward(call, block_q, block_k)
-    grads = run_backward(plan, out, lse, dout)
-    return _gradient_results(plan, call, grads)
+    return _backward(call, out, lse, dout, block_q, block_k)

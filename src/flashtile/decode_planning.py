@@ -150,7 +150,7 @@ def decode_shaped(call: Call, block_q=None, block_k=None) -> bool:
 
     The rule (constants and measurements at DECODE_MAX_QUERIES): a batched
     call (not packed) without a mask or explicit tile sizes (those are the
-    forward kernel's), at most DECODE_MAX_QUERIES queries against at least
+    forward kernel's) or dropout, at most DECODE_MAX_QUERIES queries against at least
     DECODE_MIN_KEYS keys, and either at most DECODE_MAX_ROWS stacked rows
     per kv head (one query per head, or a GQA/MQA group times its queries)
     or fewer ``(batch, kv head)`` pairs than threads. The decode kernel
@@ -163,6 +163,8 @@ def decode_shaped(call: Call, block_q=None, block_k=None) -> bool:
     if call.cu_seqlens is not None or block_q is not None or block_k is not None:
         return False
     if va.mask_bool is not None or va.mask_add is not None or 0 in shapes.batch:
+        return False
+    if va.dropout_p > 0.0:  # dropout is the forward kernel's (decoding is inference)
         return False
     if not (shapes.tq <= DECODE_MAX_QUERIES and shapes.tk >= DECODE_MIN_KEYS):
         return False

@@ -54,6 +54,7 @@ from ._validate import (
 from .cpu.launch import numba_threads, run_decode, run_forward
 from .decode_planning import DecodePlan, decode_shaped, plan_decode, plan_decode_call
 from .kvlayout import CacheLayout
+from .merge import add_sinks
 from .planning import Call, KernelPlan, bf16_allowed, bf16_products, plan_forward
 from .precision import (
     FLOAT32_SCORE_LIMIT,
@@ -108,11 +109,15 @@ def plan_call(call: Call, block_q=None, block_k=None) -> KernelPlan | DecodePlan
 
 def run_plan(call: Call, plan, return_lse: bool):
     """Run ``plan`` (:func:`plan_call`); the results in the caller's layout and
-    dtype (``lse`` in the compute dtype, also where float64 was needed)."""
+    dtype (``lse`` in the compute dtype, also where float64 was needed), with
+    the call's attention sinks merged in (:func:`flashtile.merge.add_sinks`)."""
     if type(plan) is DecodePlan:
         out, lse = run_decode_checked(plan, call.variants, call.q, None)
     else:
         out, lse, _ = run_forward(plan)
+    if call.variants.sinks is not None:
+        with np.errstate(divide="ignore"):  # an all-empty row's weight (see merge_partials)
+            out, lse = add_sinks(np, out, lse, call.variants.sinks)
     return _shaped(out, lse, call.shapes, call.q.dtype, return_lse)
 
 

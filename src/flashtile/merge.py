@@ -91,3 +91,39 @@ def merge_partials(xp, out_a, lse_a, out_b, lse_b):
     part_a = xp.where((w_a == 0)[..., None], 0.0, (w_a * inv)[..., None] * out_a)
     part_b = xp.where((w_b == 0)[..., None], 0.0, (w_b * inv)[..., None] * out_b)
     return part_a + part_b, lse
+
+
+def add_sinks(xp, out, lse, sinks):
+    """``(out, lse)`` of ``(..., Hq, T, dv)``, ``(..., Hq, T)`` with the attention
+    sinks ``sinks (Hq,)`` merged in (NumPy, or torch with ``xp = torch``).
+
+    A sink is one more key per query head, of score ``sinks[h]`` and value
+    zero: a partial result ``(0, sinks[h])`` over a key set of its own, so it
+    enters through :func:`merge_partials` like any other partial (no overflow
+    for a large sink; a row that saw no key gets ``out = 0``, ``lse =
+    sinks[h]``; a ``-inf`` sink changes nothing). ``out`` keeps its dtype.
+    """
+    sink = xp.zeros_like(lse) + _cast(xp, sinks, lse.dtype).reshape((-1, 1))  # (..., Hq, T)
+    merged, lse = merge_partials(xp, out, lse, 0.0, sink)
+    return _cast(xp, merged, out.dtype), lse
+
+
+def sink_gradient(xp, out, lse, dout, sinks):
+    """``d loss / d sinks (Hq,)`` from the forward's sink-merged ``out``, ``lse``
+    (:func:`add_sinks`) and the gradient ``dout`` of ``out``.
+
+    The sink's probability in row ``i`` is ``P_i = exp(sink - lse_i)`` and
+    ``d out_i / d sink = -P_i out_i``, so the gradient is ``-sum_i P_i D_i``
+    with ``D_i = dout_i . out_i`` over every row of the head (the backward's
+    own ``D``). In the dtype of ``lse``.
+    """
+    # A row with lse = -inf has a -inf sink too (lse includes it): its P is 0.
+    safe = xp.where(xp.isneginf(lse), xp.inf, lse)
+    p_sink = xp.exp(_cast(xp, sinks, lse.dtype).reshape((-1, 1)) - safe)
+    delta = (_cast(xp, dout, lse.dtype) * _cast(xp, out, lse.dtype)).sum(-1)
+    return -(p_sink * delta).reshape((-1,) + tuple(lse.shape[-2:])).sum((0, 2))
+
+
+def _cast(xp, a, dtype):
+    """``a`` in ``dtype`` (NumPy's ``astype``, torch's ``to``), no copy when it is."""
+    return a.astype(dtype, copy=False) if xp is np else a.to(dtype)

@@ -44,6 +44,7 @@ from .cpu.tiles import (
     SEQ_TQ,
     KernelVariants,
 )
+from .dropout import keep_threshold
 from .masks import block_mask
 from .precision import FLOAT32_SCORE_LIMIT, bf16_products_fit, bounds, work_dtype
 from .variants import Variants
@@ -161,8 +162,8 @@ def _plan(call, block_q, block_k, backward):
             q4.shape[:2], k4.shape[1], shapes.tq, shapes.tk, lengths, va.causal, va.left,
             va.right, va.softcap, work, block_q, block_k, backward, threads,
         )  # fmt: skip
-        if va.alibi is not None or va.mask_add is not None:  # arrays of this call
-            variants = kernel_variants(va, work, q4.shape[1])
+        if va.alibi is not None or va.mask_add is not None or va.dropout_p > 0.0:
+            variants = kernel_variants(va, work, q4.shape[1])  # this call's own values
     else:
         seqs = sequence_table(call)
         block_q, block_k, variants, items, parts = _schedule(
@@ -183,8 +184,8 @@ def _plain_schedule(
     """:func:`_schedule` of a call whose schedule depends on sizes and flags
     only (no boolean mask, not packed), cached: a serving loop repeats a few
     shapes. The arrays are shared between calls; the kernels only read them.
-    Its variants are the plain ones: a call with slopes or an additive mask
-    replaces them with its own."""
+    Its variants are the plain ones: a call with slopes, an additive mask or
+    dropout replaces them with its own."""
     seqs = _batch_table(lead[0], tq, tk, lengths)
     va = Variants(causal=causal, left=left, right=right, softcap=softcap)
     heads, extent = (lead[1], n_kv), (tq, tk)
@@ -349,7 +350,12 @@ def kernel_variants(va: Variants, work, heads: int) -> KernelVariants:
     mask_bool.flags.writeable = False
     states = np.zeros((0, 0, 0, 0), dtype=np.int8)
     softcap = 0.0 if va.softcap is None else va.softcap * LOG2E
-    return KernelVariants(va.causal, va.left, va.right, softcap, alibi, mask_add, mask_bool, states)
+    seed = va.dropout_seed
+    return KernelVariants(
+        va.causal, va.left, va.right, softcap, alibi, mask_add, mask_bool, states,
+        keep_threshold(va.dropout_p), seed & 0xFFFFFFFF, seed >> 32, va.dropout_offset,
+        1.0 / (1.0 - va.dropout_p),
+    )  # fmt: skip
 
 
 def _mask4(mask, work=None):

@@ -13,6 +13,17 @@ in this order (``p = i + Tk - Tq`` is the query's position)::
 
 and a row whose every score is ``-inf`` gives zeros and ``lse = -inf``.
 Visibility by position (causal, window, padding) is :mod:`flashtile.masks`.
+
+Two variants act after the scores:
+
+- ``sinks`` (one logit per query head, gpt-oss's ``s_aux``): an extra key
+  of score ``sinks[h]`` and value zero in every row's softmax, neither scaled
+  nor masked. It is merged into the result as a partial of its own
+  (:func:`flashtile.merge.add_sinks`): ``lse`` includes it, a row that sees no
+  key gives zeros and ``lse = sinks[h]``.
+- ``dropout_p`` with ``dropout_seed`` and ``dropout_offset``: each
+  probability is kept with probability ``1 - p`` and scaled by ``1 / (1 -
+  p)`` (:mod:`flashtile.dropout`: the decisions, reproducible from the seed).
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._validate import AttentionShapes, as_numpy, check_flag, check_softcap
+from .dropout import check_counter_range, check_dropout
 from .masks import BlockMask, normalize_window
 
 #: Float mask values below ``-MASK_LIMIT`` count as ``-inf`` (hidden), and
@@ -47,6 +59,9 @@ class Variants:
         mask_bool: bool array broadcastable to ``(..., Tq, Tk)``, or None.
         mask_add: float array broadcastable to ``(..., Tq, Tk)``, or None.
         block_mask: the user's :class:`BlockMask` when one was passed.
+        sinks: ``(Hq,)`` float64 sink logits, or None.
+        dropout_p, dropout_seed, dropout_offset: dropout's probability (0 =
+            off), the generator's seed and counter offset (0 when off).
     """
 
     causal: bool = False
@@ -58,6 +73,10 @@ class Variants:
     mask_bool: np.ndarray | None = None
     mask_add: np.ndarray | None = None
     block_mask: BlockMask | None = None
+    sinks: np.ndarray | None = None
+    dropout_p: float = 0.0
+    dropout_seed: int = 0
+    dropout_offset: int = 0
 
 
 def _heads_and_batch(shapes: AttentionShapes, what: str) -> tuple[int, int]:
@@ -179,6 +198,10 @@ def resolve_variants(
     kv_lengths=None,
     key_padding_mask=None,
     mask=None,
+    sinks=None,
+    dropout_p=0.0,
+    dropout_seed=None,
+    dropout_offset=0,
 ) -> Variants:
     """Validate the variant keywords against ``shapes`` and normalise them."""
     causal = check_flag(causal, "causal")
@@ -199,7 +222,33 @@ def resolve_variants(
         mask_bool=mask_bool,
         mask_add=mask_add,
         block_mask=blocks,
+        sinks=None if sinks is None else check_sinks(sinks, shapes),
+        **_dropout_fields(dropout_p, dropout_seed, dropout_offset, shapes),
     )
+
+
+def check_sinks(sinks, shapes: AttentionShapes) -> np.ndarray:
+    """``(Hq,)`` float64 sink logits: finite, or ``-inf`` (no sink for that head)."""
+    hq = _heads_and_batch(shapes, "sinks")[1]
+    arr = np.asarray(as_numpy(sinks))
+    if arr.dtype.kind not in "fiu" or arr.shape != (hq,):
+        raise ValueError(
+            f"sinks must be a float array of shape ({hq},) (one logit per query head), got "
+            f"shape {arr.shape} and dtype {arr.dtype}"
+        )
+    arr = arr.astype(np.float64)
+    if np.isnan(arr).any() or np.isposinf(arr).any():
+        raise ValueError("sinks must be finite or -inf (no sink), not NaN or +inf")
+    return arr
+
+
+def _dropout_fields(dropout_p, dropout_seed, dropout_offset, shapes: AttentionShapes) -> dict:
+    """Variants' dropout fields, validated (:func:`flashtile.dropout.check_dropout`)."""
+    p, seed, offset = check_dropout(dropout_p, dropout_seed, dropout_offset)
+    if p > 0.0:  # the kernels see (B, H, T, d): missing leading dims are 1
+        dims = (1, 1) + tuple(shapes.batch)
+        check_counter_range(dims[-2], dims[-1])
+    return {"dropout_p": p, "dropout_seed": seed, "dropout_offset": offset}
 
 
 def existing_keys(va: Variants, key_padding_mask, tk: int) -> np.ndarray | None:

@@ -10,7 +10,8 @@ query block ``i`` and each key block ``j`` it can see::
     dV_j += P^T dO_i            dP = dO_i V_j^T
     dS   = P * (dP - D_i)       dQ_i += scale * dS K_j     dK_j += scale * dS^T Q_i
 
-with ``D = rowsum(dO * O)`` (softcap multiplies ``dS`` by ``1 - tanh**2``).
+with ``D = rowsum(dO * O)`` (softcap multiplies ``dS`` by ``1 - tanh**2``;
+dropout regenerates the forward's mask, :func:`grad_rows`).
 Five BLAS products per tile (three accumulate straight into the gradients),
 one recomputed exponential; a tile across the causal diagonal runs them as
 two row blocks, the top one over only the keys it sees
@@ -26,7 +27,8 @@ from numba import njit, prange
 
 from ..masks import TILE_EMPTY, TILE_PARTIAL
 from . import FASTMATH
-from .blas import gemm
+from .blas import gemm, gemm_scaled
+from .dropout import mark_rows
 from .half import narrow, narrow_operand, prob_buffer, prob_tile, split_scale, widen
 from .rowops import exp2_into, zero_outside
 from .tile_step import score_product
@@ -103,7 +105,7 @@ def row_terms(lse, out, dout, h0, i_first, br, lse2, delta):
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def grad_rows(
     gemm_fn, p, dp, ds, tanh, do_tile, q_raw, k_tile, v_tile, dq_tile, dk_tile, dv_tile, delta,
-    r0, r1, cw,
+    r0, r1, cw, tile, j0, variants,
 ):  # fmt: skip
     """The four gradient products of rows ``[r0, r1)`` over a tile's first ``cw`` keys.
 
@@ -111,17 +113,35 @@ def grad_rows(
     ``ds`` receives ``dS``: ``dp`` itself, or for bf16 operands a ``uint16``
     tile where it is rounded (:func:`.half.prob_tile`); all C-contiguous
     ``(rows, bc)``. ``tanh`` is softcap's factor (or empty).
-    ``dk_tile``/``dv_tile`` are the gradient rows of the tile's keys.
+    ``dk_tile``/``dv_tile`` are the gradient rows of the tile's keys, which
+    are keys ``j0, j0 + 1, ...`` of the ``tile``'s sequence.
+
+    With dropout (keep mask ``Z``, scale ``c = 1 / (1 - p)``) the output was
+    ``(c Z * P) V``, so ``dV += c (Z * P)^T dO`` and ``dS = P * (c Z * dP -
+    D)``: :func:`.dropout.mark_rows` negates the dropped entries of ``p``,
+    the ``dS`` loop reads the mark and clears it.
     """
     pg, dsg = p[r0:r1, :cw], ds[r0:r1, :cw]
     dog = do_tile[r0:r1]
-    gemm(gemm_fn, pg, dog, dv_tile[:cw], True, False, 1.0)  # dV_j += P^T dO_i
     gemm(gemm_fn, dog, v_tile[:cw], dp[r0:r1, :cw], False, True, 0.0)  # dP = dO_i V_j^T
+    dropping = variants.drop_threshold > 0
+    if dropping:
+        mark_rows(p, r0, r1, cw, j0, tile, variants)
+    keep_scale, zero = dp.dtype.type(variants.drop_scale), dp.dtype.type(0.0)
     # Rows of the C-contiguous tiles (unit stride known: vectorised).
     # Indexed, not row views: each view costs two atomic reference counts.
     for r in range(r0, r1):
         row, dr = np.uintp(r), delta[r]
-        if tanh.size:  # dS = P * (dP - D), through softcap's tanh
+        if dropping:  # dS = P * (c Z * dP - D); then P * Z for dV
+            for c in range(cw):
+                x = widen(p[row, c])
+                g = abs(x) * ((dp[row, c] * keep_scale if x > zero else zero) - dr)
+                if tanh.size:
+                    t = tanh[row, c]
+                    g *= 1.0 - t * t
+                ds[row, c] = narrow_operand(g, ds)
+                p[row, c] = narrow(max(x, zero), p)
+        elif tanh.size:  # dS = P * (dP - D), through softcap's tanh
             for c in range(cw):
                 t = tanh[row, c]
                 g = widen(p[row, c]) * (dp[row, c] - dr) * (1.0 - t * t)
@@ -129,6 +149,8 @@ def grad_rows(
         else:
             for c in range(cw):
                 ds[row, c] = narrow_operand(widen(p[row, c]) * (dp[row, c] - dr), ds)
+    # dV_j += c P^T dO_i (after the loop, which cleared dropout's marks)
+    gemm_scaled(gemm_fn, pg, dog, dv_tile[:cw], True, False, keep_scale, 1.0)
     gemm(gemm_fn, dsg, k_tile[:cw], dq_tile[r0:r1], False, False, 1.0)  # dQ_i += dS K_j
     gemm(gemm_fn, dsg, q_raw[r0:r1], dk_tile[:cw], True, False, 1.0)  # dK_j += dS^T Q_i
 
@@ -173,11 +195,11 @@ def grad_query_block(
         if top > 0 and top_w > 0:
             grad_rows(
                 gemm_fn, p_out, ds, ds_out, tanh, do_tile, q_raw, k_tile, v_tile, dq_tile,
-                dk_tile, dv_tile, delta, 0, top, top_w,
+                dk_tile, dv_tile, delta, 0, top, top_w, tile, j0, variants,
             )  # fmt: skip
         grad_rows(
             gemm_fn, p_out, ds, ds_out, tanh, do_tile, q_raw, k_tile, v_tile, dq_tile, dk_tile,
-            dv_tile, delta, top, rows, bc,
+            dv_tile, delta, top, rows, bc, tile, j0, variants,
         )  # fmt: skip
 
 

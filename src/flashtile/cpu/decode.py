@@ -204,7 +204,7 @@ def decode_kernel(
         length = seqlens[b]
         table_row = table[b]
         # Every query of the sequence in one tile: i0 = 0, br = Tq.
-        tile = QueryTile(b, hk * group, tq, 0, tq, length, length)
+        tile = QueryTile(b, hk * group, tq, 0, tq, length, length, 0, 0)
         q_tile = np.empty((rows, d), dtype=q.dtype)
         load_q_tile(q, tile, group, 0, q_mult, q_tile)
         acc, m, ell, alpha, s_buf = item_buffers(rows, dv, floats, work)
@@ -242,7 +242,7 @@ def decode_kernel(
             )  # fmt: skip
             j0 = j1
         out_heads = part_out[slot].reshape((group, tq, dv))
-        finish_rows(acc, m, ell, out_heads, part_lse[slot].reshape((group, tq)), 0, 0, tq)
+        finish_rows(acc, m, ell, out_heads, part_lse[slot].reshape((group, tq)), 0, 0, tq, 1.0)
 
 
 @njit(fastmath=FASTMATH, cache=True)

@@ -188,7 +188,7 @@ def forward_kernel(
                 gemm_fn, q_tile, k_rows, v_rows, s_buf, p_buf, s_mult, m, ell, alpha, acc, tile,
                 group, variants, block_k,
             )  # fmt: skip
-        finish_rows(acc, m, ell, out[b], lse[b], tile.h0, qs0 + i0, tile.br)
+        finish_rows(acc, m, ell, out[b], lse[b], tile.h0, qs0 + i0, tile.br, variants.drop_scale)
 
 
 @njit(cache=True)

@@ -9,6 +9,7 @@ the normaliser ``ell_i`` and the unnormalised output ``acc``::
     S   = (scale * log2(e) * Q_i) K_j^T        BLAS gemm into a reused buffer
     m'  = m_i, or max(S) + HEADROOM if S passed m_i;  alpha = 2**(m_i - m')
     P   = 2**(S - m')  (vectorised, in place);  ell_i = alpha * ell_i + rowsum(P)
+    P   = P * keep                             dropout only (.dropout), after the sum
     acc = alpha * acc + P V_j                  rescale rows, then gemm with beta = 1
 
 Folding ``scale * log2(e)`` into the query tile once makes every score an
@@ -31,6 +32,7 @@ from numba.extending import overload
 from ..masks import TILE_FULL, TILE_PARTIAL
 from . import FASTMATH
 from .blas import gemm, gemm_scaled
+from .dropout import drop_tile
 from .half import narrow, prob_tile, widen
 from .memory import prefetch_rows
 from .rowops import exp2_into, row_max, zero_outside
@@ -334,6 +336,8 @@ def fold_key_tile(
     # Hidden columns (the top rows' unwritten ones too) come back as zeros.
     p = prob_tile(s, p_buf)
     softmax_tile(s, p, m, ell, alpha, q_tile, k_tile, s_mult, segs, tile, variants, full, raw_flag)
+    if variants.drop_threshold > 0:  # after the sums: ell is the undropped normaliser
+        drop_tile(p, segs, tile, variants, 0.0)
     rescale_rows(acc, alpha)
     if top > 0:
         if top_w > 0:
@@ -344,9 +348,10 @@ def fold_key_tile(
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def finish_rows(acc, m, ell, out, lse, h0, i_first, br):
+def finish_rows(acc, m, ell, out, lse, h0, i_first, br, mult):
     """The epilogue: normalise the rows once and write ``out`` and ``lse``.
 
+    ``mult`` scales ``out`` (dropout's ``1 / (1 - p)``; 1 otherwise).
     Row ``r`` goes to ``out[h0 + r // br, i_first + r % br]`` of ``out (H, T,
     dv)`` (float, or bf16 bits as uint16: rounded) and ``lse (H, T)``
     (natural log). A row that saw no key gets zeros
@@ -360,7 +365,7 @@ def finish_rows(acc, m, ell, out, lse, h0, i_first, br):
             out[h, i, :] = 0
             lse[h, i] = -np.inf
         else:
-            inv = 1.0 / ell[r]
+            inv = mult / ell[r]
             for c in range(out.shape[2]):
                 out[h, i, c] = narrow(acc[r, c] * inv, out)
             lse[h, i] = (m[r] + math.log2(ell[r])) * LN2

@@ -66,7 +66,9 @@ class QueryTile(NamedTuple):
     """Where a tile's stacked rows sit: row ``r`` is query ``i0 + r % br`` of
     query head ``h0 + r // br`` in batch entry ``b``, in a sequence of ``tq``
     queries and ``tk`` keys, the first ``kv_len`` of them valid. Positions
-    are the sequence's own (causal alignment uses ``tq`` and ``tk``)."""
+    are the sequence's own (causal alignment uses ``tq`` and ``tk``);
+    ``q_start`` and ``k_start`` are its first query and key rows in the
+    arrays (nonzero for packed sequences), which dropout's counters read."""
 
     b: int
     h0: int
@@ -75,6 +77,8 @@ class QueryTile(NamedTuple):
     tq: int
     tk: int
     kv_len: int
+    q_start: int
+    k_start: int
 
 
 class KernelVariants(NamedTuple):
@@ -85,7 +89,10 @@ class KernelVariants(NamedTuple):
     ``mask_add``/``mask_bool``/``states`` are ``(Bm, Hm, TQm, TKm)``-shaped
     with size-1 dims broadcasting, and empty when off; ``states`` (the block
     map for the call's tiles, ``TILE_*`` values) is present whenever
-    ``mask_bool`` is.
+    ``mask_bool`` is. Dropout (:mod:`flashtile.dropout`): ``drop_threshold``
+    the 16-bit threshold (0 = off), ``drop_key0``/``drop_key1`` the seed's
+    halves, ``drop_offset`` the counter's offset word, ``drop_scale`` the
+    kept entries' ``1 / (1 - p)`` (1 when off).
     """
 
     causal: bool
@@ -96,6 +103,11 @@ class KernelVariants(NamedTuple):
     mask_add: np.ndarray
     mask_bool: np.ndarray
     states: np.ndarray
+    drop_threshold: int
+    drop_key0: int
+    drop_key1: int
+    drop_offset: int
+    drop_scale: float
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -104,7 +116,10 @@ def sequence_tile(seqs, s, h0, i0, block_q):
     the sequence's end) of sequence ``s``, heads from ``h0``."""
     tq = seqs[s, SEQ_TQ]
     br = min(block_q, tq - i0)
-    return QueryTile(seqs[s, SEQ_BATCH], h0, br, i0, tq, seqs[s, SEQ_TK], seqs[s, SEQ_KV_LEN])
+    return QueryTile(
+        seqs[s, SEQ_BATCH], h0, br, i0, tq, seqs[s, SEQ_TK], seqs[s, SEQ_KV_LEN],
+        seqs[s, SEQ_Q_START], seqs[s, SEQ_K_START],
+    )  # fmt: skip
 
 
 @njit(fastmath=FASTMATH, cache=True)

@@ -24,6 +24,7 @@ from .._validate import (
     compute_dtype,
     resolve_scale,
 )
+from ..dropout import keep_mask
 from ..masks import block_key_range, visible
 from ..variants import Variants, clear_padded_keys, existing_keys, resolve_variants
 from .softmax import online_update, softmax
@@ -96,18 +97,47 @@ def _scores(pb: _Problem, start: int, stop: int):
     return s, dcap
 
 
+def _kept(pb: _Problem, start: int, stop: int):
+    """Dropout's factor on the probabilities of keys ``[start, stop)``:
+    ``keep / (1 - p)`` shaped ``(batch..., Tq, stop - start)``, or None without dropout."""
+    va, sh = pb.variants, pb.shapes
+    if va.dropout_p == 0.0:
+        return None
+    dims = (1, 1) + tuple(sh.batch)
+    keep = keep_mask(
+        va.dropout_p, va.dropout_seed, va.dropout_offset, dims[-2], dims[-1], range(sh.tq),
+        range(start, stop),
+    )  # fmt: skip
+    factor = keep.reshape(sh.batch + keep.shape[2:]) / (1.0 - va.dropout_p)
+    return factor.astype(pb.q.dtype)
+
+
+def _sinks(pb: _Problem):
+    """The sink logits shaped to broadcast over ``(batch..., Tq)`` rows, or None."""
+    sinks = pb.variants.sinks
+    return None if sinks is None else sinks.astype(pb.q.dtype)[:, None]
+
+
 def naive_attention(q, k, v, causal: bool = False, *, scale=None, **variants):
     """Dense attention ``softmax(q k^T * scale) v`` that materialises every score.
 
     Returns ``(out, weights)``: ``out (..., Tq, dv)`` and the probability matrix
-    ``weights (..., Tq, Tk)``. This is the oracle the tiled paths are checked
-    against; its memory is ``O(Tq * Tk)``. ``variants`` are the keywords of
-    :func:`flashtile.variants.resolve_variants` (window, alibi_slopes,
-    softcap, kv_lengths, key_padding_mask, mask).
+    ``weights (..., Tq, Tk)`` (before dropout). This is the oracle the tiled
+    paths are checked against; its memory is ``O(Tq * Tk)``. ``variants`` are
+    the keywords of :func:`flashtile.variants.resolve_variants` (window,
+    alibi_slopes, softcap, kv_lengths, key_padding_mask, mask, sinks,
+    dropout_p/dropout_seed/dropout_offset).
     """
     pb = _prepare(q, k, v, causal, scale, variants)
-    weights = softmax(_scores(pb, 0, pb.shapes.tk)[0], axis=-1)
-    out = weights @ pb.v
+    s = _scores(pb, 0, pb.shapes.tk)[0]
+    sinks = _sinks(pb)
+    if sinks is None:
+        weights = softmax(s, axis=-1)
+    else:  # the sink is one more column, of score sinks[h] and value zero
+        column = np.broadcast_to(sinks[..., None], s.shape[:-1] + (1,))
+        weights = softmax(np.concatenate([s, column], axis=-1), axis=-1)[..., :-1]
+    kept = _kept(pb, 0, pb.shapes.tk)
+    out = (weights if kept is None else weights * kept) @ pb.v
     return out.astype(pb.out_dtype, copy=False), weights.astype(pb.out_dtype, copy=False)
 
 
@@ -140,11 +170,17 @@ def tiled_attention(
     state_shape = sh.batch + (sh.tq,)
     m = np.full(state_shape, -np.inf, dtype=pb.q.dtype)
     ell = np.zeros(state_shape, dtype=pb.q.dtype)
+    sinks = _sinks(pb)
+    if sinks is not None:  # the sink is the state's first score: m = sink, ell = 1
+        m = np.broadcast_to(sinks, state_shape).astype(pb.q.dtype)
+        ell = np.where(np.isneginf(m), 0.0, 1.0).astype(pb.q.dtype)
     numerator = np.zeros(state_shape + (sh.dv,), dtype=pb.q.dtype)
     first, last = pb.key_range
     for start in range(first, last, block_size):
         stop = min(start + block_size, last)
         m, ell, rescale, p = online_update(m, ell, _scores(pb, start, stop)[0])
+        kept = _kept(pb, start, stop)  # dropout acts on P after its sum entered ell
+        p = p if kept is None else p * kept
         numerator = numerator * rescale[..., None] + p @ pb.v[..., start:stop, :]
     # Normalise once at the end; empty rows (ell = 0) stay zero.
     denom = ell[..., None]

@@ -19,7 +19,7 @@ import warnings
 import numpy as np
 
 from .._validate import check_block_size, check_same_shape
-from .attention import _prepare, _scores
+from .attention import _kept, _prepare, _scores, _sinks
 
 
 def _sum_to_shape(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -62,8 +62,9 @@ def tiled_attention_backward(
 
     Returns:
         ``dq``, ``dk``, ``dv`` with the shapes and dtypes of ``q``, ``k``,
-        ``v`` (summed over a query-head group for GQA). Rows that saw no key
-        (``lse = -inf``) contribute nothing.
+        ``v`` (summed over a query-head group for GQA), and with ``sinks``
+        also ``dsinks (Hq,)``. Rows that saw no key (``lse = -inf``)
+        contribute nothing. Dropout's mask is regenerated from its seed.
 
     Deprecated: the earlier order ``(q, k, v, out, dout, lse, block_size,
     causal)``, recognised by a positional ``block_size``/``causal`` or by the
@@ -96,20 +97,28 @@ def tiled_attention_backward(
         stop = min(start + block_size, last)
         s, dcap = _scores(pb, start, stop)
         p = np.exp(s - origin[..., None])
-        dv[..., start:stop, :] = np.swapaxes(p, -1, -2) @ dout
+        kept = _kept(pb, start, stop)  # dropout: out was (P * kept) V
+        kept = np.ones_like(p) if kept is None else kept
+        dv[..., start:stop, :] = np.swapaxes(p * kept, -1, -2) @ dout
         dp = dout @ np.swapaxes(pb.v[..., start:stop, :], -1, -2)
-        ds = p * (dp - delta[..., None])
+        ds = p * (dp * kept - delta[..., None])
         if dcap is not None:
             ds = ds * dcap  # through softcap * tanh(s / softcap)
         dq += (ds @ pb.k[..., start:stop, :]) * pb.scale
         dk[..., start:stop, :] = (np.swapaxes(ds, -1, -2) @ pb.q) * pb.scale
     if sh.group > 1:  # fold the repeated kv heads back onto their group
         dk, dv = (_sum_groups(g, sh.group) for g in (dk, dv))
-    grads = (
+    grads = tuple(
         _sum_to_shape(g, s).astype(pb.out_dtype, copy=False)
         for g, s in zip((dq, dk, dv), in_shapes, strict=True)
     )
-    return tuple(grads)
+    sinks = _sinks(pb)
+    if sinks is None:
+        return grads
+    # d lse / d sink = exp(sink - lse) per row, and d out_i / d sink = -P_sink_i out_i.
+    p_sink = np.exp(sinks - origin)
+    dsinks = -(p_sink * delta).reshape(-1, sh.batch[-1], sh.tq).sum(axis=(0, 2))
+    return grads + (dsinks.astype(pb.out_dtype, copy=False),)
 
 
 def _old_order(out, fifth, sixth, legacy: tuple) -> bool:
