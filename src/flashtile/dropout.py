@@ -41,7 +41,6 @@ PHILOX_M1 = np.uint64(0xCD9E8D57)
 PHILOX_W0 = np.uint64(0x9E3779B9)
 PHILOX_W1 = np.uint64(0xBB67AE85)
 PHILOX_ROUNDS = 10
-_LOW32 = np.uint64(0xFFFFFFFF)
 _SHIFT32 = np.uint64(32)
 #: Keep/drop values are 16 bits wide: eight per Philox block.
 KEEP_BITS = 16
@@ -53,21 +52,24 @@ COUNTER_LIMIT = 1 << 16
 def philox(c0, c1, c2, c3, k0, k1):
     """Philox-4x32-10 of counter ``(c0, c1, c2, c3)`` under key ``(k0, k1)``.
 
-    Every argument is a ``np.uint64`` (or a uint64 array: the NumPy oracle
-    evaluates many blocks at once) holding a 32-bit value; returns the four
-    32-bit output words as uint64 values.
+    Every argument is a ``np.uint32`` (or a uint32 array: the NumPy oracle
+    evaluates many blocks at once); returns the four output words as uint32.
+    Each product is a 32 x 32 -> 64-bit multiply (exact in uint64) and every
+    other value is truncated to 32 bits as soon as it is formed, which lets
+    LLVM vectorise a loop of blocks (``vpmuludq``: 2x the scalar rate on AVX2).
     """
+    u32, u64 = np.uint32, np.uint64
     for _ in range(PHILOX_ROUNDS):
-        a = PHILOX_M0 * c0  # 32 x 32 -> 64 bits, exact in uint64
-        b = PHILOX_M1 * c2
+        a = PHILOX_M0 * u64(c0)
+        b = PHILOX_M1 * u64(c2)
         c0, c1, c2, c3 = (
-            ((b >> _SHIFT32) ^ c1 ^ k0) & _LOW32,
-            b & _LOW32,
-            ((a >> _SHIFT32) ^ c3 ^ k1) & _LOW32,
-            a & _LOW32,
+            u32(u32(b >> _SHIFT32) ^ c1 ^ k0),
+            u32(b),
+            u32(u32(a >> _SHIFT32) ^ c3 ^ k1),
+            u32(a),
         )
-        k0 = (k0 + PHILOX_W0) & _LOW32
-        k1 = (k1 + PHILOX_W1) & _LOW32
+        k0 = u32(k0 + PHILOX_W0)
+        k1 = u32(k1 + PHILOX_W1)
     return c0, c1, c2, c3
 
 
@@ -123,17 +125,18 @@ def keep_mask(p, seed, offset, batch, heads, rows, cols) -> np.ndarray:
     sequences, e.g. ``range(Tq)``); the oracle and ``S_dmask``-style
     inspection use it, the kernels evaluate the same blocks tile by tile.
     """
-    rows = np.asarray(rows, dtype=np.uint64)
-    cols = np.asarray(cols, dtype=np.uint64)
+    rows = np.asarray(rows, dtype=np.uint32)
+    cols = np.asarray(cols, dtype=np.uint32)
     if p == 0.0:
         return np.ones((batch, heads, rows.size, cols.size), dtype=bool)
-    b = np.arange(batch, dtype=np.uint64)[:, None, None, None]
-    h = np.arange(heads, dtype=np.uint64)[None, :, None, None]
+    u32 = np.uint32
+    bh = (np.arange(batch, dtype=u32)[:, None] << u32(16)) | np.arange(heads, dtype=u32)
     i = rows[None, None, :, None]
     j = cols[None, None, None, :]
-    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
-    words = philox(j >> np.uint64(3), i, (b << np.uint64(16)) | h, np.uint64(offset), k0, k1)
-    which = (j >> np.uint64(1)) & np.uint64(3)
-    word = np.choose(which.astype(np.intp), np.broadcast_arrays(*words))
-    value = (word >> ((j & np.uint64(1)) * np.uint64(KEEP_BITS))) & np.uint64(0xFFFF)
-    return value >= np.uint64(keep_threshold(p))
+    words = philox(
+        j >> u32(3), i, bh[:, :, None, None], u32(offset), u32(seed & 0xFFFFFFFF), u32(seed >> 32)
+    )
+    which = ((j >> u32(1)) & u32(3)).astype(np.intp)
+    word = np.choose(which, np.broadcast_arrays(*words))
+    value = (word >> ((j & u32(1)) * u32(KEEP_BITS))) & u32(0xFFFF)
+    return value >= keep_threshold(p)
