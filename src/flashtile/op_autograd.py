@@ -2,15 +2,20 @@
 
 Each backend registers a pair of torch operators of one convention::
 
-    forward(q, k, v, *variants) -> (out, lse)
+    forward(q, k, v, *variants, sinks) -> (out, lse)
     backward(dout, q, k, v, out, lse, *variants) -> (dq, dk, dv)
+
+The forward's last argument is the attention sinks ``(Hq,)`` (or None),
+merged into ``out`` and ``lse``; the backward takes the other variants: its
+``P = exp(S - lse)`` already includes the sink's column, and the sinks' own
+gradient is :func:`flashtile.merge.sink_gradient`, computed here in torch.
 
 (``flashtile::attention_fwd``/``_bwd`` on the CPU kernels, ``flashtile::
 triton_attention_fwd``/``_bwd`` on the Triton kernels). :func:`register`
 gives a pair its autograd: the forward keeps only ``q, k, v, out, lse`` and
 the variant arguments (O(T) state: the backward recomputes score tiles from
-``lse``), ``lse`` carries no gradient, the variants get none, and a second
-derivative is refused. :class:`FuncAttention` is the same formula for
+``lse``), ``lse`` carries no gradient, the variants get none but the sinks,
+and a second derivative is refused. :class:`FuncAttention` is the same formula for
 ``torch.func`` transforms (``grad``, ``vjp``, ``jacrev``, and ``vmap`` over
 them), under which an operator's own autograd cannot run (torch builds it
 without the ``setup_context`` that functorch needs); forward-mode AD is
@@ -25,6 +30,8 @@ from typing import NamedTuple
 
 import torch
 from torch.autograd import forward_ad
+
+from .merge import sink_gradient
 
 
 class Operators(NamedTuple):
@@ -70,11 +77,14 @@ def setup_context(ctx, inputs, output) -> None:
 def gradients(ctx, dout, backward) -> tuple:
     """The forward's gradients from :func:`setup_context`'s ``ctx`` through
     ``backward`` (the backward operator, or its implementation): ``dq, dk,
-    dv`` and None for every variant argument."""
+    dv``, None for every variant argument and the sinks' gradient."""
     q, k, v, out, lse, *tensors = ctx.saved_tensors
-    variants = [t if x is None else x for t, x in zip(tensors, ctx.others, strict=True)]
+    *variants, sinks = [t if x is None else x for t, x in zip(tensors, ctx.others, strict=True)]
     dq, dk, dv = backward(dout, q, k, v, out, lse, *variants)
-    return (dq, dk, dv) + (None,) * len(variants)
+    dsinks = None
+    if sinks is not None:
+        dsinks = sink_gradient(torch, out, lse, dout, sinks).to(sinks.dtype)
+    return (dq, dk, dv) + (None,) * len(variants) + (dsinks,)
 
 
 def register(ops: Operators) -> None:

@@ -30,11 +30,15 @@ class Arg(NamedTuple):
     """One operator argument, for the batching rule: ``kind`` is ``"query"`` (a
     per-query tensor whose first axis is the batch at ``rank``), ``"constant"``
     (a batch axis only at ``rank``), ``"packed"`` (offsets of packed
-    sequences: refused under vmap) or ``"value"`` (not a tensor)."""
+    sequences: refused under vmap), ``"shared"`` (one tensor for every batch
+    entry: refused when vmapped itself), ``"refused"`` (a feature that cannot
+    run under vmap: refused when given, ``what`` names it) or ``"value"``
+    (not a tensor)."""
 
     name: str
     kind: str = "value"
     rank: int = 0
+    what: str = ""
 
 
 def query(name: str, rank: int = 4) -> Arg:
@@ -43,6 +47,14 @@ def query(name: str, rank: int = 4) -> Arg:
 
 def constant(name: str, rank: int) -> Arg:
     return Arg(name, "constant", rank)
+
+
+def shared(name: str) -> Arg:
+    return Arg(name, "shared")
+
+
+def refused(name: str, what: str) -> Arg:
+    return Arg(name, "refused", what=what)
 
 
 def _logical_rank(t: torch.Tensor, dim: int | None) -> int:
@@ -97,6 +109,19 @@ class _Folding:
     def fold(self, arg: Arg, t, dim):
         """One argument of the folded call."""
         if arg.kind == "value" or t is None:
+            return t
+        if arg.kind == "refused":
+            raise ValueError(
+                f"flashtile's attention {arg.what} cannot run under torch.vmap (nor "
+                f"torch.func.jacrev or per-sample gradients, which vmap): folding the vmapped "
+                f"dimension into the batch would change its result; call it outside vmap"
+            )
+        if arg.kind == "shared":
+            if dim is not None:
+                raise ValueError(
+                    f"{arg.name} is vmapped, but flashtile takes one {arg.name} for every "
+                    f"batch entry: vmap over q, k and v with {arg.name} unbatched"
+                )
             return t
         if arg.kind == "packed":
             raise ValueError(

@@ -44,6 +44,8 @@ def attention(
     enable_gqa: bool = False,
     return_lse: bool = False,
     kv_lengths: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ):
     """Exact attention on torch tensors (CPU, or CUDA through the Triton kernels),
     differentiable w.r.t. ``q``, ``k``, ``v``.
@@ -78,6 +80,19 @@ def attention(
             batch entry ``b`` exist (4-D inputs); the others are never read. A
             static KV cache passes its full buffer with the filled length here.
             Query positions stay ``i + Tk - Tq`` (see :func:`flashtile.attention`).
+        dropout_p: attention dropout, as SDPA's: each probability is dropped
+            with probability ``dropout_p`` and the kept ones scaled by ``1 / (1 -
+            dropout_p)``, by a counter-based generator (:mod:`flashtile.dropout`)
+            whose seed is drawn from torch's default CPU generator, so
+            ``torch.manual_seed`` reproduces a run; the backward regenerates
+            the same mask (nothing of size ``Tq x Tk`` is stored). Applied
+            whenever it is > 0 (also in eval mode: pass ``dropout_p=0.0``
+            there, as with SDPA). CPU tensors only.
+        sinks: ``(Hq,)`` attention sinks (gpt-oss's ``s_aux``): per query head
+            one more logit in every row's softmax, with no value; it is neither
+            scaled nor masked. Differentiable (a learned parameter gets its
+            gradient); ``lse`` includes it, and a row that sees no key gives
+            zeros and ``lse = sinks[h]``.
 
     Returns:
         ``out (B, Hq, Tq, dv)`` in the input dtype, and ``lse`` if asked. A
@@ -119,14 +134,15 @@ def attention(
         ImportError: CUDA tensors on a machine where Triton cannot be imported
             (also a :class:`~._support.Refusal`).
     """
-    if mask is None and alibi_slopes is None and window is None:
+    plain = mask is None and alibi_slopes is None and window is None and sinks is None
+    if plain and type(dropout_p) is float and dropout_p == 0.0:
         result = _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengths)
         if result is not None:
             return result
     refused = refusal(
         q, k, v, causal=causal, scale=scale, window=window, alibi_slopes=alibi_slopes,
         softcap=softcap, mask=mask, enable_gqa=enable_gqa, return_lse=return_lse,
-        kv_lengths=kv_lengths,
+        kv_lengths=kv_lengths, dropout_p=dropout_p, sinks=sinks,
     )  # fmt: skip
     if refused is not None:
         raise refused.exception()
@@ -134,6 +150,7 @@ def attention(
         return _on_gpu(
             q, k, v, causal=causal, scale=scale, window=window, alibi_slopes=alibi_slopes,
             softcap=softcap, enable_gqa=enable_gqa, return_lse=return_lse, kv_lengths=kv_lengths,
+            sinks=sinks,
         )  # fmt: skip
     in_dtype = q.dtype
     if in_dtype == torch.float16:
@@ -144,13 +161,16 @@ def attention(
     if kv_lengths is not None:
         kv_lengths = as_constant(kv_lengths).to(torch.int64)
     left, right = normalize_window(window, False)  # causal caps it inside
+    dropout_p = float(dropout_p)
+    seed = _dropout_seed() if dropout_p > 0.0 else None
     args = (
         q, k, v, mask, as_constant(alibi_slopes), bool(causal),
         None if scale is None else float(scale), left, right,
-        None if softcap is None else float(softcap), kv_lengths,
+        None if softcap is None else float(softcap), kv_lengths, dropout_p, seed,
+        as_constant(sinks),
     )  # fmt: skip
     if _eager(q, k, v):
-        run = _ops.EagerAttention.apply if _wants_grad(q, k, v) else _ops.forward
+        run = _ops.EagerAttention.apply if _wants_grad(q, k, v, sinks) else _ops.forward
         out, lse = run(*args)
     elif op_autograd.functorch_active():  # the op's own autograd does not run under torch.func
         out, lse = op_autograd.FuncAttention.apply(_ops.OPS, *args)
@@ -207,6 +227,12 @@ def _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_len
     return as_tensor(result)
 
 
+def _dropout_seed() -> torch.Tensor:
+    """A dropout seed drawn from torch's default CPU generator (a 0-d int64
+    tensor, so that ``torch.compile`` traces the draw instead of breaking)."""
+    return torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
+
+
 def _plain_key(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengths):
     """The :mod:`flashtile.frontdoor` key of a plain call (see :func:`_plain_eager`):
     everything its validation reads but the key count; None when the call
@@ -241,9 +267,12 @@ def _plain_key(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengt
     )  # fmt: skip
 
 
-def _wants_grad(q, k, v) -> bool:
+def _wants_grad(q, k, v, sinks=None) -> bool:
     """Whether autograd will want gradients of this call."""
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    learned = sinks is not None and isinstance(sinks, torch.Tensor) and sinks.requires_grad
+    return torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or learned
+    )
 
 
 def _eager(q, k, v) -> bool:
@@ -273,10 +302,11 @@ def _on_gpu(q, k, v, **keywords):
     """
     from .. import triton as gpu  # imported on first use: it needs triton
 
-    wants_grad = _wants_grad(q, k, v)
+    wants_grad = _wants_grad(q, k, v, keywords["sinks"])
     # kv_lengths keeps positions aligned with Tk; decoding's cache_seqlens would not.
     # (Not under torch.func: the decode op has no batching rule, the forward has.)
-    plain = keywords["kv_lengths"] is None and not op_autograd.functorch_active()
+    plain = keywords["kv_lengths"] is None and keywords["sinks"] is None
+    plain = plain and not op_autograd.functorch_active()
     if q.ndim == 4 and q.shape[-2] <= TRITON_DECODE_MAX_QUERIES and not wants_grad and plain:
         keywords.pop("enable_gqa")  # checked by the refusal; decoding always groups
         keywords.pop("kv_lengths")

@@ -8,12 +8,19 @@ calls the backward op, so a compiled training step traces both.
 
 Schemas (``window_left``/``window_right`` = -1 mean unbounded; ``scale`` and
 ``softcap`` None mean ``1/sqrt(d)`` and no cap; ``kv_lengths`` None means
-every key is valid)::
+every key is valid; ``dropout_seed`` is a 0-d int64 tensor, given when
+``dropout_p > 0``; ``sinks (Hq,)`` the attention sinks)::
 
     attention_fwd(q, k, v, mask?, alibi_slopes?, causal, scale?, window_left,
-                  window_right, softcap?, kv_lengths?) -> (out, lse)
+                  window_right, softcap?, kv_lengths?, dropout_p, dropout_seed?,
+                  sinks?) -> (out, lse)
     attention_bwd(dout, q, k, v, out, lse, mask?, alibi_slopes?, causal, scale?,
-                  window_left, window_right, softcap?, kv_lengths?) -> (dq, dk, dv)
+                  window_left, window_right, softcap?, kv_lengths?, dropout_p,
+                  dropout_seed?) -> (dq, dk, dv)
+
+The forward merges the sinks into ``out`` and ``lse``; the backward needs
+nothing more (its ``P = exp(S - lse)`` includes the sink's column), and the
+sinks' own gradient is :mod:`flashtile.op_autograd`'s.
 
 ``q (B, Hq, Tq, d)``, ``k (B, Hkv, Tk, d)``, ``v (B, Hkv, Tk, dv)`` (or the same
 without ``B``) must be CPU float32, float64 or bfloat16; ``out`` is ``(..., Tq,
@@ -48,15 +55,15 @@ from flashtile import op_autograd, op_batching
 
 from .arrays import as_numpy, as_tensor
 
-_FWD_SCHEMA = (
-    "(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? alibi_slopes, bool causal, "
-    "float? scale, int window_left, int window_right, float? softcap, Tensor? kv_lengths=None) "
-    "-> (Tensor, Tensor)"
+_VARIANTS = (
+    "Tensor? mask, Tensor? alibi_slopes, bool causal, float? scale, int window_left, "
+    "int window_right, float? softcap, Tensor? kv_lengths=None, float dropout_p=0.0, "
+    "Tensor? dropout_seed=None"
 )
+_FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_VARIANTS}, Tensor? sinks=None) -> (Tensor, Tensor)"
 _BWD_SCHEMA = (
-    "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, "
-    "Tensor? alibi_slopes, bool causal, float? scale, int window_left, int window_right, "
-    "float? softcap, Tensor? kv_lengths=None) -> (Tensor, Tensor, Tensor)"
+    f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_VARIANTS}) "
+    f"-> (Tensor, Tensor, Tensor)"
 )
 #: dtypes the ops take; flashtile.torch.attention upcasts float16 first.
 NATIVE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -88,8 +95,12 @@ def _np(t: torch.Tensor | None) -> np.ndarray | None:
     return t.detach().numpy() if t.requires_grad else t.numpy()
 
 
-def _variants(mask, alibi_slopes, window_left, window_right, softcap, kv_lengths) -> dict:
-    """The flashtile keywords for the op's variant arguments (only those in use)."""
+def _variants(
+    mask, alibi_slopes, window_left, window_right, softcap, kv_lengths=None, dropout_p=0.0,
+    dropout_seed=None, sinks=None,
+) -> dict:  # fmt: skip
+    """The flashtile keywords for the op's variant arguments (only those in use;
+    the defaults are the schema's, which the dispatcher may leave out)."""
     kw = {}
     if mask is not None:
         kw["mask"] = _np(mask)
@@ -101,15 +112,18 @@ def _variants(mask, alibi_slopes, window_left, window_right, softcap, kv_lengths
         kw["softcap"] = softcap
     if kv_lengths is not None:
         kw["kv_lengths"] = kv_lengths.numpy()
+    if dropout_p > 0.0:
+        kw["dropout_p"], kw["dropout_seed"] = dropout_p, int(dropout_seed)
+    if sinks is not None:
+        kw["sinks"] = _np(sinks)
     return kw
 
 
-def forward(
-    q, k, v, mask, alibi_slopes, causal, scale, window_left, window_right, softcap, kv_lengths
-):
-    """``(out, lse)`` from :func:`flashtile.attention` (see the module docstring)."""
+def forward(q, k, v, mask, alibi_slopes, causal, scale, *variants):
+    """``(out, lse)`` from :func:`flashtile.attention` (see the module docstring);
+    ``variants``: the schema's arguments from ``window_left`` on."""
     _check_native(q)
-    kw = _variants(mask, alibi_slopes, window_left, window_right, softcap, kv_lengths)
+    kw = _variants(mask, alibi_slopes, *variants)
     out, lse = flashtile.attention(
         as_numpy(q), as_numpy(k), as_numpy(v), causal=causal, scale=scale, return_lse=True, **kw
     )
@@ -119,19 +133,13 @@ def forward(
 @torch.library.custom_op(
     "flashtile::attention_fwd", mutates_args=(), device_types="cpu", schema=_FWD_SCHEMA
 )
-def attention_fwd(
-    q, k, v, mask, alibi_slopes, causal, scale, window_left, window_right, softcap, kv_lengths=None
-):
+def attention_fwd(q, k, v, *variants):
     """``(out, lse)``: :func:`forward`."""
-    return forward(
-        q, k, v, mask, alibi_slopes, causal, scale, window_left, window_right, softcap, kv_lengths
-    )
+    return forward(q, k, v, *variants)
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(
-    q, k, v, mask, alibi_slopes, causal, scale, window_left, window_right, softcap, kv_lengths=None
-):
+def _attention_fwd_fake(q, k, v, *variants):
     _check_native(q)
     # new_empty is contiguous, as the real outputs are (strides must match).
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
@@ -141,24 +149,16 @@ def _attention_fwd_fake(
 @torch.library.custom_op(
     "flashtile::attention_bwd", mutates_args=(), device_types="cpu", schema=_BWD_SCHEMA
 )
-def attention_bwd(
-    dout, q, k, v, out, lse, mask, alibi_slopes, causal, scale, window_left, window_right, softcap,
-    kv_lengths=None,
-):  # fmt: skip
+def attention_bwd(dout, q, k, v, out, lse, *variants):
     """``(dq, dk, dv)``: :func:`backward`."""
-    return backward(
-        dout, q, k, v, out, lse, mask, alibi_slopes, causal, scale, window_left, window_right,
-        softcap, kv_lengths,
-    )  # fmt: skip
+    return backward(dout, q, k, v, out, lse, *variants)
 
 
-def backward(
-    dout, q, k, v, out, lse, mask, alibi_slopes, causal, scale, window_left, window_right, softcap,
-    kv_lengths,
-):  # fmt: skip
-    """``(dq, dk, dv)`` from :func:`flashtile.attention_backward` (score tiles recomputed)."""
+def backward(dout, q, k, v, out, lse, mask, alibi_slopes, causal, scale, *variants):
+    """``(dq, dk, dv)`` from :func:`flashtile.attention_backward` (score tiles
+    recomputed; ``out`` and ``lse`` include the sinks, which need nothing more)."""
     _check_native(q)
-    kw = _variants(mask, alibi_slopes, window_left, window_right, softcap, kv_lengths)
+    kw = _variants(mask, alibi_slopes, *variants)
     grads = flashtile.attention_backward(
         *(as_numpy(t) for t in (q, k, v, out)), _np(lse), as_numpy(dout), causal=causal,
         scale=scale, **kw,
@@ -167,10 +167,7 @@ def backward(
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(
-    dout, q, k, v, out, lse, mask, alibi_slopes, causal, scale, window_left, window_right, softcap,
-    kv_lengths=None,
-):  # fmt: skip
+def _attention_bwd_fake(dout, q, k, v, *rest):
     _check_native(q)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -185,16 +182,20 @@ _MASK, _SLOPES, _LENGTHS = (
 _SCALARS = tuple(
     op_batching.Arg(n) for n in ("causal", "scale", "window_left", "window_right", "softcap")
 )
+_DROPOUT = (op_batching.Arg("dropout_p"), op_batching.refused("dropout_seed", "dropout"))
 op_batching.register(
     attention_fwd,
-    (*map(op_batching.query, "qkv"), _MASK, _SLOPES, *_SCALARS, _LENGTHS),
+    (
+        *map(op_batching.query, "qkv"), _MASK, _SLOPES, *_SCALARS, _LENGTHS, *_DROPOUT,
+        op_batching.shared("sinks"),
+    ),
     q_at=0,
-)
+)  # fmt: skip
 op_batching.register(
     attention_bwd,
     (
         *map(op_batching.query, ("dout", "q", "k", "v", "out")), op_batching.query("lse", 3),
-        _MASK, _SLOPES, *_SCALARS, _LENGTHS,
+        _MASK, _SLOPES, *_SCALARS, _LENGTHS, *_DROPOUT,
     ),
     q_at=1,
 )  # fmt: skip

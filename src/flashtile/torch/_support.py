@@ -169,6 +169,40 @@ def _kv_lengths(kv_lengths, qs, gpu: bool) -> Refusal | None:
     return None
 
 
+def _sinks(sinks, qs, gpu: bool) -> Refusal | None:
+    """Attention sinks: a floating ``(Hq,)`` tensor (a gradient may be wanted)."""
+    if sinks is None:
+        return None
+    t = _converted(sinks, "sinks")
+    if isinstance(t, Refusal):
+        return t
+    if refused := _device(t, "sinks", gpu):
+        return refused
+    heads = qs[-3] if len(qs) >= 3 else None
+    if not t.dtype.is_floating_point or tuple(t.shape) != (heads,):
+        return Refusal(
+            ValueError,
+            f"sinks must be a float tensor of shape (Hq,) = ({heads},), one logit per query "
+            f"head, got shape {tuple(t.shape)} and dtype {t.dtype}",
+        )
+    return None
+
+
+def _dropout(dropout_p, gpu: bool) -> Refusal | None:
+    """``0 <= dropout_p < 1``; dropout runs on the CPU kernels only."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        return Refusal(TypeError, f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if not 0.0 <= dropout_p < 1.0:
+        return Refusal(ValueError, f"dropout_p must lie in [0, 1), got {dropout_p}")
+    if gpu and dropout_p > 0.0:
+        return Refusal(
+            ValueError,
+            "dropout_p > 0 on CUDA tensors: flashtile's Triton kernels have no dropout yet; "
+            "use torch.nn.functional.scaled_dot_product_attention on the GPU, or CPU tensors",
+        )
+    return None
+
+
 def _flag(value, name: str) -> Refusal | None:
     if isinstance(value, (bool, np.bool_)):
         return None
@@ -262,6 +296,8 @@ def refusal(
     enable_gqa=False,
     return_lse=False,
     kv_lengths=None,
+    dropout_p=0.0,
+    sinks=None,
 ) -> Refusal | None:
     """Why :func:`flashtile.torch.attention` refuses this call, or None when it runs it.
 
@@ -270,8 +306,8 @@ def refusal(
     (:func:`flashtile._validate.check_sdpa_layout`), for a CUDA call
     (:func:`is_cuda_call`) the Triton kernels' own limits
     (:func:`flashtile.triton.checks.check_gpu_call`, or a missing Triton),
-    then the constants (mask, slopes, kv_lengths), then the numbers and the
-    window.
+    then the constants (mask, slopes, kv_lengths, sinks), then the numbers
+    (scale, softcap, dropout_p) and the window.
     """
     gpu = is_cuda_call(q, k, v)
     return (
@@ -286,8 +322,10 @@ def refusal(
         or (mask is not None and _mask_shape(mask, q, k))
         or _constant(alibi_slopes, "alibi_slopes", floating_only=True, gpu=gpu)
         or _kv_lengths(kv_lengths, q.shape, gpu)
+        or _sinks(sinks, q.shape, gpu)
         or _number(scale, "scale")
         or _number(softcap, "softcap")
+        or _dropout(dropout_p, gpu)
         or _window(window)
         or None
     )

@@ -43,7 +43,7 @@ def _scalars(causal, scale, window, softcap, d):
 
 def attention(
     q, k, v, *, causal=False, scale=None, window=None, alibi_slopes=None, softcap=None,
-    kv_lengths=None, mask=None, enable_gqa=False, return_lse=False,
+    kv_lengths=None, mask=None, enable_gqa=False, return_lse=False, sinks=None,
 ):  # fmt: skip
     """Exact attention with the Triton kernels, differentiable w.r.t. ``q``, ``k``, ``v``.
 
@@ -76,6 +76,8 @@ def attention(
             ``causal``, ``kv_lengths``, or the CPU path for arbitrary masks.
         return_lse: also return ``lse (B, Hq, Tq)`` float32 (natural log), which
             carries no gradient.
+        sinks: ``(Hq,)`` attention sinks (see :func:`flashtile.torch.attention`),
+            differentiable.
 
     Returns:
         ``out (B, Hq, Tq, dv)`` in the input dtype, and ``lse`` if asked.
@@ -83,7 +85,7 @@ def attention(
     q, k, v, unbatched, variants = _prepare(
         q, k, v, causal, scale, window, alibi_slopes, softcap, kv_lengths, mask, enable_gqa
     )
-    out, lse = _forward(q, k, v, *variants)
+    out, lse = _forward(q, k, v, *variants, checks.sinks(sinks, q.shape[1], q.device))
     if unbatched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
@@ -150,6 +152,7 @@ def attention_backward(
 def varlen_attention(
     q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
     causal=False, scale=None, window=None, alibi_slopes=None, softcap=None, return_lse=False,
+    sinks=None,
 ):  # fmt: skip
     """Attention over packed variable-length sequences (no padding computed), differentiable.
 
@@ -162,8 +165,8 @@ def varlen_attention(
             on its own, causal/window/ALiBi positions bottom-right within it.
         max_seqlen_q, max_seqlen_k: the longest sequences (computed from the
             offsets when None; they are read on the host either way).
-        causal, scale, window, alibi_slopes (``(Hq,)``), softcap, return_lse: as
-            in :func:`attention`.
+        causal, scale, window, alibi_slopes (``(Hq,)``), softcap, return_lse,
+            sinks: as in :func:`attention`.
 
     Returns:
         ``out (Hq, total_q, dv)`` and, if asked, ``lse (Hq, total_q)`` float32.
@@ -186,13 +189,14 @@ def varlen_attention(
     alibi = checks.slopes(alibi_slopes, 1, q.shape[0], q.device, per_batch_ok=False)
     out, lse = _forward(
         q[None], k[None], v[None], alibi, None, cu_q, cu_k, longest_q, longest_k,
-        scale, left, right, cap,
+        scale, left, right, cap, checks.sinks(sinks, q.shape[0], q.device),
     )  # fmt: skip
     return (out[0], lse[0]) if return_lse else out[0]
 
 
 def _forward(q, k, v, *variants):
-    """The forward op, differentiable also under ``torch.func``, where the op's own
+    """The forward op (``variants`` end with the sinks), differentiable also
+    under ``torch.func``, where the op's own
     autograd does not run (:class:`flashtile.op_autograd.FuncAttention` there);
     forward-mode AD dual tensors are refused (their tangent would be dropped)."""
     if op_autograd.has_tangent(q, k, v):

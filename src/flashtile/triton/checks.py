@@ -123,6 +123,22 @@ def slopes(alibi_slopes, batch: int, heads: int, device, per_batch_ok: bool):
     return s.to(device=device, dtype=torch.float32).contiguous()
 
 
+def sinks(sinks, heads: int, device) -> torch.Tensor | None:
+    """Attention sinks ``(Hq,)`` as a float32 tensor on ``device`` (gradients
+    flow through the conversion), or None; finite or ``-inf`` values."""
+    if sinks is None:
+        return None
+    s = torch.as_tensor(sinks)
+    if not s.dtype.is_floating_point or tuple(s.shape) != (heads,):
+        raise ValueError(
+            f"sinks must be a float tensor of shape ({heads},) (one logit per query head), "
+            f"got shape {tuple(s.shape)} and dtype {s.dtype}"
+        )
+    if bool((torch.isnan(s) | torch.isposinf(s)).any()):
+        raise ValueError("sinks must be finite or -inf (no sink), not NaN or +inf")
+    return s.to(device=device, dtype=torch.float32)
+
+
 def int_tensor(x, name: str, shape: tuple[int, ...], device) -> torch.Tensor:
     """An index tensor (lengths, offsets, block table) as int32 on ``device``."""
     t = torch.as_tensor(x)

@@ -4,7 +4,7 @@ Three ops, opaque to the dispatcher, FakeTensor tracing and ``torch.compile``::
 
     flashtile::triton_attention_fwd(q, k, v, alibi_slopes?, kv_lengths?, cu_seqlens_q?,
         cu_seqlens_k?, max_seqlen_q, max_seqlen_k, scale, window_left, window_right,
-        softcap?) -> (out, lse)
+        softcap?, sinks?) -> (out, lse)
     flashtile::triton_attention_bwd(dout, q, k, v, out, lse, <the same variants>)
         -> (dq, dk, dv)
     flashtile::triton_decode(q, k_cache, v_cache, cache_seqlens, block_table?, num_splits,
@@ -14,7 +14,9 @@ Three ops, opaque to the dispatcher, FakeTensor tracing and ``torch.compile``::
 sequences: ``B = 1`` and ``cu_seqlens``); ``alibi_slopes (B or 1, Hq)``
 float32; ``kv_lengths``/``cu_seqlens``/``cache_seqlens``/``block_table``
 int32; ``window_*`` = -1 for an unbounded side (causal is ``window_right =
-0``). ``out`` has q's dtype, ``lse`` is float32 ``(B, Hq, Tq)``. The forward's
+0``). ``out`` has q's dtype, ``lse`` is float32 ``(B, Hq, Tq)``; ``sinks
+(Hq,)`` float32 attention sinks, merged into ``out`` and ``lse``
+(:func:`flashtile.merge.add_sinks`). The forward's
 autograd formula calls the backward op, which recomputes probabilities from
 ``lse`` (the formula of :mod:`flashtile.op_autograd`, shared with the CPU
 ops; so are the ``torch.vmap`` rules, :mod:`flashtile.op_batching`). Use
@@ -32,6 +34,7 @@ import contextlib
 import torch
 
 from flashtile import op_autograd, op_batching
+from flashtile.merge import add_sinks
 
 from . import launch
 
@@ -40,7 +43,7 @@ _VARIANTS = (
     "int max_seqlen_q, int max_seqlen_k, float scale, int window_left, int window_right, "
     "float? softcap"
 )
-_FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_VARIANTS}) -> (Tensor, Tensor)"
+_FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_VARIANTS}, Tensor? sinks=None) -> (Tensor, Tensor)"
 _BWD_SCHEMA = (
     f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_VARIANTS}) "
     f"-> (Tensor, Tensor, Tensor)"
@@ -67,9 +70,14 @@ def _variants(alibi, kv_lengths, cu_q, cu_k, max_q, max_k, scale, left, right, s
 
 @torch.library.custom_op("flashtile::triton_attention_fwd", mutates_args=(), schema=_FWD_SCHEMA)
 def attention_fwd(q, k, v, *variants):
-    """``(out, lse)`` of the forward kernel (see the module docstring)."""
+    """``(out, lse)`` of the forward kernel (see the module docstring), with
+    the attention sinks (the last argument) merged in."""
+    *variants, sinks = variants  # the callers pass every argument
     with _on(q):
-        return launch.forward(q, k, v, _variants(*variants))
+        out, lse = launch.forward(q, k, v, _variants(*variants))
+    if sinks is None:
+        return out, lse
+    return add_sinks(torch, out, lse, sinks)
 
 
 @attention_fwd.register_fake
@@ -102,7 +110,11 @@ _VARIANT_ARGS = (
     *(op_batching.Arg(n) for n in ("max_seqlen_q", "max_seqlen_k", "scale", "left", "right")),
     op_batching.Arg("softcap"),
 )  # fmt: skip
-op_batching.register(attention_fwd, (*map(op_batching.query, "qkv"), *_VARIANT_ARGS), q_at=0)
+op_batching.register(
+    attention_fwd,
+    (*map(op_batching.query, "qkv"), *_VARIANT_ARGS, op_batching.shared("sinks")),
+    q_at=0,
+)
 op_batching.register(
     attention_bwd,
     (

@@ -1,0 +1,356 @@
+"""``flash_attn_with_kvcache``: append to a KV cache in place, then attend, on flashtile's
+decode kernels.
+
+flash-attn's caches are ``(batch_cache, seqlen_cache, nheads_k, headdim)``
+(or pages ``(num_blocks, page_block_size, nheads_k, headdim)``); flashtile's
+decode kernels address ``(pages, nheads_k, page_size, headdim)`` arrays
+through a block table (:mod:`flashtile.kvlayout`). Key ``t`` of a cache row
+is not next to key ``t + 1`` of the same head in flash-attn's layout, so:
+
+- **CUDA**: the Triton decode kernel takes strides, so the caches are passed
+  as transposed views (``(batch_cache, nheads_k, seqlen_cache, headdim)``),
+  no copy; ``cache_batch_idx`` becomes a one-page-per-row block table.
+- **CPU**: the Numba kernel reads C-contiguous pages. A cache with one kv
+  head (MQA) transposes to a contiguous array and is read as such. Otherwise
+  the cache is read in place as *one-token pages*: ``(tokens, nheads_k, 1,
+  headdim)`` is the same memory, C-contiguous, and a block table lists each
+  sequence's tokens. No copy per call; the kernel gathers each tile's rows
+  (a strided read), which measured 1.3-2.8x the time of flashtile's own
+  ``(B, Hkv, T, d)`` layout and less than copying the cache into that layout
+  on every call (docs/flash_attn.md has the numbers).
+- ``cache_leftpad`` (keys before it are not part of the sequence) shifts
+  each sequence's first token; one-token pages express that on both devices.
+
+Rotary embeddings (:mod:`.rotary`) rotate the new keys at positions
+``cache_seqlens + j`` and the queries at ``cache_seqlens + i`` (causal or
+local) or all at ``cache_seqlens`` (otherwise), as flash-attn does; the
+rotated keys are what the cache stores. No gradient is recorded
+(flash-attn's function has no backward either).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+import torch
+
+import flashtile
+from flashtile.torch.arrays import as_numpy, as_tensor
+
+from . import checks
+from .rotary import check_tables, rotate
+
+_NO_KVCACHE = {
+    "sinks": "flashtile's decode kernels take no attention sinks yet; call without sinks",
+    "dropout_p": "flash_attn_with_kvcache is inference only (no dropout), as in flash-attn",
+}
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+    **unsupported,
+):
+    """Append ``k``/``v`` to the caches in place (if given), then attend ``q`` to them.
+
+    flash-attn 2's ``flash_attn_with_kvcache``, on flashtile's split-KV decode
+    kernels (CPU tensors: Numba; CUDA tensors: Triton). Inference only.
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, headdim)``.
+        k_cache, v_cache: ``(batch_cache, seqlen_cache, nheads_k, headdim)``,
+            or with ``block_table`` pages ``(num_blocks, page_block_size,
+            nheads_k, headdim)`` (any page size). Same dtype as ``q``;
+            ``nheads`` a multiple of ``nheads_k``. Updated in place.
+        k, v: ``(batch, seqlen_new, nheads_k, headdim)`` new keys and values,
+            written at positions ``cache_seqlens[b] ... + seqlen_new - 1``
+            (needs ``cache_seqlens``; the cache must have room).
+        rotary_cos, rotary_sin: ``(seqlen_ro, rotary_dim / 2)``: rotate the
+            first ``rotary_dim`` channels of ``k`` (at ``cache_seqlens + j``)
+            and ``q`` (at ``cache_seqlens + i`` if causal or local, else all
+            at ``cache_seqlens``); needs ``k``/``v``.
+        cache_seqlens: int or ``(batch,)`` integer tensor: keys in the cache
+            before appending (default: the whole cache).
+        cache_batch_idx: ``(batch,)``: which cache row each batch entry uses
+            (default ``0 .. batch - 1``); not with ``block_table``.
+        cache_leftpad: ``(batch,)``: the sequence starts at this cache index;
+            keys before it are ignored and positions count from it.
+        block_table: ``(batch, max_blocks)`` page indices of a paged cache.
+        softmax_scale, causal, window_size, softcap, alibi_slopes: as in
+            :func:`flash_attn_func`; causal and windows align bottom-right with
+            the sequence's keys after appending.
+        rotary_interleaved: GPT-J pairs ``(2i, 2i + 1)`` if True, else
+            GPT-NeoX pairs ``(i, i + rotary_dim / 2)``.
+        num_splits: key chunks per sequence merged afterwards; 0 = automatic.
+        return_softmax_lse: also return ``lse (batch, nheads, seqlen_q)``.
+
+    Returns:
+        ``out (batch, seqlen_q, nheads, headdim_v)`` in ``q``'s dtype, and
+        ``softmax_lse`` (float32, float64 for float64) if asked. A query that
+        sees no key gets zeros and ``lse = -inf`` (flash-attn: ``+inf``).
+    """
+    checks.refuse_keywords("flash_attn_with_kvcache", unsupported, _NO_KVCACHE)
+    with torch.no_grad():
+        return _with_kvcache(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+            cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+            rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
+        )  # fmt: skip
+
+
+def _with_kvcache(
+    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+    cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+    alibi_slopes, num_splits, return_softmax_lse,
+):  # fmt: skip
+    opts = checks.options(
+        0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None
+    )
+    splits = checks.num_splits(num_splits)
+    for name, flag in (("rotary_interleaved", rotary_interleaved),
+                       ("return_softmax_lse", return_softmax_lse)):  # fmt: skip
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    paged = block_table is not None
+    cache = _check_caches(q, k_cache, v_cache, paged)
+    batch, tq, hq, _ = q.shape
+    checks.check_slopes(opts.alibi, batch, hq)
+    device = q.device
+    n_rows, rows = k_cache.shape[:2]
+    if paged:
+        if cache_batch_idx is not None:
+            raise ValueError(
+                "cache_batch_idx picks cache rows, but a paged cache's rows are picked by "
+                "block_table: reorder block_table's rows instead (flash-attn refuses this too)"
+            )
+        table = _ints(block_table, "block_table", None, device)
+        if table.ndim != 2 or table.shape[0] != batch:
+            raise ValueError(
+                f"block_table has shape {tuple(table.shape)}; expected (batch, max_blocks) with "
+                f"batch = {batch}"
+            )
+        capacity, slot = table.shape[1] * rows, None
+    else:
+        capacity, table = rows, None
+        if cache_batch_idx is None:
+            if n_rows < batch:
+                raise ValueError(
+                    f"q has batch {batch} but k_cache has {n_rows} rows: pass cache_batch_idx, "
+                    f"or a cache with a row per batch entry"
+                )
+            slot = torch.arange(batch, device=device)
+        else:
+            slot = _ints(cache_batch_idx, "cache_batch_idx", (batch,), device)
+            _in_range(slot, "cache_batch_idx", 0, n_rows - 1, f"k_cache's {n_rows} rows")
+    new = _check_new(k, v, cache, batch)
+    tn = 0 if new is None else new[0].shape[1]
+    if cache_seqlens is None:
+        if new is not None:
+            raise ValueError("k and v are appended at cache_seqlens: pass cache_seqlens too")
+        seqlens = torch.full((batch,), capacity, device=device, dtype=torch.int64)
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        seqlens = torch.full((batch,), int(cache_seqlens), device=device, dtype=torch.int64)
+    else:
+        seqlens = _ints(cache_seqlens, "cache_seqlens", (batch,), device)
+    _in_range(seqlens, "cache_seqlens", 0, capacity - tn, f"capacity {capacity} - {tn} new keys")
+    total = seqlens + tn
+    if cache_leftpad is None:
+        leftpad = None
+    else:
+        leftpad = _ints(cache_leftpad, "cache_leftpad", (batch,), device)
+        if batch and bool(((leftpad < 0) | (leftpad > total)).any()):
+            raise ValueError(
+                f"cache_leftpad = {leftpad.tolist()[:8]} must lie in [0, keys after appending = "
+                f"{total.tolist()[:8]}]"
+            )
+    if rotary_cos is not None or rotary_sin is not None:
+        if new is None:
+            raise ValueError(
+                "rotary_cos/rotary_sin rotate the new keys: pass k and v too (as flash-attn "
+                "requires), or rotate q yourself (flashtile.flash_attn.apply_rotary_emb)"
+            )
+        check_tables(rotary_cos, rotary_sin, q.shape[-1])
+        local = opts.causal or opts.window is not None
+        offsets = seqlens[:, None]
+        q_at = offsets + torch.arange(tq, device=device) if local else offsets.expand(batch, tq)
+        q = rotate(q, rotary_cos, rotary_sin, q_at, rotary_interleaved)
+        k_at = offsets + torch.arange(tn, device=device)
+        new = (rotate(new[0], rotary_cos, rotary_sin, k_at, rotary_interleaved), new[1])
+    if new is not None:
+        _append(k_cache, v_cache, new, seqlens, slot, table, rows)
+    lengths = total if leftpad is None else total - leftpad
+    k_pages, v_pages, pages_table = _pages(k_cache, v_cache, slot, table, leftpad, lengths)
+    out, lse = _decode(q, k_pages, v_pages, lengths, pages_table, splits, opts)
+    out = out.transpose(1, 2).contiguous()
+    return (out, lse) if return_softmax_lse else out
+
+
+def _check_caches(q, k_cache, v_cache, paged: bool):
+    """Shapes, dtypes, devices of ``q`` and the caches; returns ``(nheads_k, d, dv, dtype)``."""
+    checks.check_tensor(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
+    layout = (
+        "(num_blocks, page_block_size, nheads_k, headdim) with block_table"
+        if paged
+        else "(batch_cache, seqlen_cache, nheads_k, headdim)"
+    )
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        checks.check_tensor(c, name, 4, layout)
+        if c.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (stride 1)")
+    checks.check_same({"q": q, "k_cache": k_cache, "v_cache": v_cache})
+    if k_cache.shape[:3] != v_cache.shape[:3] or 0 in k_cache.shape or 0 in v_cache.shape:
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must share every "
+            f"dim but the last, none of them empty"
+        )
+    if q.shape[1] == 0 or k_cache.shape[3] != q.shape[3]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)}: q needs seqlen_q >= 1 and "
+            f"the cache's headdim"
+        )
+    checks.check_heads(q.shape[2], k_cache.shape[2], "the caches")
+    return k_cache.shape[2], k_cache.shape[3], v_cache.shape[3], k_cache.dtype
+
+
+def _check_new(k, v, cache, batch: int):
+    """The new ``(k, v)`` checked against the caches, or None."""
+    if k is None and v is None:
+        return None
+    if k is None or v is None:
+        raise ValueError("pass both k and v (new keys and their values), or neither")
+    hkv, d, dv, dtype = cache
+    checks.check_tensor(k, "k", 4, "(batch, seqlen_new, nheads_k, headdim)")
+    checks.check_tensor(v, "v", 4, "(batch, seqlen_new, nheads_k, headdim_v)")
+    if k.shape != (batch, k.shape[1], hkv, d) or v.shape != (*k.shape[:3], dv):
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)}: expected ({batch}, seqlen_new, {hkv}, "
+            f"{d}) and ({batch}, seqlen_new, {hkv}, {dv}), as the caches"
+        )
+    if k.dtype != dtype or v.dtype != dtype:
+        raise TypeError(f"k {k.dtype} and v {v.dtype} must have the caches' dtype {dtype}")
+    return k, v
+
+
+def _ints(x, name: str, shape, device) -> torch.Tensor:
+    """An integer tensor (int64, on ``device``) of ``shape`` (any shape when None)."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be an int32 (or int64) tensor, got {x!r}")
+    if shape is not None and tuple(x.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {shape}")
+    return x.to(device, torch.int64)
+
+
+def _in_range(x: torch.Tensor, name: str, low: int, high: int, what: str) -> None:
+    if x.numel() and bool(((x < low) | (x > high)).any()):
+        raise ValueError(
+            f"{name} = {x.tolist()[:8]} must lie in [{low}, {high}] ({what}); flash-attn would "
+            f"read or write outside the cache"
+        )
+
+
+def _append(k_cache, v_cache, new, seqlens, slot, table, rows: int) -> None:
+    """Write the new keys and values at ``cache_seqlens[b] + j``, in place."""
+    k, v = new
+    at = seqlens[:, None] + torch.arange(k.shape[1], device=seqlens.device)  # (batch, seqlen_new)
+    if table is None:
+        where = (slot[:, None].expand_as(at), at)
+    else:  # page of position p: table[b, p // page_size], row p % page_size
+        where = (table.gather(1, at // rows), at % rows)
+    k_cache[where] = k
+    v_cache[where] = v
+
+
+def _pages(k_cache, v_cache, slot, table, leftpad, lengths):
+    """The caches as the decode kernels' ``(pages, nheads_k, page_size, headdim)`` and
+    their block table, without copying (see the module docstring)."""
+    hkv = k_cache.shape[2]
+    natural = leftpad is None and (
+        checks.on_gpu(k_cache) or (hkv == 1 and _transposes_contiguous(k_cache, v_cache))
+    )
+    if natural:  # pages of the cache's own rows (or blocks)
+        table = slot[:, None] if table is None else table
+        return k_cache.transpose(1, 2), v_cache.transpose(1, 2), table
+    k_tokens, stride = _token_pages(k_cache, "k_cache")
+    v_tokens, v_stride = _token_pages(v_cache, "v_cache")
+    if v_stride != stride:
+        raise ValueError(
+            f"k_cache and v_cache place their rows {stride} and {v_stride} tokens apart: give "
+            f"them one layout (e.g. both contiguous)"
+        )
+    rows = k_cache.shape[1]
+    width = max(1, int(lengths.max())) if lengths.numel() else 1
+    first = torch.zeros_like(lengths) if leftpad is None else leftpad
+    at = first[:, None] + torch.arange(width, device=lengths.device)  # (batch, width) positions
+    if table is None:
+        tokens = slot[:, None] * stride + at
+    else:  # entries past a sequence's length are never read: clamp them into the table
+        at = at.clamp(max=table.shape[1] * rows - 1)
+        tokens = table.gather(1, at // rows) * stride + at % rows
+    return k_tokens, v_tokens, tokens
+
+
+def _transposes_contiguous(*caches) -> bool:
+    return all(c.transpose(1, 2).is_contiguous() for c in caches)
+
+
+def _token_pages(cache: torch.Tensor, name: str):
+    """``cache (rows, seqlen, nheads_k, d)`` as one-token pages ``(tokens, nheads_k, 1, d)``
+    over the same memory, and how many tokens apart its rows start."""
+    n, t, h, d = cache.shape
+    s0, s1, s2, s3 = cache.stride()
+    token = h * d
+    fits = (
+        (s3 == 1 or d == 1) and (s2 == d or h == 1) and (s1 == token or t == 1)
+        and (s0 % token == 0 or n == 1)
+    )  # fmt: skip
+    if not fits:
+        raise ValueError(
+            f"{name} has strides {cache.stride()} for shape {tuple(cache.shape)}: flashtile "
+            f"reads a CPU cache in place, token by token, which needs each token's (nheads_k, "
+            f"headdim) block contiguous and the tokens of a row nheads_k * headdim apart; "
+            f"allocate the cache contiguous once (e.g. torch.zeros(batch, seqlen, nheads_k, "
+            f"headdim))"
+        )
+    stride = s0 // token if n > 1 else 0
+    pages = cache.as_strided(((n - 1) * stride + t, h, 1, d), (token, d, d, 1))
+    return pages, stride
+
+
+def _decode(q, k_pages, v_pages, lengths, table, splits, opts):
+    """``(out (B, Hq, Tq, dv), lse (B, Hq, Tq))`` from flashtile's decode kernels."""
+    keywords = {
+        "num_splits": splits, "causal": opts.causal, "scale": opts.scale, "window": opts.window,
+        "softcap": opts.softcap, "return_lse": True,
+    }  # fmt: skip
+    qt = q.transpose(1, 2)
+    if checks.on_gpu(q):
+        from flashtile import triton as gpu  # needs triton: imported on first use
+
+        return gpu.decode_attention(
+            qt, k_pages, v_pages, cache_seqlens=lengths, block_table=table,
+            alibi_slopes=opts.alibi, **keywords,
+        )  # fmt: skip
+    alibi = None if opts.alibi is None else opts.alibi.to("cpu", torch.float64).numpy()
+    out, lse = flashtile.decode_attention(
+        as_numpy(qt), as_numpy(k_pages), as_numpy(v_pages), cache_seqlens=lengths.numpy(),
+        block_table=np.ascontiguousarray(table.numpy()), alibi_slopes=alibi, **keywords,
+    )  # fmt: skip
+    return as_tensor(out), as_tensor(lse)
