@@ -224,6 +224,7 @@ def _variant_problem(q, k, v, causal, scale, variants):
         "kr": kr,
         "vr": vr,
         "raw": raw,
+        "s": s,
         "p": p,
         "vis": vis,
         "sees_any": sees_any,
@@ -278,6 +279,48 @@ def dense_variant_backward(q, k, v, dout, causal: bool = False, scale=None, **va
     dk = dk_rep.reshape(b, hq // g, g, tk, -1).sum(axis=2)
     dv = dv_rep.reshape(b, hq // g, g, tk, -1).sum(axis=2)
     return dq, dk, dv
+
+
+def dense_extended(q, k, v, dout, causal=False, scale=None, keep=None, sinks=None, **variants):
+    """``(out, lse, dq, dk, dv, dsinks)`` in float64 with dropout and sinks.
+
+    ``keep (B, Hq, Tq, Tk)``: dropout's factors, ``0`` where dropped and ``1 /
+    (1 - p)`` where kept (None: nothing dropped): ``out = (P * keep) V``.
+    ``sinks (Hq,)``: one more column of score ``sinks[h]`` and value zero in
+    every row's softmax. ``dsinks`` is None without sinks.
+    Written from the formulas on the extended ``(Tq, Tk + 1)`` softmax.
+    """
+    pb = _variant_problem(q, k, v, causal, scale, variants)
+    (dout,) = _f64(dout)
+    s, kr, vr, qq = pb["s"], pb["kr"], pb["vr"], pb["q"]
+    b, hq, tq, tk = s.shape
+    sink_col = np.full((b, hq, tq, 1), -np.inf)
+    if sinks is not None:
+        sink_col[:] = np.asarray(sinks, dtype=np.float64)[None, :, None, None]
+    ext = np.concatenate([s, sink_col], axis=-1)
+    top = ext.max(axis=-1, keepdims=True)
+    finite = np.isfinite(top)
+    e = np.exp(ext - np.where(finite, top, 0.0))
+    total = e.sum(axis=-1, keepdims=True)
+    p_ext = np.where(finite, e / np.where(finite, total, 1.0), 0.0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(finite, top + np.log(total), -np.inf)[..., 0]
+    p, p_sink = p_ext[..., :-1], p_ext[..., -1]
+    factor = np.ones_like(p) if keep is None else np.asarray(keep, dtype=np.float64)
+    out = np.einsum("bhij,bhjv->bhiv", p * factor, vr)
+    dv_rep = np.einsum("bhij,bhiv->bhjv", p * factor, dout)
+    dp = np.einsum("bhiv,bhjv->bhij", dout, vr) * factor
+    delta = np.sum(p * dp, axis=-1, keepdims=True)  # the sink's dP is 0
+    ds = p * (dp - delta)
+    if pb["softcap"] is not None:
+        ds = ds * (1.0 - np.tanh(pb["raw"] / pb["softcap"]) ** 2)
+    dq = pb["scale"] * np.einsum("bhij,bhjd->bhid", ds, kr)
+    dk_rep = pb["scale"] * np.einsum("bhij,bhid->bhjd", ds, qq)
+    g = pb["group"]
+    dk = dk_rep.reshape(b, hq // g, g, tk, -1).sum(axis=2)
+    dv = dv_rep.reshape(b, hq // g, g, tk, -1).sum(axis=2)
+    dsinks = None if sinks is None else -(p_sink * delta[..., 0]).sum(axis=(0, 2))
+    return out, lse, dq, dk, dv, dsinks
 
 
 def _sequences(cu_seqlens_q, cu_seqlens_k):

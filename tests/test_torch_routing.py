@@ -64,8 +64,6 @@ def test_unsupported_calls_pass_through_with_reasons():
     q2 = q[:, :2]
     with ftt.route_sdpa() as router:
         sdpa = F.scaled_dot_product_attention  # looked up inside: the router
-        torch.manual_seed(0)
-        dropped = sdpa(q2, k, v, dropout_p=0.5)
         sdpa(q2, k, v, attn_mask=torch.zeros(7, 7, requires_grad=True))  # a learned bias
         sdpa(q2[None], k[None], v[None])  # 5-D
         sdpa(q2, k[:, :1], v[:, :1])  # SDPA broadcasts a single kv head
@@ -79,23 +77,37 @@ def test_unsupported_calls_pass_through_with_reasons():
             with pytest.raises((IndexError, RuntimeError)):
                 sdpa(q2, k, v, attn_mask=bad, is_causal=bad.ndim == 0)
         sdpa(q2, k, v, dropout_p=torch.tensor(0.0))  # zero, but not a Python number
-    assert router.routed == 0 and router.passed == 10
+    assert router.routed == 0 and router.passed == 9
     assert on_meta.device.type == "meta"
     text = " | ".join(router.reasons)
-    for part in ("dropout_p > 0", "mask requires grad", "takes (B, H, T, d)", "device meta"):
+    for part in ("mask requires grad", "takes (B, H, T, d)", "device meta"):
         assert part in text, (part, router.reasons)
     for part in ("q has 2 heads but k and v have 1", "attn_mask dtype torch.float16"):
         assert part in text, (part, router.reasons)
     for part in ("attn_mask of rank 1", "with is_causal=True", "dropout_p of type Tensor"):
         assert part in text, (part, router.reasons)
-    torch.manual_seed(0)
-    torch.testing.assert_close(dropped, SDPA(q2, k, v, dropout_p=0.5))  # same RNG draw
+
+
+def test_dropout_is_routed_to_flashtiles_dropout():
+    """dropout_p > 0 runs flashtile's dropout: reproducible from torch's seed,
+    the same draw as flashtile.torch.attention, gradients included."""
+    q, k, v = _qkv(1, 2, 2, 9, 9, 8)
+    results = []
+    for routed in (True, False):
+        torch.manual_seed(4)
+        with ftt.route_sdpa(strict=True) as router:
+            call = F.scaled_dot_product_attention if routed else ftt.attention  # looked up inside
+            out = call(q, k, v, dropout_p=0.3)
+        assert router.routed == routed
+        results.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_original_is_restored_on_exceptions_and_strict_mode_raises():
     q, k, v = _qkv(1, 2, 2, 5, 5, 8)
-    with pytest.raises(RuntimeError, match=r"not routed: dropout_p"), ftt.route_sdpa(strict=True):
-        F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+    with pytest.raises(RuntimeError, match=r"not routed: attn_mask"), ftt.route_sdpa(strict=True):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, dtype=torch.bool))
     assert F.scaled_dot_product_attention is SDPA
     with pytest.raises(KeyError), ftt.route_sdpa():
         raise KeyError("boom")

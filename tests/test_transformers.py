@@ -238,13 +238,21 @@ def test_training_gradients_match(name):
         torch.testing.assert_close(p.grad, grads_r[pname].grad, atol=ATOL, rtol=1e-3, msg=pname)
 
 
-def test_attention_dropout_in_training_is_refused(name):
-    cfg = _gpt2_config(attn_pdrop=0.1)
+def test_attention_dropout_in_training(name):
+    """A model in training mode with attention dropout runs flashtile's dropout:
+    reproducible from torch's seed, different from eval mode, finite gradients."""
+    cfg = _gpt2_config(attn_pdrop=0.3)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=name).train()
-    with pytest.raises(ValueError, match="dropout"):
-        model(_ids(1, 8))
+    ids = _ids(2, 12)
+    losses = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        losses.append(model(ids, labels=ids).loss)
+    assert torch.equal(losses[0], losses[1])
+    losses[0].backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     with torch.no_grad():
-        model.eval()(_ids(1, 8))  # eval mode passes dropout=0: fine
+        assert not torch.equal(model.eval()(ids, labels=ids).loss, losses[0])
 
 
 def _sink_reference(q, k, v, sinks, scale):
@@ -267,12 +275,64 @@ def test_attention_sinks(name):
     sinks = torch.randn(4, generator=gen, dtype=torch.float64)
     module = torch.nn.Module()
     module.is_causal = False
-    with torch.no_grad():
-        out, weights = fn(module, q, k, v, None, scaling=0.3, s_aux=sinks)
+    q, sinks = q.requires_grad_(), sinks.requires_grad_()
+    out, weights = fn(module, q, k, v, None, scaling=0.3, s_aux=sinks)
     assert weights is None
-    torch.testing.assert_close(out, _sink_reference(q, k, v, sinks, 0.3))
-    with pytest.raises(ValueError, match="sink"):
-        fn(module, q.requires_grad_(), k, v, None, scaling=0.3, s_aux=sinks)
+    expected = _sink_reference(q, k, v, sinks, 0.3)
+    torch.testing.assert_close(out, expected)
+    for a, e in zip(
+        torch.autograd.grad(out.sum(), (q, sinks)),
+        torch.autograd.grad(expected.sum(), (q, sinks)),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, e)
+
+
+def _gpt_oss_config():
+    return transformers.GptOssConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,  # one sliding-window layer, one full
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        sliding_window=6,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+        attention_dropout=0.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def test_gpt_oss_trains_with_learned_sinks(name):
+    """A tiny gpt-oss (learned sinks per head, sliding windows, GQA) trains three
+    SGD steps with flashtile as with eager attention: the same losses and sinks."""
+    if not hasattr(transformers, "GptOssConfig"):
+        pytest.skip("this transformers has no gpt-oss")
+    tiled, ref = (m.train() for m in _twins(name, _gpt_oss_config, "eager"))
+    ids = _ids(2, 14)
+    for model in (tiled, ref):
+        model.losses = []
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(3):
+            opt.zero_grad()
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            model.losses.append(loss.detach())
+    torch.testing.assert_close(
+        torch.stack(tiled.losses), torch.stack(ref.losses), atol=ATOL, rtol=RTOL
+    )
+    sinks = {n: p for n, p in tiled.named_parameters() if n.endswith("sinks")}
+    assert sinks, "gpt-oss attention has a sinks parameter"
+    ref_params = dict(ref.named_parameters())
+    for n, p in sinks.items():
+        torch.testing.assert_close(p, ref_params[n], atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize(

@@ -130,46 +130,14 @@ def _filled_lengths(mask, batch: int, tk: int) -> torch.Tensor | None:
     return lengths.expand(batch)
 
 
-def _check_options(dropout: float, output_attentions: bool) -> None:
-    """Refuse attention dropout; warn that attention weights are never formed."""
-    if dropout and dropout > 0.0:
-        raise ValueError(
-            f"flashtile attention has no dropout, but the model asked for dropout={dropout}"
-            " (a model in training mode with attention dropout > 0). Set the config's"
-            " attention dropout to 0 (e.g. attention_dropout=0.0, or attn_pdrop=0.0 for"
-            " GPT-2) or call model.eval()."
-        )
+def _warn_no_weights(output_attentions: bool) -> None:
+    """Warn that attention weights are never formed."""
     if output_attentions:
         warnings.warn(
             "flashtile attention never forms the attention weights; output_attentions=True"
             " returns None for them. Use attn_implementation='eager' to get them.",
             stacklevel=3,
         )
-
-
-def _check_sinks(s_aux, query, key) -> None:
-    """Sinks act through lse, which carries no gradient: refuse when one is wanted."""
-    if (
-        s_aux is not None
-        and torch.is_grad_enabled()
-        and (query.requires_grad or key.requires_grad or s_aux.requires_grad)
-    ):
-        # q and k would silently get wrong gradients, so refuse rather than train wrong.
-        raise ValueError(
-            "flashtile attention supports attention sinks (s_aux) for inference only"
-            " (under torch.no_grad(), as generate() runs); its lse has no gradient."
-        )
-
-
-def _apply_sinks(out: torch.Tensor, lse: torch.Tensor, s_aux: torch.Tensor) -> torch.Tensor:
-    """``out (B, Hq, Tq, d)`` renormalised for one extra key per head with score ``s_aux[h]``.
-
-    A sink adds ``exp(s_aux[h])`` to each row's softmax denominator with a zero
-    value, so the output shrinks by ``exp(lse) / (exp(lse) + exp(sink))``, i.e.
-    ``sigmoid(lse - sink)``. A row that sees no key has ``lse = -inf`` and stays zero.
-    """
-    sink = s_aux.to(lse.dtype).reshape(1, -1, 1)
-    return out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)
 
 
 def tiled_attention_forward(
@@ -204,7 +172,9 @@ def tiled_attention_forward(
             window and KV-cache offsets are already in it. A decoding step's mask
             that keeps a prefix of the keys (a static cache's filled slots) is
             passed as ``kv_lengths`` instead, so the unfilled slots are never read.
-        dropout: must be 0 (flashtile has no attention dropout).
+        dropout: attention dropout probability (transformers passes the config's
+            in training mode, 0 in eval mode): flashtile's dropout, reproducible
+            from torch's generator (see :func:`flashtile.torch.attention`).
         scaling: score scale, ``1/sqrt(d)`` if None.
         is_causal: overrides ``module.is_causal``; used only when there is no mask, then
             top-left aligned as in SDPA.
@@ -215,20 +185,17 @@ def tiled_attention_forward(
             learned bias that requires grad raises ValueError (flashtile gives masks no
             gradient), so T5-style models run here for inference (``torch.no_grad()``).
         s_aux: per-head attention-sink logits ``(Hq,)`` (gpt-oss): an extra key with
-            that score and a zero value, applied through the log-sum-exp. Inference
-            only: flashtile's lse carries no gradient, so with gradients enabled on
-            ``query``, ``key`` or ``s_aux`` this raises ValueError.
+            that score and a zero value, in training (with its gradient) and inference.
 
     Returns:
         ``(out, None)`` with ``out`` of shape ``(B, Tq, Hq, d)`` contiguous, the layout
         transformers' sdpa path returns; attention weights are never formed.
     """
-    _check_options(dropout, kwargs.get("output_attentions", False))
+    _warn_no_weights(kwargs.get("output_attentions", False))
     seen = _visibility(
         module, query, key, value, attention_mask, is_causal, sliding_window, position_bias
     )
-    _check_sinks(s_aux, query, key)
-    result = attention(
+    out = attention(
         query,
         seen.key,
         seen.value,
@@ -238,10 +205,10 @@ def tiled_attention_forward(
         softcap=softcap,
         mask=seen.mask,
         enable_gqa=bool(key.shape[-3] != query.shape[-3]),
-        return_lse=s_aux is not None,
         kv_lengths=seen.kv_lengths,
+        dropout_p=float(dropout or 0.0),
+        sinks=s_aux,
     )
-    out = result if s_aux is None else _apply_sinks(*result, s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 

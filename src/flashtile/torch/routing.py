@@ -16,7 +16,7 @@ means by it what flashtile computes. The first part is the operator's own
 rule (:func:`flashtile.torch._support.refusal`): a call the operator would
 refuse passes through with the operator's error message as its reason, so
 the router and the operator cannot disagree. The second part is SDPA's:
-``dropout_p == 0``, ``is_causal`` a bool and not combined with an
+``dropout_p`` a number, ``is_causal`` a bool and not combined with an
 ``attn_mask``, an ``attn_mask`` that is a tensor of rank >= 2 and dtype bool,
 float32 or the query's, and no unknown keyword. Everything else passes
 through, including calls SDPA itself rejects, so SDPA raises its own error.
@@ -49,6 +49,10 @@ Semantics of routed calls:
   hidden rows: SDPA averages every value there, flashtile still gives zeros
   (values below ``-FLT_MAX / log2(e)`` count as ``-inf`` in flashtile, see
   ``flashtile.variants.MASK_LIMIT``). Partly hidden rows agree.
+* ``dropout_p > 0`` runs flashtile's dropout (CPU tensors): the same
+  distribution as SDPA's, from flashtile's own generator seeded by torch's
+  (:mod:`flashtile.dropout`), so the masks differ from SDPA's; like SDPA it
+  applies whatever ``dropout_p`` the caller passes (modules pass 0 in eval).
 * A float ``attn_mask`` holding NaN, ``+inf`` or values above that limit is
   refused by flashtile with a ValueError (it is not scanned for here: that
   would cost a pass over the mask).
@@ -106,8 +110,6 @@ def _sdpa_only_reason(query, attn_mask, dropout_p, is_causal, extra) -> str | No
         return f"unknown SDPA arguments {sorted(extra)}"
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         return f"dropout_p of type {type(dropout_p).__name__} (SDPA's own handling)"
-    if dropout_p != 0:
-        return "dropout_p > 0 (flashtile has no dropout)"
     if not isinstance(is_causal, bool):
         return f"is_causal of type {type(is_causal).__name__} (SDPA's own handling)"
     if attn_mask is None:
@@ -135,11 +137,16 @@ def pass_reason(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, ext
         return reason
     # The crop of a top-left is_causal changes no verdict, and checking the
     # call as given keeps the caller's shapes in the message.
-    refused = refusal(q, k, v, causal=is_causal, scale=scale, mask=attn_mask, enable_gqa=enable_gqa)
+    refused = refusal(
+        q, k, v, causal=is_causal, scale=scale, mask=attn_mask, enable_gqa=enable_gqa,
+        dropout_p=dropout_p,
+    )  # fmt: skip
     return None if refused is None else refused.message
 
 
-def routed_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+def routed_attention(
+    q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, dropout_p=0.0
+):
     """What SDPA computes, through :func:`flashtile.torch.attention` (call must be routable)."""
     causal, window = False, None
     if is_causal:
@@ -147,8 +154,9 @@ def routed_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, enabl
             raise ValueError("routed_attention: attn_mask with is_causal=True is SDPA's to handle")
         k, v, _, causal, window = top_left_causal(q.shape[-2], k, v)
     return attention(
-        q, k, v, causal=causal, scale=scale, window=window, mask=attn_mask, enable_gqa=enable_gqa
-    )
+        q, k, v, causal=causal, scale=scale, window=window, mask=attn_mask, enable_gqa=enable_gqa,
+        dropout_p=float(dropout_p),
+    )  # fmt: skip
 
 
 def _script_as_sdpa(standin, active: bool) -> None:
@@ -243,7 +251,9 @@ class SDPARouter(contextlib.ContextDecorator):
         )
         if reason is None:
             self.routed += 1
-            return routed_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+            return routed_attention(
+                query, key, value, attn_mask, is_causal, scale, enable_gqa, dropout_p
+            )
         if self.strict:
             raise RuntimeError(f"route_sdpa(strict=True): SDPA call not routed: {reason}")
         self.passed += 1
