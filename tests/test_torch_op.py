@@ -190,14 +190,18 @@ def test_lse_is_the_log_normaliser_and_carries_no_grad():
 def test_opcheck_forward_and_backward_ops():
     q, k, v = _qkv(1, 4, 2, 7, 13, 8, dtype=torch.float32)
     mask = torch.where(torch.rand(7, 13) > 0.3, 0.0, float("-inf"))
-    variants = (mask, torch.tensor([0.5, 0.25, 0.1, 0.05]), True, 0.4, 4, -1, 30.0)
-    torch.library.opcheck(torch.ops.flashtile.attention_fwd.default, (q, k, v, *variants))
-    plain = (None, None, False, None, -1, -1, None)
-    torch.library.opcheck(torch.ops.flashtile.attention_fwd.default, (q, k, v, *plain))
+    seed = torch.tensor(12345)
+    variants = (mask, torch.tensor([0.5, 0.25, 0.1, 0.05]), True, 0.4, 4, -1, 30.0, None, 0.2, seed)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    torch.library.opcheck(
+        torch.ops.flashtile.attention_fwd.default, (q, k, v, *variants, sinks)
+    )  # fmt: skip
+    plain = (None, None, False, None, -1, -1, None, None, 0.0, None)
+    torch.library.opcheck(torch.ops.flashtile.attention_fwd.default, (q, k, v, *plain, None))
     # The backward op is called under no_grad by autograd (no double backward),
     # so it is checked with inputs that do not require grad.
     q, k, v = (t.detach() for t in (q, k, v))
-    out, lse = torch.ops.flashtile.attention_fwd(q, k, v, *variants)
+    out, lse = torch.ops.flashtile.attention_fwd(q, k, v, *variants, sinks)
     dout = torch.randn_like(out)
     torch.library.opcheck(
         torch.ops.flashtile.attention_bwd.default, (dout, q, k, v, out, lse, *variants)
@@ -308,8 +312,9 @@ def test_errors_are_clear():
         ftt.attention(q[0, 0], k[0, 0], v[0, 0])
     with pytest.raises(TypeError, match="upcasts float16"):
         torch.ops.flashtile.attention_fwd(
-            q.half(), k.half(), v.half(), None, None, False, None, -1, -1, None
-        )
+            q.half(), k.half(), v.half(), None, None, False, None, -1, -1, None, None, 0.0, None,
+            None,
+        )  # fmt: skip
     q.requires_grad_()
     (grad,) = torch.autograd.grad(
         ftt.attention(q, k, v, enable_gqa=True).sum(), q, create_graph=True
@@ -363,7 +368,7 @@ def test_eager_training_path_equals_the_dispatched_op():
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     ref, ref_lse = torch.ops.flashtile.attention_fwd(
-        q, k, v, None, slopes, True, None, -1, -1, None, None
+        q, k, v, None, slopes, True, None, -1, -1, None, None, 0.0, None, None
     )
     assert type(ref.grad_fn).__name__ != "EagerAttentionBackward"
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
@@ -404,19 +409,23 @@ def test_plain_eager_calls_skip_the_op_layers_and_equal_the_op(dtype, monkeypatc
     for tk in (600, 601):  # decode-shaped, GQA: one validation for both
         k, v = (torch.randn(1, 2, tk, 32, generator=g).to(dtype) for _ in range(2))
         out, lse = ftt.attention(q, k, v, enable_gqa=True, return_lse=True, scale=0.3)
-        want = op(q, k, v, None, None, False, 0.3, -1, -1, None, None)
+        want = op(q, k, v, None, None, False, 0.3, -1, -1, None, None, 0.0, None, None)
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
     assert torch_keys() == 1
     for n in (3, 601):  # a static cache: its filled length, values checked on every call
         lengths = torch.tensor([n])
         out = ftt.attention(q, k, v, enable_gqa=True, kv_lengths=lengths)
-        assert torch.equal(out, op(q, k, v, None, None, False, None, -1, -1, None, lengths)[0])
+        assert torch.equal(
+            out, op(q, k, v, None, None, False, None, -1, -1, None, lengths, 0.0, None, None)[0]
+        )
     assert torch_keys() == 2
     with pytest.raises(ValueError, match="kv_lengths must lie in"):
         ftt.attention(q, k, v, enable_gqa=True, kv_lengths=torch.tensor([602]))
     tiny = [torch.randn(2, 4, 16, 8, generator=g).to(dtype) for _ in range(3)]
     out = ftt.attention(*tiny, causal=True, softcap=5.0)
-    assert torch.equal(out, op(*tiny, None, None, True, None, -1, -1, 5.0, None)[0])
+    assert torch.equal(
+        out, op(*tiny, None, None, True, None, -1, -1, 5.0, None, 0.0, None, None)[0]
+    )
     with pytest.raises(ValueError, match="enable_gqa=True"):  # another key: validated again
         ftt.attention(q, k, v)
     monkeypatch.setattr(_ops, "forward", forward)  # float16 and gradients: the op's path

@@ -15,10 +15,13 @@ the split planning: :func:`flashtile.decode_planning.plan_decode`; the kernel:
 
 from __future__ import annotations
 
+import numpy as np
+
 from ._validate import check_flag, check_num_splits, resolve_scale
 from .decode_planning import plan_decode
 from .frontdoor import decode_key, prepare_decode, prepared, run_decode_checked, run_prepared_decode
 from .kvlayout import check_cache, decode_variants
+from .merge import add_sinks
 
 
 def decode_attention(
@@ -35,6 +38,7 @@ def decode_attention(
     alibi_slopes=None,
     softcap=None,
     return_lse=False,
+    sinks=None,
 ):
     """Attention of a few new queries per sequence against a KV cache.
 
@@ -64,6 +68,8 @@ def decode_attention(
             :func:`flashtile.attention` (``causal`` defaults to True here;
             ``alibi_slopes`` is ``(Hq,)`` or ``(B, Hq)``).
         return_lse: also return ``lse (B, Hq, Tq)``.
+        sinks: ``(Hq,)`` attention sinks, as in :func:`flashtile.attention`
+            (merged into ``out`` and ``lse`` after the kernel).
 
     Returns:
         ``out (B, Hq, Tq, dv)`` in q's dtype and ``lse`` (natural log, in
@@ -79,7 +85,7 @@ def decode_attention(
     (:mod:`flashtile.precision`; ``lse`` stays float32).
     """
     key = None
-    if cache_seqlens is None and block_table is None and alibi_slopes is None:
+    if cache_seqlens is None and block_table is None and alibi_slopes is None and sinks is None:
         key = decode_key(
             q, k_cache, v_cache, num_splits, causal, scale, window, softcap, return_lse
         )
@@ -92,12 +98,15 @@ def decode_attention(
     return_lse = check_flag(return_lse, "return_lse")
     q, layout = check_cache(q, k_cache, v_cache, cache_seqlens, block_table)
     variants = decode_variants(
-        q, layout, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap
-    )
+        q, layout, causal=causal, window=window, alibi_slopes=alibi_slopes, softcap=softcap,
+        sinks=sinks,
+    )  # fmt: skip
     scale = resolve_scale(scale, q.shape[3])
     plan = plan_decode(q, layout, variants, scale, num_splits)
     if key is not None:
         prepare_decode(key, plan, variants, q, num_splits)
     out, lse = run_decode_checked(plan, variants, q, num_splits)
+    if variants.sinks is not None:
+        out, lse = add_sinks(np, out, lse, variants.sinks)
     out = out.astype(q.dtype, copy=False)
     return (out, lse) if return_lse else out

@@ -104,7 +104,8 @@ def add_sinks(xp, out, lse, sinks):
     sinks[h]``; a ``-inf`` sink changes nothing). ``out`` keeps its dtype.
     """
     sink = xp.zeros_like(lse) + _cast(xp, sinks, lse.dtype).reshape((-1, 1))  # (..., Hq, T)
-    merged, lse = merge_partials(xp, out, lse, 0.0, sink)
+    with np.errstate(divide="ignore"):  # an all-empty row's weight (see merge_partials)
+        merged, lse = merge_partials(xp, out, lse, 0.0, sink)
     return _cast(xp, merged, out.dtype), lse
 
 

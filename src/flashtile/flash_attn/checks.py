@@ -234,6 +234,6 @@ def require(function, keyword: str, who: str) -> None:
     """TypeError naming what is missing when ``function`` has no ``keyword``."""
     if not accepts(function, keyword):
         raise TypeError(
-            f"{keyword} needs {who} to take {keyword}=, which this flashtile does not yet: "
-            f"call without {keyword} (dropout_p=0.0 in evaluation), or update flashtile"
+            f"{who} takes no {keyword}= in this flashtile, so flash-attn's {keyword} cannot "
+            f"run there: call without {keyword} (or on CPU tensors, if flashtile has it there)"
         )

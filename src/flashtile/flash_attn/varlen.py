@@ -144,12 +144,12 @@ def _attend_once(q, k, v, cu_q, cu_k, opts: Options, seed: int, offset: int):
 def _on_gpu(q, k, v, cu_q, cu_k, opts: Options, keywords):
     from flashtile import triton as gpu  # needs triton: imported on first use
 
-    for name, used in (("dropout_p", opts.dropout_p > 0), ("sinks", opts.sinks is not None)):
-        if used:
-            raise TypeError(
-                f"{name} on CUDA tensors needs flashtile.triton.varlen_attention to take it, "
-                f"which it does not yet: run on CPU tensors, or call without {name}"
-            )
+    if opts.dropout_p > 0:
+        checks.require(gpu.varlen_attention, "dropout_p", "flashtile.triton.varlen_attention")
+        keywords["dropout_p"] = opts.dropout_p
+    if opts.sinks is not None:
+        checks.require(gpu.varlen_attention, "sinks", "flashtile.triton.varlen_attention")
+        keywords["sinks"] = opts.sinks
     device = q.device
     offsets = (torch.as_tensor(c, dtype=torch.int32, device=device) for c in (cu_q, cu_k))
     out, lse = gpu.varlen_attention(

@@ -87,7 +87,8 @@ def attention(
             ``torch.manual_seed`` reproduces a run; the backward regenerates
             the same mask (nothing of size ``Tq x Tk`` is stored). Applied
             whenever it is > 0 (also in eval mode: pass ``dropout_p=0.0``
-            there, as with SDPA). CPU tensors only.
+            there, as with SDPA). CUDA tensors get the same mask for the same
+            seed (the Triton kernels run the same generator).
         sinks: ``(Hq,)`` attention sinks (gpt-oss's ``s_aux``): per query head
             one more logit in every row's softmax, with no value; it is neither
             scaled nor masked. Differentiable (a learned parameter gets its
@@ -150,7 +151,7 @@ def attention(
         return _on_gpu(
             q, k, v, causal=causal, scale=scale, window=window, alibi_slopes=alibi_slopes,
             softcap=softcap, enable_gqa=enable_gqa, return_lse=return_lse, kv_lengths=kv_lengths,
-            sinks=sinks,
+            sinks=sinks, dropout_p=dropout_p,
         )  # fmt: skip
     in_dtype = q.dtype
     if in_dtype == torch.float16:
@@ -305,10 +306,11 @@ def _on_gpu(q, k, v, **keywords):
     wants_grad = _wants_grad(q, k, v, keywords["sinks"])
     # kv_lengths keeps positions aligned with Tk; decoding's cache_seqlens would not.
     # (Not under torch.func: the decode op has no batching rule, the forward has.)
-    plain = keywords["kv_lengths"] is None and keywords["sinks"] is None
-    plain = plain and not op_autograd.functorch_active()
+    plain = keywords["kv_lengths"] is None and not op_autograd.functorch_active()
+    plain = plain and not keywords["dropout_p"]
     if q.ndim == 4 and q.shape[-2] <= TRITON_DECODE_MAX_QUERIES and not wants_grad and plain:
         keywords.pop("enable_gqa")  # checked by the refusal; decoding always groups
         keywords.pop("kv_lengths")
+        keywords.pop("dropout_p")
         return gpu.decode_attention(q, k, v, **keywords)
     return gpu.attention(q, k, v, **keywords)

@@ -55,12 +55,14 @@ from flashtile import op_autograd, op_batching
 
 from .arrays import as_numpy, as_tensor
 
+# No defaults: the dispatcher leaves trailing defaulted arguments out of the
+# implementation's call, which would shift the sinks (the forward's last).
 _VARIANTS = (
     "Tensor? mask, Tensor? alibi_slopes, bool causal, float? scale, int window_left, "
-    "int window_right, float? softcap, Tensor? kv_lengths=None, float dropout_p=0.0, "
-    "Tensor? dropout_seed=None"
+    "int window_right, float? softcap, Tensor? kv_lengths, float dropout_p, "
+    "Tensor? dropout_seed"
 )
-_FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_VARIANTS}, Tensor? sinks=None) -> (Tensor, Tensor)"
+_FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_VARIANTS}, Tensor? sinks) -> (Tensor, Tensor)"
 _BWD_SCHEMA = (
     f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_VARIANTS}) "
     f"-> (Tensor, Tensor, Tensor)"
@@ -96,11 +98,10 @@ def _np(t: torch.Tensor | None) -> np.ndarray | None:
 
 
 def _variants(
-    mask, alibi_slopes, window_left, window_right, softcap, kv_lengths=None, dropout_p=0.0,
-    dropout_seed=None, sinks=None,
+    mask, alibi_slopes, window_left, window_right, softcap, kv_lengths, dropout_p, dropout_seed,
+    sinks=None,
 ) -> dict:  # fmt: skip
-    """The flashtile keywords for the op's variant arguments (only those in use;
-    the defaults are the schema's, which the dispatcher may leave out)."""
+    """The flashtile keywords for the op's variant arguments (only those in use)."""
     kw = {}
     if mask is not None:
         kw["mask"] = _np(mask)

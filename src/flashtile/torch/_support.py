@@ -32,6 +32,7 @@ import torch
 
 from .. import op_autograd
 from .._validate import check_sdpa_layout
+from ..dropout import check_dropout
 from ..masks import normalize_window
 from ..op_autograd import NO_FORWARD_AD
 
@@ -188,18 +189,12 @@ def _sinks(sinks, qs, gpu: bool) -> Refusal | None:
     return None
 
 
-def _dropout(dropout_p, gpu: bool) -> Refusal | None:
-    """``0 <= dropout_p < 1``; dropout runs on the CPU kernels only."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        return Refusal(TypeError, f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if not 0.0 <= dropout_p < 1.0:
-        return Refusal(ValueError, f"dropout_p must lie in [0, 1), got {dropout_p}")
-    if gpu and dropout_p > 0.0:
-        return Refusal(
-            ValueError,
-            "dropout_p > 0 on CUDA tensors: flashtile's Triton kernels have no dropout yet; "
-            "use torch.nn.functional.scaled_dot_product_attention on the GPU, or CPU tensors",
-        )
+def _dropout(dropout_p) -> Refusal | None:
+    """``0 <= dropout_p < 1`` (:func:`flashtile.dropout.check_dropout`'s rule)."""
+    try:
+        check_dropout(dropout_p, 0, 0)
+    except (TypeError, ValueError) as exc:
+        return Refusal(type(exc), str(exc))
     return None
 
 
@@ -325,7 +320,7 @@ def refusal(
         or _sinks(sinks, q.shape, gpu)
         or _number(scale, "scale")
         or _number(softcap, "softcap")
-        or _dropout(dropout_p, gpu)
+        or _dropout(dropout_p)
         or _window(window)
         or None
     )

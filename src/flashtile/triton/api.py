@@ -18,7 +18,9 @@ from flashtile._validate import (
     check_softcap,
     resolve_scale,
 )
+from flashtile.dropout import check_counter_range, check_dropout
 from flashtile.masks import normalize_window
+from flashtile.merge import add_sinks
 
 from . import checks, ops  # (ops also registers torch.ops.flashtile.triton_*)
 from .launch import auto_splits, cdiv, decode_rows_block
@@ -43,7 +45,7 @@ def _scalars(causal, scale, window, softcap, d):
 
 def attention(
     q, k, v, *, causal=False, scale=None, window=None, alibi_slopes=None, softcap=None,
-    kv_lengths=None, mask=None, enable_gqa=False, return_lse=False, sinks=None,
+    kv_lengths=None, mask=None, enable_gqa=False, return_lse=False, sinks=None, dropout_p=0.0,
 ):  # fmt: skip
     """Exact attention with the Triton kernels, differentiable w.r.t. ``q``, ``k``, ``v``.
 
@@ -78,6 +80,9 @@ def attention(
             carries no gradient.
         sinks: ``(Hq,)`` attention sinks (see :func:`flashtile.torch.attention`),
             differentiable.
+        dropout_p: attention dropout (see :func:`flashtile.torch.attention`): the
+            CPU kernels' mask for the same seed, drawn from torch's default CPU
+            generator.
 
     Returns:
         ``out (B, Hq, Tq, dv)`` in the input dtype, and ``lse`` if asked.
@@ -85,7 +90,8 @@ def attention(
     q, k, v, unbatched, variants = _prepare(
         q, k, v, causal, scale, window, alibi_slopes, softcap, kv_lengths, mask, enable_gqa
     )
-    out, lse = _forward(q, k, v, *variants, checks.sinks(sinks, q.shape[1], q.device))
+    dropout = _dropout(dropout_p, q.shape[:2])
+    out, lse = _forward(q, k, v, *variants, *dropout, checks.sinks(sinks, q.shape[1], q.device))
     if unbatched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
@@ -144,7 +150,7 @@ def attention_backward(
             f"out and dout {want} and lse {want[:3]} (the forward's, return_lse=True)"
         )
     grads = torch.ops.flashtile.triton_attention_bwd(
-        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.float(), *variants
+        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.float(), *variants, 0.0, None
     )
     return tuple(g[0] for g in grads) if unbatched else grads
 
@@ -189,9 +195,20 @@ def varlen_attention(
     alibi = checks.slopes(alibi_slopes, 1, q.shape[0], q.device, per_batch_ok=False)
     out, lse = _forward(
         q[None], k[None], v[None], alibi, None, cu_q, cu_k, longest_q, longest_k,
-        scale, left, right, cap, checks.sinks(sinks, q.shape[0], q.device),
+        scale, left, right, cap, 0.0, None, checks.sinks(sinks, q.shape[0], q.device),
     )  # fmt: skip
     return (out[0], lse[0]) if return_lse else out[0]
+
+
+def _dropout(dropout_p, batch_heads) -> tuple[float, torch.Tensor | None]:
+    """``(dropout_p, seed)`` as the ops take them (the rule of
+    :func:`flashtile.dropout.check_dropout`; the seed drawn from torch's
+    default CPU generator, a 0-d tensor as :func:`flashtile.torch.attention` draws it)."""
+    p = check_dropout(dropout_p, 0, 0)[0]
+    if p == 0.0:
+        return 0.0, None
+    check_counter_range(*batch_heads)
+    return p, torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
 
 
 def _forward(q, k, v, *variants):
@@ -272,7 +289,7 @@ def _seqlens(cache_seqlens, table, batch, capacity, pages, device):
 
 def decode_attention(
     q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, num_splits=None, causal=True,
-    scale=None, window=None, alibi_slopes=None, softcap=None, return_lse=False,
+    scale=None, window=None, alibi_slopes=None, softcap=None, return_lse=False, sinks=None,
 ):  # fmt: skip
     """Attention of a few new queries per sequence against a KV cache (split-KV).
 
@@ -295,6 +312,8 @@ def decode_attention(
         causal, scale, window, alibi_slopes, softcap: as in :func:`attention`
             (``causal`` defaults to True here).
         return_lse: also return ``lse (B, Hq, Tq)`` float32.
+        sinks: ``(Hq,)`` attention sinks, merged after the kernels (in torch:
+            a learned sink gets its gradient through the merge).
 
     Returns:
         ``out (B, Hq, Tq, dv)`` in q's dtype, and ``lse`` if asked; a query that
@@ -315,4 +334,6 @@ def decode_attention(
     out, lse = torch.ops.flashtile.triton_decode(
         q, k_cache, v_cache, seqlens, table, num_splits, alibi, scale, left, right, cap
     )
+    if sinks is not None:
+        out, lse = add_sinks(torch, out, lse, checks.sinks(sinks, heads, q.device))
     return (out, lse) if return_lse else out

@@ -6,7 +6,8 @@ rebuilt tile by tile::
     dV_j += P^T dO        dP = dO V_j^T        dS = P * (dP - D)
     dK_j += scale * dS^T Q                     dQ += scale * dS K_j
 
-(with softcap, ``dS`` is multiplied by ``1 - tanh^2``). Two kernels share the
+(with softcap, ``dS`` is multiplied by ``1 - tanh^2``; dropout regenerates the
+forward's mask, :func:`_probs_and_dscores`). Two kernels share the
 work so that every output element has exactly one writer, as in the CPU
 backward: :func:`attn_bwd_dkdv` owns a key block of one kv head and walks the
 query blocks that see it, for every query head of its GQA group (the group's
@@ -26,6 +27,7 @@ from .tiles import (
     LOG2E,
     device_fn,
     dot,
+    kept,
     load_rows,
     operand_like,
     phase_block,
@@ -93,31 +95,39 @@ def _row_state(Lse, Delta, offs_m, m_ok, row_base):
 @device_fn
 def _probs_and_dscores(
     q, k, v, do, lse2, delta, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
+    keep, drop_scale, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
+    DROPOUT: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """``(P, dS)`` of one tile: ``P = exp2(S - lse)`` recomputed, ``dS = P * (dP - D)``
-    with ``dP = dO V^T`` (times ``1 - tanh^2`` under softcap), both float32."""
+    with ``dP = dO V^T`` (times ``1 - tanh^2`` under softcap), both float32.
+    With ``DROPOUT`` (keep mask ``Z``, scale ``c``) the output was ``(c Z * P) V``:
+    ``dP`` becomes ``c Z * dP`` and the returned ``P`` (dV's operand) ``c Z * P``."""
     s, t = scores(q, k, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
                   SOFTCAP, ALIBI, MASKED, IEEE)  # fmt: skip
     p = tl.exp2(s - lse2[:, None])
     dp = dot(do, tl.trans(v), tl.zeros([q.shape[0], k.shape[0]], tl.float32), IEEE)
+    if DROPOUT:
+        dp = tl.where(keep, dp * drop_scale, 0.0)
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
+    if DROPOUT:
+        p = tl.where(keep, p * drop_scale, 0.0)
     return p, ds
 
 
 @device_fn
 def _dkdv_range(
     dk, dv, k, v, q_base, do_base, stride_q, stride_do, Lse, Delta, row_base, lo, s1, s2, hi,
-    offs_n, tq, shift, kv_len, left, right, slope2, qk_scale, cap_in, cap_out,
+    offs_n, tq, shift, kv_len, left, right, slope2, qk_scale, cap_in, cap_out, q0, keys, drop,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
+    IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
     """Accumulate the key block's ``dk`` (unscaled) and ``dv`` over the query blocks of
-    one phase (see :func:`~.tiles.phase_count`)."""
+    one phase (see :func:`~.tiles.phase_count`); ``q0`` is the sequence's first
+    query row and ``keys`` the block's key rows in the arrays (for dropout)."""
     blocks, head = phase_count(lo, s1, s2, hi, BLOCK_M, MASKED)
     for i in range(blocks):
         offs_m, m_ok = phase_block(i, head, lo, s1, s2, hi, BLOCK_M, MASKED)
@@ -128,9 +138,10 @@ def _dkdv_range(
         pos = offs_m + shift
         lo_r, hi_r = row_bounds(pos, kv_len, left, right, HAS_LEFT, HAS_RIGHT)
         hi_r = tl.where(m_ok, hi_r, 0)
+        keep = kept(q0 + offs_m, keys, drop) if DROPOUT else 0
         p, ds = _probs_and_dscores(
             q, k, v, do, lse2, delta, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
-            SOFTCAP, ALIBI, MASKED, IEEE,
+            keep, drop[4], SOFTCAP, ALIBI, MASKED, DROPOUT, IEEE,
         )  # fmt: skip
         dv = dot(tl.trans(operand_like(p, do, EMULATE_BF16)), do, dv, IEEE)
         dk = dot(tl.trans(operand_like(ds, q, EMULATE_BF16)), q, dk, IEEE)
@@ -143,10 +154,12 @@ def attn_bwd_dkdv(
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, sl_b, sl_h,
     sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t, ss_b,
     heads_kv, group, seqlen_q, seqlen_k, left, right, scale, qk_scale, cap_in, cap_out,
+    seed, drop_offset, drop_threshold, drop_scale,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    KV_LENS: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    KV_LENS: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
     """``DK``, ``DV`` (shaped like ``K``, ``V``) for key block ``program_id(0)`` of one kv head."""
     start_n, hk, b, q0, k0, tq, tk, kv_len = program_tile(
@@ -173,13 +186,14 @@ def attn_bwd_dkdv(
         q_base = Q + b * sq_b + h * sq_h + q0.to(tl.int64) * sq_t
         do_base = DOut + b * sd_b + h * sd_h + q0.to(tl.int64) * sd_t
         row_base = b * sl_b + h * sl_h + q0
+        drop = (b * 65536 + h, seed, drop_offset, drop_threshold, drop_scale)
         for phase in tl.static_range(2):  # the masked edges, then the unmasked interior
             dk, dv = _dkdv_range(
                 dk, dv, k, v, q_base, do_base, sq_t, sd_t, Lse, Delta, row_base, i_lo, s1, s2,
                 i_hi,
                 offs_n, tq, tk - tq, kv_len, left, right, slope2, qk_scale, cap_in, cap_out,
-                HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT,
-                SOFTCAP, ALIBI, phase == 0, IEEE, EMULATE_BF16,
+                q0, keys, drop, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT,
+                SOFTCAP, ALIBI, phase == 0, DROPOUT, IEEE, EMULATE_BF16,
             )  # fmt: skip
     dk_rows = DK + b * sdk_b + hk * sdk_h + keys * sdk_t
     store_rows(dk_rows, dk * scale, n_ok, HEAD_D, BLOCK_D, EMULATE_BF16)
@@ -191,21 +205,23 @@ def attn_bwd_dkdv(
 @device_fn
 def _dq_range(
     dq, q, do, lse2, delta, k_base, v_base, stride_k, stride_v, lo, s1, s2, hi,
-    pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
+    pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out, rows, k0, drop,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
-    IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    DROPOUT: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
-    """Accumulate the query block's ``dq`` (unscaled) over the key blocks of one phase."""
+    """Accumulate the query block's ``dq`` (unscaled) over the key blocks of one phase
+    (``rows``, ``k0``: the block's query rows and the sequence's first key row)."""
     blocks, head = phase_count(lo, s1, s2, hi, BLOCK_N, MASKED)
     for i in range(blocks):
         offs_n, n_ok = phase_block(i, head, lo, s1, s2, hi, BLOCK_N, MASKED)
         keys = offs_n.to(tl.int64)
         k = load_rows(k_base + keys * stride_k, n_ok, HEAD_D, BLOCK_D, MASKED, EMULATE_BF16)
         v = load_rows(v_base + keys * stride_v, n_ok, HEAD_DV, BLOCK_DV, MASKED, EMULATE_BF16)
+        keep = kept(rows, k0 + offs_n, drop) if DROPOUT else 0
         _, ds = _probs_and_dscores(
             q, k, v, do, lse2, delta, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
-            SOFTCAP, ALIBI, MASKED, IEEE,
+            keep, drop[4], SOFTCAP, ALIBI, MASKED, DROPOUT, IEEE,
         )  # fmt: skip
         dq = dot(operand_like(ds, k, EMULATE_BF16), k, dq, IEEE)
     return dq
@@ -217,10 +233,12 @@ def attn_bwd_dq(
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, sl_b, sl_h,
     sdq_b, sdq_h, sdq_t, ss_b,
     heads, group, seqlen_q, seqlen_k, left, right, scale, qk_scale, cap_in, cap_out,
+    seed, drop_offset, drop_threshold, drop_scale,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    KV_LENS: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    KV_LENS: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
     """``DQ`` (shaped like ``Q``) for query block ``program_id(0)`` of one head."""
     start_m, h, b, q0, k0, tq, tk, kv_len = program_tile(
@@ -243,12 +261,13 @@ def attn_bwd_dq(
     k_base = K + b * sk_b + hk * sk_h + k0.to(tl.int64) * sk_t
     v_base = V + b * sv_b + hk * sv_h + k0.to(tl.int64) * sv_t
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    drop = (b * 65536 + h, seed, drop_offset, drop_threshold, drop_scale)
     for phase in tl.static_range(2):  # the masked edges, then the unmasked interior
         dq = _dq_range(
             dq, q, do, lse2, delta, k_base, v_base, sk_t, sv_t, lo, s1, s2, hi,
-            pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
-            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP, ALIBI, phase == 0, IEEE,
-            EMULATE_BF16,
+            pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out, rows, k0, drop,
+            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP, ALIBI, phase == 0, DROPOUT,
+            IEEE, EMULATE_BF16,
         )  # fmt: skip
     store_rows(DQ + b * sdq_b + h * sdq_h + rows * sdq_t, dq * scale, m_ok, HEAD_D, BLOCK_D,
                EMULATE_BF16)  # fmt: skip

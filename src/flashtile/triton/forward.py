@@ -13,7 +13,8 @@ Variants: ``HAS_LEFT``/``HAS_RIGHT`` (sliding window; causal is ``right =
 0``), ``SOFTCAP``, ``ALIBI`` (slopes ``(B, Hq)`` or ``(Hq,)``, batch stride
 0), ``KV_LENS`` (valid keys per batch entry; positions still align with
 ``Tk``), ``VARLEN`` (packed sequences from ``cu_seqlens``; then the tensors
-are ``(1, H, total, d)`` and each sequence aligns bottom-right on its own).
+are ``(1, H, total, d)`` and each sequence aligns bottom-right on its own),
+``DROPOUT`` (:func:`~flashtile.triton.tiles.kept`: the CPU kernels' mask).
 GQA/MQA: query head ``h`` reads kv head ``h // group``; K/V are never copied.
 The key loop is :func:`~flashtile.triton.tiles.attend_range`, which the
 decoding kernel runs too (there over a paged or contiguous cache).
@@ -38,10 +39,12 @@ def attn_fwd(
     Q, K, V, Out, Lse, Slopes, KvLens, CuQ, CuK,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, sl_b, sl_h, ss_b,
     heads, group, seqlen_q, seqlen_k, left, right, qk_scale, cap_in, cap_out,
+    seed, drop_offset, drop_threshold, drop_scale,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    KV_LENS: tl.constexpr, VARLEN: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    KV_LENS: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
     """``Out (B, Hq, Tq, dv)`` and ``Lse (B, Hq, Tq)`` float32 (see the module docstring)."""
     start_m, h, b, q0, k0, tq, tk, kv_len = program_tile(
@@ -63,13 +66,16 @@ def attn_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    drop = (b * 65536 + h, seed, drop_offset, drop_threshold, drop_scale)
     for phase in tl.static_range(2):  # the masked edges, then the unmasked interior
         acc, l_i, m_i = attend_range(
             acc, l_i, m_i, q, k_base, v_base, K, 0, sk_t, 0, sv_t, 1, lo, s1, s2, hi,
-            pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
+            pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out, rows, k0, drop,
             HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP, ALIBI, phase == 0, False,
-            IEEE, EMULATE_BF16,
+            DROPOUT, IEEE, EMULATE_BF16,
         )  # fmt: skip
     out, lse = finish_rows(acc, l_i, m_i)
+    if DROPOUT:
+        out = out * drop_scale
     store_rows(Out + b * so_b + h * so_h + rows * so_t, out, m_ok, HEAD_DV, BLOCK_DV, EMULATE_BF16)
     tl.store(Lse + b * sl_b + h * sl_h + q0 + offs_m, lse, mask=m_ok)

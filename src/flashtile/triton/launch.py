@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..dropout import keep_threshold
 from .backward import attn_bwd_delta, attn_bwd_dkdv, attn_bwd_dq
 from .configs import DECODE_MAX_ROWS, head_block
 from .decode import decode_merge, decode_split
@@ -30,7 +31,8 @@ class Variants:
     ``left``/``right`` = -1 mean unbounded (causal is ``right = 0``);
     ``alibi`` is ``(B or 1, Hq)`` float32, ``kv_lengths`` ``(B,)`` int32,
     ``cu_q``/``cu_k`` ``(S + 1,)`` int32 with ``max_q``/``max_k`` the longest
-    sequence, all on the inputs' device.
+    sequence, all on the inputs' device; ``dropout_p`` and its ``seed``
+    (:mod:`flashtile.dropout`).
     """
 
     scale: float
@@ -43,6 +45,15 @@ class Variants:
     cu_k: torch.Tensor | None = None
     max_q: int = 0
     max_k: int = 0
+    dropout_p: float = 0.0
+    seed: int = 0
+
+    def dropout_args(self) -> tuple[int, int, int, float]:
+        """``(seed, offset, threshold, scale)``: the kernels' dropout scalars
+        (:mod:`flashtile.dropout`'s rule; the offset is 0 here: each call draws
+        a fresh seed)."""
+        p = self.dropout_p
+        return self.seed, 0, keep_threshold(p), 1.0 / (1.0 - p)
 
     def scalars(self) -> tuple[float, float, float, float]:
         """``(scale, qk_scale, cap_in, cap_out)``: the kernels work in log2 units."""
@@ -57,6 +68,7 @@ class Variants:
             "HAS_RIGHT": self.right >= 0,
             "SOFTCAP": self.softcap is not None,
             "ALIBI": self.alibi is not None,
+            "DROPOUT": self.dropout_p > 0.0,
             "IEEE": dtype == torch.float32,
             "EMULATE_BF16": INTERPRET and dtype == torch.bfloat16,
         }
@@ -129,7 +141,7 @@ def forward(q, k, v, var: Variants):
     args = (
         q, k, v, out, lse, *var.pointers(q.device), *_strides(q, k, v, out), *lse.stride()[:2],
         var.slope_batch_stride(), heads, heads // k.shape[1], tq, k.shape[2], var.left, var.right,
-        *var.scalars()[1:],
+        *var.scalars()[1:], *var.dropout_args(),
     )  # fmt: skip
     key = _tune_key(var, q, max(max_q, max_k))
     grid = lambda c: (cdiv(max_q, c.block_m), seqs * heads)  # noqa: E731
@@ -158,7 +170,7 @@ def backward(dout, q, k, v, out, lse, var: Variants):
     consts = {**blocks, **var.flags(q.dtype), "KV_LENS": var.kv_lengths is not None,
               "VARLEN": varlen}  # fmt: skip
     common = (*var.pointers(q.device),)
-    sizes = (tq, k.shape[2], var.left, var.right, *var.scalars())
+    sizes = (tq, k.shape[2], var.left, var.right, *var.scalars(), *var.dropout_args())
     key = _tune_key(var, q, max(max_q, max_k))
     kv_args = (
         q, k, v, dout, lse, delta, dk, dv, *common, *_strides(q, k, v, dout), *lse.stride()[:2],

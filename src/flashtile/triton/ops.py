@@ -4,7 +4,7 @@ Three ops, opaque to the dispatcher, FakeTensor tracing and ``torch.compile``::
 
     flashtile::triton_attention_fwd(q, k, v, alibi_slopes?, kv_lengths?, cu_seqlens_q?,
         cu_seqlens_k?, max_seqlen_q, max_seqlen_k, scale, window_left, window_right,
-        softcap?, sinks?) -> (out, lse)
+        softcap?, dropout_p, dropout_seed?, sinks?) -> (out, lse)
     flashtile::triton_attention_bwd(dout, q, k, v, out, lse, <the same variants>)
         -> (dq, dk, dv)
     flashtile::triton_decode(q, k_cache, v_cache, cache_seqlens, block_table?, num_splits,
@@ -41,9 +41,10 @@ from . import launch
 _VARIANTS = (
     "Tensor? alibi_slopes, Tensor? kv_lengths, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
     "int max_seqlen_q, int max_seqlen_k, float scale, int window_left, int window_right, "
-    "float? softcap"
+    "float? softcap, float dropout_p, Tensor? dropout_seed"
 )
-_FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_VARIANTS}, Tensor? sinks=None) -> (Tensor, Tensor)"
+# No default for the sinks: the dispatcher would leave it out of the call.
+_FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_VARIANTS}, Tensor? sinks) -> (Tensor, Tensor)"
 _BWD_SCHEMA = (
     f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_VARIANTS}) "
     f"-> (Tensor, Tensor, Tensor)"
@@ -60,12 +61,17 @@ def _on(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _variants(alibi, kv_lengths, cu_q, cu_k, max_q, max_k, scale, left, right, softcap):
+def _variants(
+    alibi, kv_lengths, cu_q, cu_k, max_q, max_k, scale, left, right, softcap, dropout_p, seed
+):
     # The kernels index lengths and offsets densely (no strides passed for them).
     kv_lengths, cu_q, cu_k = (
         None if t is None else t.contiguous() for t in (kv_lengths, cu_q, cu_k)
     )
-    return launch.Variants(scale, left, right, softcap, alibi, kv_lengths, cu_q, cu_k, max_q, max_k)
+    seed = 0 if seed is None else int(seed)  # a CPU tensor: no device sync
+    return launch.Variants(
+        scale, left, right, softcap, alibi, kv_lengths, cu_q, cu_k, max_q, max_k, dropout_p, seed
+    )
 
 
 @torch.library.custom_op("flashtile::triton_attention_fwd", mutates_args=(), schema=_FWD_SCHEMA)
@@ -108,7 +114,8 @@ _VARIANT_ARGS = (
     op_batching.constant("alibi_slopes", 2), op_batching.constant("kv_lengths", 1),
     op_batching.Arg("cu_seqlens_q", "packed"), op_batching.Arg("cu_seqlens_k", "packed"),
     *(op_batching.Arg(n) for n in ("max_seqlen_q", "max_seqlen_k", "scale", "left", "right")),
-    op_batching.Arg("softcap"),
+    op_batching.Arg("softcap"), op_batching.Arg("dropout_p"),
+    op_batching.refused("dropout_seed", "dropout"),
 )  # fmt: skip
 op_batching.register(
     attention_fwd,

@@ -310,19 +310,24 @@ def scores(
 
 @device_fn
 def online_block(
-    acc, l_i, m_i, s, v, MASKED: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr
-):
+    acc, l_i, m_i, s, v, keep, MASKED: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):  # fmt: skip
     """Fold one score tile ``s`` (log2 units) and its value tile into the running state.
 
     ``m_i`` is the running max, ``l_i`` the normaliser, ``acc`` the unnormalised
     output. In masked tiles a row may have seen no key yet (``m = -inf``): it
     exponentiates against 0 instead, so ``exp2(-inf - -inf)`` never makes NaN.
+    With ``DROPOUT`` the probabilities ``keep`` drops (:func:`kept`) leave
+    the value product after their sum entered ``l_i``.
     """
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_base = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
     p = tl.exp2(s - m_base[:, None])
     alpha = tl.exp2(m_i - m_base)
     l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:
+        p = tl.where(keep, p, 0.0)
     acc = dot(operand_like(p, v, EMULATE_BF16), v, acc * alpha[:, None], IEEE)
     return acc, l_i, m_new
 
@@ -335,6 +340,29 @@ def finish_rows(acc, l_i, m_i):
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
     return out, lse
+
+
+@device_fn
+def kept(rows, cols, drop):
+    """Dropout's keep decisions ``(len(rows), len(cols))`` bool for query rows
+    ``rows`` and key rows ``cols`` (row indices of the caller's arrays), by
+    :mod:`flashtile.dropout`'s rule: Philox-4x32-10 (``tl.philox``, the same
+    rounds and key layout) of counter ``(col // 8, row, bh, offset)`` under
+    the seed, the 16-bit half ``col % 2`` of word ``(col // 2) % 4``, kept
+    when at least the threshold. ``drop = (bh, seed, offset, threshold,
+    scale)``; ``bh = b * 2**16 + h``."""
+    bh, seed, offset, threshold, _ = drop
+    c0 = (cols[None, :] >> 3) + rows[:, None] * 0
+    c1 = rows[:, None] + cols[None, :] * 0
+    w0, w1, w2, w3 = tl.philox(
+        seed, c0.to(tl.uint32), c1.to(tl.uint32), (c0 * 0 + bh).to(tl.uint32),
+        (c0 * 0 + offset).to(tl.uint32),
+    )  # fmt: skip
+    which = (cols[None, :] >> 1) & 3
+    word = tl.where(which == 0, w0, tl.where(which == 1, w1, tl.where(which == 2, w2, w3)))
+    half = ((cols[None, :] & 1) * 16).to(tl.uint32)
+    value = ((word >> half) & 0xFFFF).to(tl.int32)
+    return value >= threshold
 
 
 @device_fn
@@ -357,14 +385,16 @@ def key_rows(offs_n, n_ok, table_row, stride_page, stride_t, page_size,
 @device_fn
 def attend_range(
     acc, l_i, m_i, q, k_base, v_base, table_row, sk_page, sk_t, sv_page, sv_t, page_size,
-    lo, s1, s2, hi, pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
+    lo, s1, s2, hi, pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out, rows, k0, drop,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
-    PAGED: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    PAGED: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
     """Fold the key blocks of one phase (see :func:`phase_count`) into the running state
     ``(acc, l_i, m_i)`` of the query tile ``q``: the loop of the forward and of the
-    decoding kernel (contiguous keys, or a paged cache with ``PAGED``)."""
+    decoding kernel (contiguous keys, or a paged cache with ``PAGED``). With
+    ``DROPOUT``, ``rows`` are the tile's query rows and ``k0`` the first key's
+    row in the arrays, ``drop`` the generator's arguments (:func:`kept`)."""
     blocks, head = phase_count(lo, s1, s2, hi, BLOCK_N, MASKED)
     for i in range(blocks):
         offs_n, n_ok = phase_block(i, head, lo, s1, s2, hi, BLOCK_N, MASKED)
@@ -376,5 +406,8 @@ def attend_range(
         )  # fmt: skip
         v_rows = key_rows(offs_n, n_ok, table_row, sv_page, sv_t, page_size, MASKED, PAGED)
         v = load_rows(v_base + v_rows, n_ok, HEAD_DV, BLOCK_DV, MASKED, EMULATE_BF16)
-        acc, l_i, m_i = online_block(acc, l_i, m_i, s, v, MASKED, IEEE, EMULATE_BF16)
+        keep = kept(rows, k0 + offs_n, drop) if DROPOUT else 0
+        acc, l_i, m_i = online_block(
+            acc, l_i, m_i, s, v, keep, MASKED, DROPOUT, IEEE, EMULATE_BF16
+        )  # fmt: skip
     return acc, l_i, m_i
