@@ -394,3 +394,29 @@ def test_under_torch_func_with_lengths_and_packed_sequences():
         dual = torch.autograd.forward_ad.make_dual(qv, torch.ones_like(qv))
         with pytest.raises(NotImplementedError, match="no forward-mode AD"):
             ft.varlen_attention(dual, kv, vv, cu, cu)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_dropout_and_sinks_match_the_cpu_kernels_mask(dtype):
+    """The Triton kernels draw the CPU kernels' dropout mask for the same seed
+    (one rule, :mod:`flashtile.dropout`), and merge sinks with their gradient:
+    against the float64 reference given that seed."""
+    q, k, v = make((2, 4, 2, 21, 37, 16, 16), dtype, 3, True)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.25], device=DEVICE, requires_grad=True)
+    kw = dict(causal=True, window=(9, None))
+    torch.manual_seed(5)
+    out = ft.attention(q, k, v, enable_gqa=True, dropout_p=0.3, sinks=sinks, **kw)
+    torch.manual_seed(5)  # the seed flashtile drew: torch's generator's first draw
+    seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+    ref_kw = dict(dropout_p=0.3, dropout_seed=seed, sinks=f64(sinks), **kw)
+    qd, kd, vd = (f64(t) for t in (q, k, v))
+    ref, ref_lse = flashtile.tiled_attention(qd, kd, vd, 16, return_lse=True, **ref_kw)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(out)
+    grads = torch.autograd.grad(out, (q, k, v, sinks), dout)
+    want = flashtile.tiled_attention_backward(
+        qd, kd, vd, ref, ref_lse, f64(dout), block_size=16, **ref_kw
+    )
+    tol = 1e-5 if dtype == F32 else 2e-2
+    for what, got, w in zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads), (ref, *want),
+                            strict=True):  # fmt: skip
+        assert rel_err(f64(got), w) < tol, what
