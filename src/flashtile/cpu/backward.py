@@ -135,7 +135,8 @@ def grad_rows(
         if dropping:  # dS = P * (c Z * dP - D); then P * Z for dV
             for c in range(cw):
                 x = widen(p[row, c])
-                g = abs(x) * ((dp[row, c] * keep_scale if x > zero else zero) - dr)
+                factor = keep_scale if x > zero else zero  # (a multiply vectorises, a select not)
+                g = abs(x) * (dp[row, c] * factor - dr)
                 if tanh.size:
                     t = tanh[row, c]
                     g *= 1.0 - t * t
