@@ -358,3 +358,11 @@ def test_softcap_accepts_a_zero_dim_array(rng):
     q, k, v = (rng.standard_normal((1, 2, t, 4)) for t in (6, 9, 9))
     a = ft.attention(q, k, v, softcap=np.array(2.0))
     np.testing.assert_array_equal(a, ft.attention(q, k, v, softcap=2.0))
+
+
+def test_log2_units_are_defined_once_and_right():
+    import math
+
+    from flashtile.units import LN2, LOG2E
+
+    assert LOG2E == math.log2(math.e) and LN2 == math.log(2) and LOG2E * LN2 == 1.0

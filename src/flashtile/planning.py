@@ -34,7 +34,6 @@ import numpy as np
 from ._validate import BFLOAT16, AttentionShapes, check_block_size, compute_dtype, head_group
 from .cpu.launch import numba_threads
 from .cpu.tiles import (
-    LOG2E,
     SEQ_BATCH,
     SEQ_COLUMNS,
     SEQ_K_START,
@@ -47,6 +46,7 @@ from .cpu.tiles import (
 from .dropout import keep_threshold
 from .masks import block_mask
 from .precision import FLOAT32_SCORE_LIMIT, bf16_products_fit, bounds, work_dtype
+from .units import LOG2E
 from .variants import Variants
 from .workitems import (
     ITEMS_PER_THREAD,

@@ -50,9 +50,9 @@ import numpy as np
 from numba.extending import overload, register_jitable
 
 from ._validate import BFLOAT16, compute_dtype
+from .units import LOG2E
 from .variants import Variants
 
-LOG2E = math.log2(math.e)
 #: A bound on float32 scores in log2 units: 8x below float32's largest value
 #: leaves room for the sums and differences the online softmax forms.
 FLOAT32_SCORE_LIMIT = float(np.finfo(np.float32).max) / 8

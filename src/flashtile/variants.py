@@ -28,7 +28,6 @@ Two variants act after the scores:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,13 +35,14 @@ import numpy as np
 from ._validate import AttentionShapes, as_numpy, check_flag, check_softcap
 from .dropout import check_counter_range, check_dropout
 from .masks import BlockMask, normalize_window
+from .units import LOG2E
 
 #: Float mask values below ``-MASK_LIMIT`` count as ``-inf`` (hidden), and
 #: values above it are refused. The kernels work in log2 units, where a
 #: float32 score beyond ``FLT_MAX / log2(e)`` overflows; fixing the rule here
 #: makes every path and dtype agree. ``finfo(float32).min``, which Hugging Face
 #: masks use for hidden positions, lies below it.
-MASK_LIMIT = float(np.finfo(np.float32).max) / math.log2(math.e)
+MASK_LIMIT = float(np.finfo(np.float32).max) / LOG2E
 
 
 @dataclass(frozen=True)

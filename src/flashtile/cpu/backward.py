@@ -26,6 +26,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..masks import TILE_EMPTY, TILE_PARTIAL
+from ..units import LOG2E
 from . import FASTMATH
 from .blas import gemm, gemm_scaled
 from .dropout import mark_rows
@@ -33,7 +34,6 @@ from .half import narrow, narrow_operand, prob_buffer, prob_tile, split_scale, w
 from .rowops import exp2_into, zero_outside
 from .tile_step import score_product
 from .tiles import (
-    LOG2E,
     SEQ_K_START,
     SEQ_Q_START,
     KernelVariants,

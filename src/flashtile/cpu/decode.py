@@ -37,13 +37,13 @@ from numba import njit, prange, types
 from numba.core.errors import TypingError
 from numba.extending import overload
 
+from ..units import LOG2E
 from . import FASTMATH
 from .cache_rows import reads_rows, walk_rows
 from .half import prob_buffer, split_scale, work_empty
 from .memory import BFloat16Bits, FloatValues, is_flag, load_value, prefetch_rows
 from .tile_step import finish_rows, fold_key_tile, item_buffers, one_segment
 from .tiles import (
-    LOG2E,
     SEG_KEY,
     SEG_LENGTH,
     KernelVariants,

@@ -21,11 +21,11 @@ import numpy as np
 from numba import njit, prange
 
 from ..masks import TILE_EMPTY, TILE_FULL
+from ..units import LOG2E
 from . import FASTMATH
 from .half import prob_buffer, split_scale
 from .tile_step import finish_rows, fold_key_tile, item_buffers, one_segment
 from .tiles import (
-    LOG2E,
     SEG_COLUMNS,
     SEG_KEY,
     SEG_LENGTH,

@@ -30,6 +30,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from ..masks import TILE_FULL, TILE_PARTIAL
+from ..units import LN2
 from . import FASTMATH
 from .blas import gemm, gemm_scaled
 from .dropout import drop_tile
@@ -37,7 +38,6 @@ from .half import narrow, prob_tile, widen
 from .memory import prefetch_rows
 from .rowops import exp2_into, row_max, zero_outside
 from .tiles import (
-    LN2,
     SEG_COLUMNS,
     SEG_KEY,
     SEG_LENGTH,

@@ -43,11 +43,6 @@ from . import FASTMATH
 from .half import narrow, widen
 from .vectors import wide_vectors
 
-#: ``log2(e)``: scores times this are exponents of 2 (``exp(x) = 2**(x log2(e))``).
-LOG2E = 1.4426950408889634
-#: ``ln(2)``: an lse in log2 units times this is the natural-log lse.
-LN2 = 0.6931471805599453
-
 #: Columns of the ``seqs (S, SEQ_COLUMNS)`` int64 table: sequence ``s`` is
 #: queries ``q_start + [0, Tq)`` and keys ``k_start + [0, Tk)`` of batch
 #: entry ``b``, of which the first ``kv_len`` keys are valid (one row per

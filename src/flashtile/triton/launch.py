@@ -14,14 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from ..dropout import keep_threshold
+from ..units import LOG2E
 from .backward import attn_bwd_delta, attn_bwd_dkdv, attn_bwd_dq
 from .configs import DECODE_MAX_ROWS, head_block
 from .decode import decode_merge, decode_split
 from .forward import attn_fwd
 from .tiles import INTERPRET
 from .tuning import pick
-
-LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ import os
 import triton
 import triton.language as tl
 
+from .. import units
+
 #: Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when
 #: they were defined: ``triton.jit`` reads it when it decorates a function).
 try:
@@ -55,8 +57,8 @@ def device_fn(fn):
 
 
 # Kernels may read module globals only when they are tl.constexpr.
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
+LOG2E = tl.constexpr(units.LOG2E)
+LN2 = tl.constexpr(units.LN2)
 
 
 @device_fn
