@@ -377,7 +377,7 @@ def test_rebase_recompute_reports_a_non_finite_raw_score():
     s = np.zeros((1, 4), dtype=np.float32)
     segs = one_segment()
     segs[0, SEG_LENGTH] = 4
-    tile = QueryTile(0, 0, 1, 0, 1, 4, 4)
+    tile = QueryTile(0, 0, 1, 0, 1, 4, 4, 0, 0)
     for softcap, empty in ((50.0, False), (None, False), (50.0, True)):
         va = kernel_variants(Variants(False, -1, -1, softcap=softcap), np.float32, 1)
         flag = np.zeros(0 if empty else 1, dtype=np.uint8)

@@ -158,10 +158,11 @@ def _plan(call, block_q, block_k, backward):
     threads = call_threads(shapes)
     if call.cu_seqlens is None and va.mask_bool is None:
         lengths = None if va.kv_lengths is None else tuple(va.kv_lengths.tolist())
-        seqs, block_q, block_k, variants, items, parts = _plain_schedule(
-            q4.shape[:2], k4.shape[1], shapes.tq, shapes.tk, lengths, va.causal, va.left,
+        key = ScheduleKey(
+            *q4.shape[:2], k4.shape[1], shapes.tq, shapes.tk, lengths, va.causal, va.left,
             va.right, va.softcap, work, block_q, block_k, backward, threads,
         )  # fmt: skip
+        seqs, block_q, block_k, variants, items, parts = _plain_schedule(key)
         if va.alibi is not None or va.mask_add is not None or va.dropout_p > 0.0:
             variants = kernel_variants(va, work, q4.shape[1])  # this call's own values
     else:
@@ -176,20 +177,42 @@ def _plan(call, block_q, block_k, backward):
     )  # fmt: skip
 
 
+class ScheduleKey(NamedTuple):
+    """Everything the schedule of a plain call (no boolean mask, not packed)
+    depends on: the kernel arrays' sizes, the valid keys per batch entry
+    (None: all), the positional variants and softcap, the work dtype, the
+    requested tile sizes, the direction and the thread count."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    tq: int
+    tk: int
+    lengths: tuple | None
+    causal: bool
+    left: int
+    right: int
+    softcap: float | None
+    work: type
+    block_q: int | None
+    block_k: int | None
+    backward: bool
+    threads: int
+
+
 @lru_cache(maxsize=256)
-def _plain_schedule(
-    lead, n_kv, tq, tk, lengths, causal, left, right, softcap, work, block_q, block_k, backward,
-    threads,
-):  # fmt: skip
-    """:func:`_schedule` of a call whose schedule depends on sizes and flags
-    only (no boolean mask, not packed), cached: a serving loop repeats a few
-    shapes. The arrays are shared between calls; the kernels only read them.
-    Its variants are the plain ones: a call with slopes, an additive mask or
-    dropout replaces them with its own."""
-    seqs = _batch_table(lead[0], tq, tk, lengths)
-    va = Variants(causal=causal, left=left, right=right, softcap=softcap)
-    heads, extent = (lead[1], n_kv), (tq, tk)
-    return (seqs,) + _schedule(seqs, va, heads, extent, work, block_q, block_k, backward, threads)
+def _plain_schedule(key: ScheduleKey):
+    """:func:`_schedule` of a plain call, cached by its :class:`ScheduleKey`:
+    a serving loop repeats a few shapes. The arrays are shared between
+    calls; the kernels only read them. Its variants are the plain ones: a
+    call with slopes, an additive mask or dropout replaces them with its own."""
+    k = key
+    seqs = _batch_table(k.batch, k.tq, k.tk, k.lengths)
+    va = Variants(causal=k.causal, left=k.left, right=k.right, softcap=k.softcap)
+    return (seqs,) + _schedule(
+        seqs, va, (k.heads, k.kv_heads), (k.tq, k.tk), k.work, k.block_q, k.block_k, k.backward,
+        k.threads,
+    )  # fmt: skip
 
 
 def _schedule(seqs, va, heads, extent, work, block_q, block_k, backward, threads):

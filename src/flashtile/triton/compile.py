@@ -41,8 +41,9 @@ HEAD_DIMS = (64, 128, 256)
 _DATA = {"Q", "K", "V", "DOut", "DQ", "DK", "DV"}
 _FLOAT32 = {"Lse", "Delta", "Slopes", "PartOut", "PartLse"}
 _INT32 = {"KvLens", "CuQ", "CuK", "Table", "SeqLens"}
-_FLOATS = {"scale", "qk_scale", "cap_in", "cap_out"}
-_FLAGS = ("HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "ALIBI", "KV_LENS", "VARLEN", "PAGED")
+_FLOATS = {"scale", "qk_scale", "cap_in", "cap_out", "drop_scale"}
+_INT64 = {"seed"}  # dropout's 64-bit seed
+_FLAGS = ("HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "ALIBI", "KV_LENS", "VARLEN", "PAGED", "DROPOUT")
 
 
 def _signature(fn, dtype: str, out_type: str) -> dict[str, str]:
@@ -59,7 +60,7 @@ def _signature(fn, dtype: str, out_type: str) -> dict[str, str]:
         elif name in _INT32:
             sig[name] = "*i32"
         else:
-            sig[name] = "fp32" if name in _FLOATS else "i32"
+            sig[name] = "fp32" if name in _FLOATS else "i64" if name in _INT64 else "i32"
     return sig
 
 
