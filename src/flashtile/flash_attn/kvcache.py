@@ -15,9 +15,9 @@ is not next to key ``t + 1`` of the same head in flash-attn's layout, so:
   the cache is read in place as *one-token pages*: ``(tokens, nheads_k, 1,
   headdim)`` is the same memory, C-contiguous, and a block table lists each
   sequence's tokens. No copy per call; the kernel gathers each tile's rows
-  (a strided read), which measured 1.3-2.8x the time of flashtile's own
-  ``(B, Hkv, T, d)`` layout and less than copying the cache into that layout
-  on every call (docs/flash_attn.md has the numbers).
+  (a strided read), which measured 1.4-2.3x the time of flashtile's own
+  ``(B, Hkv, T, d)`` layout, and less than copying the cache into that
+  layout on every call (docs/flash_attn.md has the numbers).
 - ``cache_leftpad`` (keys before it are not part of the sequence) shifts
   each sequence's first token; one-token pages express that on both devices.
 
@@ -42,7 +42,6 @@ from . import checks
 from .rotary import check_tables, rotate
 
 _NO_KVCACHE = {
-    "sinks": "flashtile's decode kernels take no attention sinks yet; call without sinks",
     "dropout_p": "flash_attn_with_kvcache is inference only (no dropout), as in flash-attn",
 }
 
@@ -67,6 +66,8 @@ def flash_attn_with_kvcache(
     alibi_slopes=None,
     num_splits=0,
     return_softmax_lse=False,
+    *,
+    sinks=None,
     **unsupported,
 ):
     """Append ``k``/``v`` to the caches in place (if given), then attend ``q`` to them.
@@ -101,6 +102,9 @@ def flash_attn_with_kvcache(
             GPT-NeoX pairs ``(i, i + rotary_dim / 2)``.
         num_splits: key chunks per sequence merged afterwards; 0 = automatic.
         return_softmax_lse: also return ``lse (batch, nheads, seqlen_q)``.
+        sinks: flashtile's extension: ``(nheads,)`` sink logits, one extra key
+            per head with value zero in every row's softmax (as in
+            :func:`flash_attn_func`; no gradient here).
 
     Returns:
         ``out (batch, seqlen_q, nheads, headdim_v)`` in ``q``'s dtype, and
@@ -112,17 +116,17 @@ def flash_attn_with_kvcache(
         return _with_kvcache(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
             cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-            rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
+            rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, sinks,
         )  # fmt: skip
 
 
 def _with_kvcache(
     q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
     cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-    alibi_slopes, num_splits, return_softmax_lse,
+    alibi_slopes, num_splits, return_softmax_lse, sinks,
 ):  # fmt: skip
     opts = checks.options(
-        0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, None
+        0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, sinks
     )
     splits = checks.num_splits(num_splits)
     for name, flag in (("rotary_interleaved", rotary_interleaved),
@@ -172,6 +176,8 @@ def _with_kvcache(
         seqlens = _ints(cache_seqlens, "cache_seqlens", (batch,), device)
     _in_range(seqlens, "cache_seqlens", 0, capacity - tn, f"capacity {capacity} - {tn} new keys")
     total = seqlens + tn
+    if table is not None:
+        _check_table(table, total, rows, n_rows)
     if cache_leftpad is None:
         leftpad = None
     else:
@@ -266,6 +272,19 @@ def _in_range(x: torch.Tensor, name: str, low: int, high: int, what: str) -> Non
         )
 
 
+def _check_table(table, total, rows: int, pages: int) -> None:
+    """The block table's entries for every page a sequence uses (after appending) must
+    be pages of the cache (a negative index would wrap around in torch's indexing)."""
+    used = torch.arange(table.shape[1], device=table.device)[None, :] * rows < total[:, None]
+    bad = used & ((table < 0) | (table >= pages))
+    if bool(bad.any()):
+        b, p = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"block_table[{b}, {p}] = {int(table[b, p])} is not a page of the cache "
+            f"(0..{pages - 1}), but sequence {b} has {int(total[b])} keys after appending"
+        )
+
+
 def _append(k_cache, v_cache, new, seqlens, slot, table, rows: int) -> None:
     """Write the new keys and values at ``cache_seqlens[b] + j``, in place."""
     k, v = new
@@ -344,11 +363,17 @@ def _decode(q, k_pages, v_pages, lengths, table, splits, opts):
     if checks.on_gpu(q):
         from flashtile import triton as gpu  # needs triton: imported on first use
 
+        if opts.sinks is not None:
+            checks.require(gpu.decode_attention, "sinks", "flashtile.triton.decode_attention")
+            keywords["sinks"] = opts.sinks
         return gpu.decode_attention(
             qt, k_pages, v_pages, cache_seqlens=lengths, block_table=table,
             alibi_slopes=opts.alibi, **keywords,
         )  # fmt: skip
     alibi = None if opts.alibi is None else opts.alibi.to("cpu", torch.float64).numpy()
+    if opts.sinks is not None:
+        checks.require(flashtile.decode_attention, "sinks", "flashtile.decode_attention")
+        keywords["sinks"] = opts.sinks.detach().to("cpu", torch.float64).numpy()
     out, lse = flashtile.decode_attention(
         as_numpy(qt), as_numpy(k_pages), as_numpy(v_pages), cache_seqlens=lengths.numpy(),
         block_table=np.ascontiguousarray(table.numpy()), alibi_slopes=alibi, **keywords,

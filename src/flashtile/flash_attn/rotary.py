@@ -10,8 +10,8 @@ pairings, as in flash-attn:
 Pair ``i`` at position ``t`` becomes ``(x1 cos - x2 sin, x2 cos + x1 sin)``
 with ``cos = cos_table[t, i]``. Computed in float32 (float64 for float64
 inputs) and rounded back to the input dtype, in plain torch operations, so
-autograd differentiates it. Positions past the table raise (flash-attn's
-kernel would rotate them by angle 0 without a word).
+autograd differentiates it. A position past the tables raises a
+ValueError (flash-attn checks only integer offsets against them).
 """
 
 from __future__ import annotations
