@@ -195,11 +195,25 @@ def test_sinks_edge_cases(rng):
         ({"dropout_p": 0.1, "dropout_seed": 1.5}, TypeError, "dropout_seed"),
         ({"dropout_p": 0.1, "dropout_seed": 1, "dropout_offset": -1}, ValueError, "offset"),
         ({"dropout_p": True, "dropout_seed": 1}, TypeError, "dropout_p"),
-        ({"sinks": [1.0, 2.0, 3.0]}, ValueError, r"shape \(2,\)"),
+        ({"dropout_p": 1 - 2.0**-18, "dropout_seed": 1}, ValueError, "rounds to 1"),
+        ({"dropout_p": 0.0, "dropout_seed": "abc"}, TypeError, "dropout_seed"),
+        ({"dropout_p": 0.0, "dropout_offset": -5}, ValueError, "dropout_offset"),
+        ({"sinks": [1.0, 2.0, 3.0]}, ValueError, r"\(Hq,\) = \(2,\)"),
+        ({"sinks": [1, 2]}, ValueError, "non-float"),
         ({"sinks": [np.nan, 0.0]}, ValueError, "NaN"),
+        ({"sinks": [1e39, 0.0]}, ValueError, "within"),  # past float32's range: NaN rows
     ],
 )
 def test_bad_dropout_and_sinks_are_refused(rng, keywords, error, match):
     q, k, v = _qkv(rng, 1, 2, 2, 4, 6, 8)
     with pytest.raises(error, match=match):
         flashtile.attention(q, k, v, **keywords)
+
+
+def test_dropout_counter_limits_name_the_culprit(rng):
+    q = rng.standard_normal((2, 2, 2, 3, 4))
+    with pytest.raises(ValueError, match=r"\(B, H, T, d\) inputs or fewer"):
+        naive_attention(q, q, q, dropout_p=0.1, dropout_seed=1)  # the oracle takes 5-D
+    heads = np.zeros((1, 70000, 1, 1))
+    with pytest.raises(ValueError, match="up to 65536 heads, got 70000"):
+        flashtile.attention(heads, heads, heads, dropout_p=0.1, dropout_seed=1)

@@ -420,3 +420,14 @@ def test_dropout_and_sinks_match_the_cpu_kernels_mask(dtype):
     for what, got, w in zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads), (ref, *want),
                             strict=True):  # fmt: skip
         assert rel_err(f64(got), w) < tol, what
+
+
+def test_sinks_compile_fullgraph_and_refuse_vmapped_sinks():
+    """The sinks' value check reads the host only in eager mode: a compiled
+    graph traces through, and a vmapped sink gets the shape rule's error."""
+    q, k, v = make((1, 2, 2, 9, 11, 8, 8), F32, 2, False)
+    sinks = torch.tensor([0.5, -1.0], device=DEVICE)
+    fn = torch.compile(lambda a, b, c, s: ft.attention(a, b, c, sinks=s), fullgraph=True)
+    torch.testing.assert_close(fn(q, k, v, sinks), ft.attention(q, k, v, sinks=sinks))
+    with pytest.raises(ValueError, match="sinks is vmapped"):
+        torch.func.vmap(lambda a, s: ft.attention(a, k[0], v[0], sinks=s))(q, sinks[None])

@@ -365,4 +365,4 @@ def test_log2_units_are_defined_once_and_right():
 
     from flashtile.units import LN2, LOG2E
 
-    assert LOG2E == math.log2(math.e) and LN2 == math.log(2) and LOG2E * LN2 == 1.0
+    assert math.log2(math.e) == LOG2E and math.log(2) == LN2 and LOG2E * LN2 == 1.0

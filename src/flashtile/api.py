@@ -86,11 +86,13 @@ def attention(
         return_lse: also return ``lse = log(sum_j exp(score_ij))`` ``(..., Tq)``.
         block_q, block_k: tile sizes (tuning knobs; any value is exact).
         **variants: ``window``, ``alibi_slopes``, ``softcap``, ``kv_lengths``,
-            ``key_padding_mask``, ``mask`` (see :mod:`flashtile.variants`).
+            ``key_padding_mask``, ``mask``, ``sinks``, ``dropout_p`` with
+            ``dropout_seed`` and ``dropout_offset`` (see :mod:`flashtile.variants`).
 
     Returns:
         ``out (..., Tq, dv)`` in the input dtype, and ``lse`` if asked. A query
-        that sees no key gets a zero row and ``lse = -inf``.
+        that sees no key gets a zero row and ``lse = -inf`` (``sinks[h]`` with
+        sinks).
 
     A decode-shaped call (a few queries against many keys, no mask; the rule
     is :func:`flashtile.decode_planning.decode_shaped`) runs on the split-KV decode
@@ -130,8 +132,9 @@ def attention_backward(
 
     Returns:
         ``dq``, ``dk``, ``dv`` with the shapes and dtype of ``q``, ``k``, ``v``
-        (GQA: ``dk``/``dv`` summed over each group). Nothing of size
-        ``Tq x Tk`` is allocated. Parallel over ``(batch, kv head)``;
+        (GQA: ``dk``/``dv`` summed over each group), and with ``sinks`` also
+        ``dsinks (Hq,)``. Nothing of size ``Tq x Tk`` is allocated (dropout's
+        mask is regenerated from its seed). Parallel over ``(batch, kv head)``;
         deterministic (bit-identical from run to run). Not differentiated:
         masks and ALiBi slopes (constants).
     """
@@ -162,7 +165,9 @@ def varlen_attention(
             ``[cu_k[s], cu_k[s+1])``. Each sequence is attended on its own,
             with causal/window/ALiBi positions aligned bottom-right within it.
         causal, scale, return_lse, block_q, block_k: as in :func:`attention`.
-        **variants: ``window``, ``alibi_slopes`` (``(Hq,)``), ``softcap``.
+        **variants: ``window``, ``alibi_slopes`` (``(Hq,)``), ``softcap``,
+            ``sinks``, ``dropout_p``/``dropout_seed``/``dropout_offset`` (the
+            counters' rows are rows of the packed arrays, ``b = 0``).
 
     Returns:
         ``out (Hq, total_q, dv)`` and, if asked, ``lse (Hq, total_q)``.
@@ -188,6 +193,7 @@ def varlen_attention_backward(
     block_k=None,
     **variants,
 ):
-    """Gradients ``(dq, dk, dv)`` of :func:`varlen_attention` (packed layout)."""
+    """Gradients ``(dq, dk, dv)`` of :func:`varlen_attention` (packed layout),
+    and ``dsinks`` with sinks (as :func:`attention_backward`)."""
     call = check_call(q, k, v, causal, scale, variants, (cu_seqlens_q, cu_seqlens_k))
     return _backward(call, out, lse, dout, block_q, block_k)

@@ -92,7 +92,14 @@ def check_dropout(dropout_p, dropout_seed, dropout_offset) -> tuple[float, int, 
             f"dropout_p must lie in [0, 1), got {p}: 1 would drop every probability "
             f"(its scale 1 / (1 - p) is infinite)"
         )
-    if p == 0.0:
+    if keep_threshold(p) >= 1 << KEEP_BITS:
+        raise ValueError(
+            f"dropout_p={p} rounds to 1 at the generator's resolution of 2**-16 (every "
+            f"probability dropped, each kept one scaled by {1 / (1 - p):.3g}): use at most "
+            f"{1 - 2.0**-KEEP_BITS}"
+        )
+    if p == 0.0:  # seed and offset unused, but still of the right kind when given
+        _check_counter_words(0 if dropout_seed is None else dropout_seed, dropout_offset)
         return 0.0, 0, 0
     if dropout_seed is None:
         raise ValueError(
@@ -100,22 +107,27 @@ def check_dropout(dropout_p, dropout_seed, dropout_offset) -> tuple[float, int, 
             f"regenerates the forward's mask from it (flashtile.torch draws one from torch's "
             f"generator)"
         )
+    _check_counter_words(dropout_seed, dropout_offset)
+    return p, int(dropout_seed), int(dropout_offset)
+
+
+def _check_counter_words(dropout_seed, dropout_offset) -> None:
     checks = ((dropout_seed, "dropout_seed", 64), (dropout_offset, "dropout_offset", 32))
     for value, name, bits in checks:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name} must be an integer, got {value!r}")
         if not 0 <= int(value) < 1 << bits:
             raise ValueError(f"{name} must lie in [0, 2**{bits}), got {value}")
-    return p, int(dropout_seed), int(dropout_offset)
 
 
 def check_counter_range(batch: int, heads: int) -> None:
     """ValueError when batch entries or heads would not fit the counter word."""
-    if batch > COUNTER_LIMIT or heads > COUNTER_LIMIT:
-        raise ValueError(
-            f"dropout supports up to {COUNTER_LIMIT} batch entries and heads, got {batch} "
-            f"and {heads}: split the batch"
-        )
+    for n, what, fix in ((batch, "batch entries", "split the batch"), (heads, "heads", "")):
+        if n > COUNTER_LIMIT:
+            raise ValueError(
+                f"dropout supports up to {COUNTER_LIMIT} {what}, got {n}"
+                + (f": {fix}" if fix else "")
+            )
 
 
 def keep_mask(p, seed, offset, batch, heads, rows, cols) -> np.ndarray:

@@ -62,6 +62,14 @@ NO_FORWARD_AD = (
 )
 
 
+def dropout_seed() -> torch.Tensor:
+    """A dropout seed for both backends' ops (:mod:`flashtile.dropout`): drawn
+    from torch's default CPU generator, so ``torch.manual_seed`` reproduces a
+    call, as a 0-d int64 tensor, so ``torch.compile`` traces the draw instead
+    of breaking the graph."""
+    return torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
+
+
 def setup_context(ctx, inputs, output) -> None:
     """Save what the backward reads: ``q, k, v, out, lse`` and the variant
     arguments (tensors saved, the rest kept as they are)."""

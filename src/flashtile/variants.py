@@ -228,24 +228,49 @@ def resolve_variants(
 
 
 def check_sinks(sinks, shapes: AttentionShapes) -> np.ndarray:
-    """``(Hq,)`` float64 sink logits: finite, or ``-inf`` (no sink for that head)."""
+    """``(Hq,)`` float64 sink logits by the rule of :func:`sinks_problem`."""
     hq = _heads_and_batch(shapes, "sinks")[1]
     arr = np.asarray(as_numpy(sinks))
-    if arr.dtype.kind not in "fiu" or arr.shape != (hq,):
-        raise ValueError(
-            f"sinks must be a float array of shape ({hq},) (one logit per query head), got "
-            f"shape {arr.shape} and dtype {arr.dtype}"
-        )
-    arr = arr.astype(np.float64)
-    if np.isnan(arr).any() or np.isposinf(arr).any():
-        raise ValueError("sinks must be finite or -inf (no sink), not NaN or +inf")
-    return arr
+    problem = sinks_problem(arr.shape, arr.dtype.kind == "f", hq) or sink_values_problem(np, arr)
+    if problem:
+        raise ValueError(problem)
+    return arr.astype(np.float64)
+
+
+def sinks_problem(shape, floating: bool, heads: int) -> str | None:
+    """What is wrong with sinks of ``shape`` (``floating``: a float dtype) for
+    ``heads`` query heads, or None: the one metadata rule of every path."""
+    if floating and tuple(shape) == (heads,):
+        return None
+    return (
+        f"sinks must be floats of shape (Hq,) = ({heads},), one logit per query head, got "
+        f"shape {tuple(shape)}{'' if floating else ' of a non-float dtype'}"
+    )
+
+
+def sink_values_problem(xp, sinks) -> str | None:
+    """What is wrong with the sink values (NumPy, or torch with ``xp = torch``),
+    or None. A sink is finite or ``-inf`` (no sink for that head), and within
+    :data:`MASK_LIMIT`, as float mask values are: past float32's range in log2
+    units a float32 merge would turn the row into NaN."""
+    bad = xp.isnan(sinks) | (xp.abs(sinks) > MASK_LIMIT) & ~xp.isneginf(sinks)
+    if not bool(bad.any()):
+        return None
+    return (
+        f"sinks must be -inf (no sink) or within +-{MASK_LIMIT:.3g}, not NaN, +inf or larger "
+        f"values: they would turn the rows into NaN"
+    )
 
 
 def _dropout_fields(dropout_p, dropout_seed, dropout_offset, shapes: AttentionShapes) -> dict:
     """Variants' dropout fields, validated (:func:`flashtile.dropout.check_dropout`)."""
     p, seed, offset = check_dropout(dropout_p, dropout_seed, dropout_offset)
     if p > 0.0:  # the kernels see (B, H, T, d): missing leading dims are 1
+        if len(shapes.batch) > 2:
+            raise ValueError(
+                f"dropout takes (B, H, T, d) inputs or fewer dims, got leading dims "
+                f"{shapes.batch}: its counters name a batch entry and a head"
+            )
         dims = (1, 1) + tuple(shapes.batch)
         check_counter_range(dims[-2], dims[-1])
     return {"dropout_p": p, "dropout_seed": seed, "dropout_offset": offset}

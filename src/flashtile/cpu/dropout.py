@@ -73,9 +73,9 @@ def drop_span(p, r, c0, c1, key0, i, bh, key, sign, values):
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def generator_key(variants):
     """``(k0, k1, offset, threshold)``: the variants' dropout scalars as the
-    generator takes them (uint32 key and offset words, the uint16 threshold)."""
+    generator takes them (uint32 key and offset words and threshold)."""
     va, u32 = variants, np.uint32
-    return (u32(va.drop_key0), u32(va.drop_key1), u32(va.drop_offset), np.uint16(va.drop_threshold))
+    return (u32(va.drop_key0), u32(va.drop_key1), u32(va.drop_offset), np.uint32(va.drop_threshold))
 
 
 @njit(fastmath=FASTMATH, cache=True)

@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 
+from flashtile.dropout import check_dropout
+
 #: dtypes the functions take (as flashtile.torch.attention does; float64 runs on the CPU).
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -133,10 +135,7 @@ def options(
     backward has no atomics)."""
     _flag(causal, "causal")
     _flag(deterministic, "deterministic")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"dropout_p must lie in [0, 1) (0.0 in evaluation), got {dropout_p}")
+    check_dropout(dropout_p, 0, 0)  # the one rule (TypeError / ValueError)
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
             raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 import flashtile
+from flashtile import op_autograd
 from flashtile.torch.arrays import as_numpy, as_tensor
 
 from . import checks
@@ -81,9 +82,9 @@ def check_offsets(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, ma
 
 
 def draw_seed() -> int:
-    """A dropout seed from torch's default generator (so ``torch.manual_seed``
-    reproduces a call)."""
-    return int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    """A dropout seed, drawn as :func:`flashtile.op_autograd.dropout_seed` draws
+    the operators' (so ``torch.manual_seed`` reproduces a call)."""
+    return int(op_autograd.dropout_seed())
 
 
 def attend(q, k, v, packed: Packed, opts: Options, seed: int):

@@ -97,8 +97,8 @@ def attention(
 
     Returns:
         ``out (B, Hq, Tq, dv)`` in the input dtype, and ``lse`` if asked. A
-        query that sees no key gets a zero row, ``lse = -inf`` and zero
-        gradients, never NaN.
+        query that sees no key gets a zero row, ``lse = -inf`` (``sinks[h]``
+        with sinks) and zero gradients, never NaN.
 
     dtypes: float32, float64 and bfloat16 run natively (bfloat16 without a
     copy; its tile products run in bf16 where the CPU has bf16 instructions,
@@ -163,7 +163,7 @@ def attention(
         kv_lengths = as_constant(kv_lengths).to(torch.int64)
     left, right = normalize_window(window, False)  # causal caps it inside
     dropout_p = float(dropout_p)
-    seed = _dropout_seed() if dropout_p > 0.0 else None
+    seed = op_autograd.dropout_seed() if dropout_p > 0.0 else None
     args = (
         q, k, v, mask, as_constant(alibi_slopes), bool(causal),
         None if scale is None else float(scale), left, right,
@@ -226,12 +226,6 @@ def _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_len
     if return_lse:
         return as_tensor(result[0]), as_tensor(result[1])
     return as_tensor(result)
-
-
-def _dropout_seed() -> torch.Tensor:
-    """A dropout seed drawn from torch's default CPU generator (a 0-d int64
-    tensor, so that ``torch.compile`` traces the draw instead of breaking)."""
-    return torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
 
 
 def _plain_key(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengths):

@@ -35,6 +35,7 @@ from .._validate import check_sdpa_layout
 from ..dropout import check_dropout
 from ..masks import normalize_window
 from ..op_autograd import NO_FORWARD_AD
+from ..variants import sinks_problem
 
 #: Input dtypes accepted; 16-bit floats are computed in float32.
 ACCEPTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -171,7 +172,8 @@ def _kv_lengths(kv_lengths, qs, gpu: bool) -> Refusal | None:
 
 
 def _sinks(sinks, qs, gpu: bool) -> Refusal | None:
-    """Attention sinks: a floating ``(Hq,)`` tensor (a gradient may be wanted)."""
+    """Attention sinks: :func:`flashtile.variants.sinks_problem`'s rule (a
+    gradient may be wanted; the values are the kernels' to check)."""
     if sinks is None:
         return None
     t = _converted(sinks, "sinks")
@@ -179,14 +181,9 @@ def _sinks(sinks, qs, gpu: bool) -> Refusal | None:
         return t
     if refused := _device(t, "sinks", gpu):
         return refused
-    heads = qs[-3] if len(qs) >= 3 else None
-    if not t.dtype.is_floating_point or tuple(t.shape) != (heads,):
-        return Refusal(
-            ValueError,
-            f"sinks must be a float tensor of shape (Hq,) = ({heads},), one logit per query "
-            f"head, got shape {tuple(t.shape)} and dtype {t.dtype}",
-        )
-    return None
+    heads = qs[-3] if len(qs) >= 3 else 0
+    problem = sinks_problem(t.shape, t.dtype.is_floating_point, heads)
+    return None if problem is None else Refusal(ValueError, problem)
 
 
 def _dropout(dropout_p) -> Refusal | None:

@@ -49,7 +49,7 @@ Semantics of routed calls:
   hidden rows: SDPA averages every value there, flashtile still gives zeros
   (values below ``-FLT_MAX / log2(e)`` count as ``-inf`` in flashtile, see
   ``flashtile.variants.MASK_LIMIT``). Partly hidden rows agree.
-* ``dropout_p > 0`` runs flashtile's dropout (CPU tensors): the same
+* ``dropout_p > 0`` runs flashtile's dropout (CPU and CUDA tensors): the same
   distribution as SDPA's, from flashtile's own generator seeded by torch's
   (:mod:`flashtile.dropout`), so the masks differ from SDPA's; like SDPA it
   applies whatever ``dropout_p`` the caller passes (modules pass 0 in eval).

@@ -208,7 +208,7 @@ def _dropout(dropout_p, batch_heads) -> tuple[float, torch.Tensor | None]:
     if p == 0.0:
         return 0.0, None
     check_counter_range(*batch_heads)
-    return p, torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
+    return p, op_autograd.dropout_seed()
 
 
 def _forward(q, k, v, *variants):

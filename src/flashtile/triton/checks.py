@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flashtile import _validate
+from flashtile import _validate, op_autograd
+from flashtile.variants import sink_values_problem, sinks_problem
 
 from .tiles import INTERPRET
 
@@ -129,13 +130,13 @@ def sinks(sinks, heads: int, device) -> torch.Tensor | None:
     if sinks is None:
         return None
     s = torch.as_tensor(sinks)
-    if not s.dtype.is_floating_point or tuple(s.shape) != (heads,):
-        raise ValueError(
-            f"sinks must be a float tensor of shape ({heads},) (one logit per query head), "
-            f"got shape {tuple(s.shape)} and dtype {s.dtype}"
-        )
-    if bool((torch.isnan(s) | torch.isposinf(s)).any()):
-        raise ValueError("sinks must be finite or -inf (no sink), not NaN or +inf")
+    if problem := sinks_problem(s.shape, s.dtype.is_floating_point, heads):
+        raise ValueError(problem)
+    # The values need the host: checked in eager mode only (a compiled graph or a
+    # torch.func transform cannot read them; NaN there gives NaN rows, never hidden).
+    eager = not torch.compiler.is_compiling() and not op_autograd.functorch_active()
+    if eager and (problem := sink_values_problem(torch, s)):
+        raise ValueError(problem)
     return s.to(device=device, dtype=torch.float32)
 
 
