@@ -135,11 +135,35 @@ def _with_kvcache(
             raise TypeError(f"{name} must be True or False, got {flag!r}")
     paged = block_table is not None
     cache = _check_caches(q, k_cache, v_cache, paged)
-    batch, tq, hq, _ = q.shape
+    batch, hq = q.shape[0], q.shape[2]
     checks.check_slopes(opts.alibi, batch, hq)
     device = q.device
+    rows = k_cache.shape[1]
+    slot, table, capacity = _rows(k_cache, block_table, cache_batch_idx, batch, device)
+    new = _check_new(k, v, cache, batch)
+    tn = 0 if new is None else new[0].shape[1]
+    seqlens = _seqlens(cache_seqlens, new is not None, batch, capacity, tn, device)
+    total = seqlens + tn
+    if table is not None:
+        _check_table(table, total, rows, k_cache.shape[0])
+    leftpad = _leftpad(cache_leftpad, total, batch, device)
+    if rotary_cos is not None or rotary_sin is not None:
+        q, new = _rotary(q, new, rotary_cos, rotary_sin, seqlens, rotary_interleaved, opts)
+    if new is not None:
+        _append(k_cache, v_cache, new, seqlens, slot, table, rows)
+    lengths = total if leftpad is None else total - leftpad
+    k_pages, v_pages, pages_table = _pages(k_cache, v_cache, slot, table, leftpad, lengths)
+    out, lse = _decode(q, k_pages, v_pages, lengths, pages_table, splits, opts)
+    out = out.transpose(1, 2).contiguous()
+    return (out, lse) if return_softmax_lse else out
+
+
+def _rows(k_cache, block_table, cache_batch_idx, batch: int, device):
+    """``(slot, table, capacity)``: the cache row of each batch entry (None for a
+    paged cache), the block table (None for a contiguous one) and the keys a
+    sequence can hold."""
     n_rows, rows = k_cache.shape[:2]
-    if paged:
+    if block_table is not None:
         if cache_batch_idx is not None:
             raise ValueError(
                 "cache_batch_idx picks cache rows, but a paged cache's rows are picked by "
@@ -151,23 +175,23 @@ def _with_kvcache(
                 f"block_table has shape {tuple(table.shape)}; expected (batch, max_blocks) with "
                 f"batch = {batch}"
             )
-        capacity, slot = table.shape[1] * rows, None
-    else:
-        capacity, table = rows, None
-        if cache_batch_idx is None:
-            if n_rows < batch:
-                raise ValueError(
-                    f"q has batch {batch} but k_cache has {n_rows} rows: pass cache_batch_idx, "
-                    f"or a cache with a row per batch entry"
-                )
-            slot = torch.arange(batch, device=device)
-        else:
-            slot = _ints(cache_batch_idx, "cache_batch_idx", (batch,), device)
-            _in_range(slot, "cache_batch_idx", 0, n_rows - 1, f"k_cache's {n_rows} rows")
-    new = _check_new(k, v, cache, batch)
-    tn = 0 if new is None else new[0].shape[1]
+        return None, table, table.shape[1] * rows
+    if cache_batch_idx is None:
+        if n_rows < batch:
+            raise ValueError(
+                f"q has batch {batch} but k_cache has {n_rows} rows: pass cache_batch_idx, "
+                f"or a cache with a row per batch entry"
+            )
+        return torch.arange(batch, device=device), None, rows
+    slot = _ints(cache_batch_idx, "cache_batch_idx", (batch,), device)
+    _in_range(slot, "cache_batch_idx", 0, n_rows - 1, f"k_cache's {n_rows} rows")
+    return slot, None, rows
+
+
+def _seqlens(cache_seqlens, appending: bool, batch: int, capacity: int, tn: int, device):
+    """Each sequence's keys before the append, ``(batch,)`` int64, checked."""
     if cache_seqlens is None:
-        if new is not None:
+        if appending:
             raise ValueError("k and v are appended at cache_seqlens: pass cache_seqlens too")
         seqlens = torch.full((batch,), capacity, device=device, dtype=torch.int64)
     elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
@@ -175,38 +199,38 @@ def _with_kvcache(
     else:
         seqlens = _ints(cache_seqlens, "cache_seqlens", (batch,), device)
     _in_range(seqlens, "cache_seqlens", 0, capacity - tn, f"capacity {capacity} - {tn} new keys")
-    total = seqlens + tn
-    if table is not None:
-        _check_table(table, total, rows, n_rows)
+    return seqlens
+
+
+def _leftpad(cache_leftpad, total, batch: int, device):
+    """``cache_leftpad`` as ``(batch,)`` int64 within the keys after appending, or None."""
     if cache_leftpad is None:
-        leftpad = None
-    else:
-        leftpad = _ints(cache_leftpad, "cache_leftpad", (batch,), device)
-        if batch and bool(((leftpad < 0) | (leftpad > total)).any()):
-            raise ValueError(
-                f"cache_leftpad = {leftpad.tolist()[:8]} must lie in [0, keys after appending = "
-                f"{total.tolist()[:8]}]"
-            )
-    if rotary_cos is not None or rotary_sin is not None:
-        if new is None:
-            raise ValueError(
-                "rotary_cos/rotary_sin rotate the new keys: pass k and v too (as flash-attn "
-                "requires), or rotate q yourself (flashtile.flash_attn.apply_rotary_emb)"
-            )
-        check_tables(rotary_cos, rotary_sin, q.shape[-1])
-        local = opts.causal or opts.window is not None
-        offsets = seqlens[:, None]
-        q_at = offsets + torch.arange(tq, device=device) if local else offsets.expand(batch, tq)
-        q = rotate(q, rotary_cos, rotary_sin, q_at, rotary_interleaved)
-        k_at = offsets + torch.arange(tn, device=device)
-        new = (rotate(new[0], rotary_cos, rotary_sin, k_at, rotary_interleaved), new[1])
-    if new is not None:
-        _append(k_cache, v_cache, new, seqlens, slot, table, rows)
-    lengths = total if leftpad is None else total - leftpad
-    k_pages, v_pages, pages_table = _pages(k_cache, v_cache, slot, table, leftpad, lengths)
-    out, lse = _decode(q, k_pages, v_pages, lengths, pages_table, splits, opts)
-    out = out.transpose(1, 2).contiguous()
-    return (out, lse) if return_softmax_lse else out
+        return None
+    leftpad = _ints(cache_leftpad, "cache_leftpad", (batch,), device)
+    if batch and bool(((leftpad < 0) | (leftpad > total)).any()):
+        raise ValueError(
+            f"cache_leftpad = {leftpad.tolist()[:8]} must lie in [0, keys after appending = "
+            f"{total.tolist()[:8]}]"
+        )
+    return leftpad
+
+
+def _rotary(q, new, rotary_cos, rotary_sin, seqlens, interleaved: bool, opts):
+    """``(q, new)`` rotated at flash-attn's positions: the new keys at ``seqlens +
+    t``; the queries there too when causal or local, else all at ``seqlens``."""
+    if new is None:
+        raise ValueError(
+            "rotary_cos/rotary_sin rotate the new keys: pass k and v too (as flash-attn "
+            "requires), or rotate q yourself (flashtile.flash_attn.apply_rotary_emb)"
+        )
+    check_tables(rotary_cos, rotary_sin, q.shape[-1])
+    batch, tq, device = q.shape[0], q.shape[1], q.device
+    local = opts.causal or opts.window is not None
+    offsets = seqlens[:, None]
+    q_at = offsets + torch.arange(tq, device=device) if local else offsets.expand(batch, tq)
+    q = rotate(q, rotary_cos, rotary_sin, q_at, interleaved)
+    k_at = offsets + torch.arange(new[0].shape[1], device=device)
+    return q, (rotate(new[0], rotary_cos, rotary_sin, k_at, interleaved), new[1])
 
 
 def _check_caches(q, k_cache, v_cache, paged: bool):
