@@ -224,11 +224,14 @@ def test_triton_varlen_and_kvcache_paths():
         )[0]
         assert rel_err(got.numpy(), want.numpy()) < 1e-5
         assert torch.equal(kc[2, 3], k_new[0, 0]) and torch.equal(vc[0, 6], v_new[1, 0])
-    from flashtile import triton as gpu
-
-    if not checks.accepts(gpu.varlen_attention, "dropout_p"):
-        with pytest.raises(TypeError, match="takes no dropout_p="):
-            fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 9, 0.1)
+    # Dropout on the Triton path draws the CPU path's mask for the same seed.
+    dropped = []
+    for path in ("triton", "cpu"):
+        torch.manual_seed(9)
+        if path == "cpu":
+            checks.on_gpu = lambda t: False  # (the fixture restores it)
+        dropped.append(fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 9, 0.3, causal=True))
+    torch.testing.assert_close(dropped[0], dropped[1], rtol=1e-5, atol=1e-6)
 
 
 # -- the import shim -------------------------------------------------------------------

@@ -9,7 +9,6 @@ pass instead, fp8 tensors a TypeError that says to cast them.
 
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
 from typing import NamedTuple
@@ -221,18 +220,3 @@ def on_gpu(t: torch.Tensor) -> bool:
     """Whether ``t`` runs on flashtile's Triton kernels (CUDA tensors); the tests
     replace it to run those paths in Triton's interpreter on CPU tensors."""
     return t.is_cuda
-
-
-def accepts(function, keyword: str) -> bool:
-    """Whether ``function`` names ``keyword`` in its signature (flashtile's dropout and
-    sinks keywords arrive function by function)."""
-    return keyword in inspect.signature(function).parameters
-
-
-def require(function, keyword: str, who: str) -> None:
-    """TypeError naming what is missing when ``function`` has no ``keyword``."""
-    if not accepts(function, keyword):
-        raise TypeError(
-            f"{who} takes no {keyword}= in this flashtile, so flash-attn's {keyword} cannot "
-            f"run there: call without {keyword} (or on CPU tensors, if flashtile has it there)"
-        )

@@ -282,10 +282,6 @@ def _fixed(q, k, v, opts: Options, return_probs):
         )
     checks.check_heads(hq, k.shape[2])
     checks.check_slopes(opts.alibi, batch, hq)
-    if opts.dropout_p > 0:
-        checks.require(ftt.attention, "dropout_p", "flashtile.torch.attention")
-    if opts.sinks is not None:
-        checks.require(ftt.attention, "sinks", "flashtile.torch.attention")
     qt, kt, vt = (_heads_first(x) for x in (q, k, v))
     probs = None
     if return_probs:  # before the call: dropout's runs replay the generator state it sees
@@ -340,7 +336,8 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opt
         cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k
     )
     checks.check_slopes(opts.alibi, packed.cu_q.size - 1, q.shape[1])
-    seed = draw_seed() if opts.dropout_p > 0 else 0
+    # The CPU path takes the seed; the Triton one draws the same first draw itself.
+    seed = draw_seed() if opts.dropout_p > 0 and not checks.on_gpu(q) else 0
     probs = _varlen_probabilities(q, k, packed, opts, seed) if return_probs else None
     out, lse = attend(q, k, v, packed, opts, seed)
     out = out.contiguous()

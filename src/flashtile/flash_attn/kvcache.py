@@ -388,7 +388,6 @@ def _decode(q, k_pages, v_pages, lengths, table, splits, opts):
         from flashtile import triton as gpu  # needs triton: imported on first use
 
         if opts.sinks is not None:
-            checks.require(gpu.decode_attention, "sinks", "flashtile.triton.decode_attention")
             keywords["sinks"] = opts.sinks
         return gpu.decode_attention(
             qt, k_pages, v_pages, cache_seqlens=lengths, block_table=table,
@@ -396,7 +395,6 @@ def _decode(q, k_pages, v_pages, lengths, table, splits, opts):
         )  # fmt: skip
     alibi = None if opts.alibi is None else opts.alibi.to("cpu", torch.float64).numpy()
     if opts.sinks is not None:
-        checks.require(flashtile.decode_attention, "sinks", "flashtile.decode_attention")
         keywords["sinks"] = opts.sinks.detach().to("cpu", torch.float64).numpy()
     out, lse = flashtile.decode_attention(
         as_numpy(qt), as_numpy(k_pages), as_numpy(v_pages), cache_seqlens=lengths.numpy(),

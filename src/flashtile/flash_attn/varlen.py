@@ -146,10 +146,8 @@ def _on_gpu(q, k, v, cu_q, cu_k, opts: Options, keywords):
     from flashtile import triton as gpu  # needs triton: imported on first use
 
     if opts.dropout_p > 0:
-        checks.require(gpu.varlen_attention, "dropout_p", "flashtile.triton.varlen_attention")
         keywords["dropout_p"] = opts.dropout_p
     if opts.sinks is not None:
-        checks.require(gpu.varlen_attention, "sinks", "flashtile.triton.varlen_attention")
         keywords["sinks"] = opts.sinks
     device = q.device
     offsets = (torch.as_tensor(c, dtype=torch.int32, device=device) for c in (cu_q, cu_k))

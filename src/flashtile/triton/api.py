@@ -158,7 +158,7 @@ def attention_backward(
 def varlen_attention(
     q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
     causal=False, scale=None, window=None, alibi_slopes=None, softcap=None, return_lse=False,
-    sinks=None,
+    sinks=None, dropout_p=0.0,
 ):  # fmt: skip
     """Attention over packed variable-length sequences (no padding computed), differentiable.
 
@@ -172,7 +172,8 @@ def varlen_attention(
         max_seqlen_q, max_seqlen_k: the longest sequences (computed from the
             offsets when None; they are read on the host either way).
         causal, scale, window, alibi_slopes (``(Hq,)``), softcap, return_lse,
-            sinks: as in :func:`attention`.
+            sinks, dropout_p: as in :func:`attention` (dropout's counters read rows
+            of the packed arrays with ``b = 0``, as :func:`flashtile.varlen_attention`'s).
 
     Returns:
         ``out (Hq, total_q, dv)`` and, if asked, ``lse (Hq, total_q)`` float32.
@@ -195,7 +196,8 @@ def varlen_attention(
     alibi = checks.slopes(alibi_slopes, 1, q.shape[0], q.device, per_batch_ok=False)
     out, lse = _forward(
         q[None], k[None], v[None], alibi, None, cu_q, cu_k, longest_q, longest_k,
-        scale, left, right, cap, 0.0, None, checks.sinks(sinks, q.shape[0], q.device),
+        scale, left, right, cap, *_dropout(dropout_p, (1, q.shape[0])),
+        checks.sinks(sinks, q.shape[0], q.device),
     )  # fmt: skip
     return (out[0], lse[0]) if return_lse else out[0]
 
