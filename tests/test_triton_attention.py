@@ -261,6 +261,8 @@ def test_bf16_rounding_helper_rounds_to_nearest_even():
 def test_fake_tensors_give_the_shapes_without_running():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from flashtile.triton import ops  # noqa: F401  (registers the ops; the package is lazy)
+
     with FakeTensorMode():
         q, k, v = (torch.empty(2, 4, 9, 16), torch.empty(2, 2, 11, 16), torch.empty(2, 2, 11, 8))
         out, lse = torch.ops.flashtile.triton_attention_fwd(
