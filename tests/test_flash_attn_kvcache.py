@@ -224,14 +224,19 @@ def test_triton_varlen_and_kvcache_paths():
         )[0]
         assert rel_err(got.numpy(), want.numpy()) < 1e-5
         assert torch.equal(kc[2, 3], k_new[0, 0]) and torch.equal(vc[0, 6], v_new[1, 0])
-    # Dropout on the Triton path draws the CPU path's mask for the same seed.
-    dropped = []
-    for path in ("triton", "cpu"):
-        torch.manual_seed(9)
-        if path == "cpu":
-            checks.on_gpu = lambda t: False  # (the fixture restores it)
-        dropped.append(fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 9, 0.3, causal=True))
-    torch.testing.assert_close(dropped[0], dropped[1], rtol=1e-5, atol=1e-6)
+    # Dropout on the Triton path draws the CPU path's mask for the same seed, also
+    # sequence by sequence (per-sequence ALiBi slopes: one call and offset each).
+    slopes = torch.rand(5, 2, generator=torch.Generator().manual_seed(2)) + 0.1
+    for alibi in (None, slopes):
+        dropped = []
+        for path in ("triton", "cpu"):
+            torch.manual_seed(9)
+            checks.on_gpu = lambda t, gpu=path == "triton": gpu  # (the fixture restores it)
+            dropped.append(
+                fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 9, 0.3, causal=True,
+                                          alibi_slopes=alibi)
+            )  # fmt: skip
+        torch.testing.assert_close(dropped[0], dropped[1], rtol=1e-5, atol=1e-6)
 
 
 # -- the import shim -------------------------------------------------------------------
@@ -338,3 +343,26 @@ def test_clear_errors():
         fa.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 1, 2)
     with pytest.raises(ValueError, match="must start at 0, never decrease"):
         fa.flash_attn_varlen_func(q[0], k[0], v[0], cu.flip(0), cu, 2, 2)
+
+
+def test_empty_batches_bad_sinks_and_bad_rotary_positions():
+    """No key (or no query) in a fixed-length call gives zeros as flash-attn does;
+    sinks are checked there too; rotary positions must be integers in range."""
+    q, k, v = _inputs(2, 3, 0, 2, 1, 8)
+    out, lse, probs = fa.flash_attn_func(q, k, v, return_attn_probs=True, sinks=[0.5, -1.0])
+    assert out.shape == (2, 3, 2, 8) and not out.any() and probs.shape == (2, 2, 3, 0)
+    assert torch.equal(
+        lse, torch.tensor([0.5, -1.0], dtype=lse.dtype)[None, :, None].expand(2, 2, 3)
+    )
+    with pytest.raises(ValueError, match="NaN"):
+        fa.flash_attn_func(q, k, v, sinks=[float("nan"), 0.0])
+    with pytest.raises(ValueError, match=r"\(Hq,\) = \(2,\)"):
+        fa.flash_attn_func(q, k, v, sinks=[0.0])
+    x = torch.randn(1, 4, 2, 8)
+    cos, sin = torch.ones(16, 4), torch.zeros(16, 4)
+    with pytest.raises(ValueError, match="negative"):
+        fa.apply_rotary_emb(x, cos, sin, seqlen_offsets=-5)
+    with pytest.raises(TypeError, match="integers"):
+        fa.apply_rotary_emb(x, cos, sin, seqlen_offsets=torch.tensor([1.7]))
+    with pytest.raises(TypeError, match="both rotary_cos and rotary_sin"):
+        fa.apply_rotary_emb(x, cos, None)

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from flashtile.dropout import check_dropout
+from flashtile.variants import sink_values_problem, sinks_problem
 
 #: dtypes the functions take (as flashtile.torch.attention does; float64 runs on the CPU).
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -141,8 +142,29 @@ def options(
         softmax_scale = float(softmax_scale)
     return Options(
         float(dropout_p), softmax_scale, causal, window(window_size), cap(softcap),
-        slopes(alibi_slopes), sinks,
+        slopes(alibi_slopes), None if sinks is None else _sinks(sinks),
     )  # fmt: skip
+
+
+def _sinks(sinks) -> torch.Tensor:
+    """``sinks`` as a float tensor (a list too; gradients kept); its shape and
+    values are :func:`check_sinks`'s, once the heads are known."""
+    t = sinks if isinstance(sinks, torch.Tensor) else torch.as_tensor(sinks)
+    if not t.is_floating_point():
+        raise TypeError(f"sinks must be floats (one logit per query head), got dtype {t.dtype}")
+    return t
+
+
+def check_sinks(sinks, heads: int) -> None:
+    """The one sinks rule (:func:`flashtile.variants.sinks_problem` and, in eager
+    mode, the values' :func:`flashtile.variants.sink_values_problem`)."""
+    if sinks is None:
+        return
+    problem = sinks_problem(sinks.shape, True, heads)
+    if problem is None and not torch.compiler.is_compiling():
+        problem = sink_values_problem(torch, sinks.detach())
+    if problem:
+        raise ValueError(problem)
 
 
 def window(window_size) -> tuple[int, int] | None:

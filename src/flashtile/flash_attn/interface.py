@@ -29,7 +29,7 @@ import flashtile.torch as ftt
 from . import checks
 from .checks import Options
 from .probabilities import identity_columns, identity_values
-from .varlen import Packed, attend, check_offsets, draw_seed
+from .varlen import EmptyAttention, Packed, attend, check_offsets, draw_seed
 
 #: Value columns per kernel call when computing ``S_dmask`` on CUDA (the Triton
 #: kernels' largest value head dim); the CPU kernels take any width.
@@ -282,6 +282,8 @@ def _fixed(q, k, v, opts: Options, return_probs):
         )
     checks.check_heads(hq, k.shape[2])
     checks.check_slopes(opts.alibi, batch, hq)
+    if q.shape[1] == 0 or k.shape[1] == 0:  # no query or no key: zeros, as flash-attn gives
+        return _empty(q, k, v, opts, return_probs)
     qt, kt, vt = (_heads_first(x) for x in (q, k, v))
     probs = None
     if return_probs:  # before the call: dropout's runs replay the generator state it sees
@@ -336,8 +338,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opt
         cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k
     )
     checks.check_slopes(opts.alibi, packed.cu_q.size - 1, q.shape[1])
-    # The CPU path takes the seed; the Triton one draws the same first draw itself.
-    seed = draw_seed() if opts.dropout_p > 0 and not checks.on_gpu(q) else 0
+    seed = draw_seed() if opts.dropout_p > 0 else 0  # both paths take it, with its offsets
     probs = _varlen_probabilities(q, k, packed, opts, seed) if return_probs else None
     out, lse = attend(q, k, v, packed, opts, seed)
     out = out.contiguous()
@@ -374,21 +375,51 @@ def _rows(cu, device):
     return sequence, torch.arange(int(cu[-1]), device=device) - cu[sequence]
 
 
+def _empty(q, k, v, opts: Options, return_probs: bool):
+    """:func:`_fixed` of a batch without queries or keys: zeros, ``lse = -inf`` (the
+    sink's logit with sinks), zero gradients (:class:`.varlen.EmptyAttention`)."""
+    (batch, tq, hq, d), tk = q.shape, k.shape[1]
+    checks.check_sinks(opts.sinks, hq)
+    out, lse = EmptyAttention.apply(
+        q.reshape(batch * tq, hq, d), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
+        opts.sinks,
+    )  # fmt: skip
+    out = out.reshape(batch, tq, hq, v.shape[3])
+    lse = lse.reshape(hq, batch, tq).transpose(0, 1)
+    if not return_probs:
+        return out
+    return out, lse, q.new_zeros((batch, hq, tq, tk))
+
+
 def _gather_pages(k, v, block_table, cu_seqlens_k):
     """Paged ``k``/``v`` ``(num_blocks, page_block_size, nheads_k, d)`` gathered into
     packed ``(total_k, nheads_k, d)`` tensors (differentiable, a copy)."""
     for name, t in (("k", k), ("v", v)):
         checks.check_tensor(t, name, 4, "(num_blocks, page_block_size, nheads_k, headdim) pages")
-    if (
-        not isinstance(block_table, torch.Tensor)
-        or block_table.dtype not in (torch.int32, torch.int64)
-        or block_table.ndim != 2
-    ):
-        raise TypeError("block_table must be an int32 tensor (batch, max_blocks)")
+    if v.shape[:2] != k.shape[:2]:
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must hold the same pages "
+            f"(num_blocks, page_block_size)"
+        )
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype not in (
+        torch.int32, torch.int64,
+    ):  # fmt: skip
+        raise TypeError(
+            f"block_table must be an int32 tensor (batch, max_blocks), got "
+            f"{type(block_table).__name__} {getattr(block_table, 'dtype', '')}"
+        )
     if not isinstance(cu_seqlens_k, torch.Tensor):
         raise TypeError("cu_seqlens_k must be an int32 tensor of offsets")
+    offsets = cu_seqlens_k.detach().long()
+    if block_table.ndim != 2 or block_table.shape[0] != offsets.numel() - 1:
+        raise ValueError(
+            f"block_table has shape {tuple(block_table.shape)}; expected (batch, max_blocks) "
+            f"with batch = {offsets.numel() - 1} (cu_seqlens_k's sequences)"
+        )
+    if offsets.numel() and bool((offsets.diff() < 0).any() or offsets[0] != 0):
+        raise ValueError(f"cu_seqlens_k must start at 0 and never decrease, got {offsets.tolist()}")
     page = k.shape[1]
-    seq, pos = _rows(cu_seqlens_k.detach().long(), k.device)
+    seq, pos = _rows(offsets, k.device)
     if seq.numel() and int(seq.max()) >= block_table.shape[0]:
         raise ValueError(
             f"cu_seqlens_k has {cu_seqlens_k.numel() - 1} sequences but block_table "

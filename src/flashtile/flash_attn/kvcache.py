@@ -367,10 +367,10 @@ def _token_pages(cache: torch.Tensor, name: str):
     if not fits:
         raise ValueError(
             f"{name} has strides {cache.stride()} for shape {tuple(cache.shape)}: flashtile "
-            f"reads a CPU cache in place, token by token, which needs each token's (nheads_k, "
-            f"headdim) block contiguous and the tokens of a row nheads_k * headdim apart; "
-            f"allocate the cache contiguous once (e.g. torch.zeros(batch, seqlen, nheads_k, "
-            f"headdim))"
+            f"reads this cache in place token by token (a CPU cache, or any cache with "
+            f"cache_leftpad), which needs each token's (nheads_k, headdim) block contiguous "
+            f"and the tokens of a row nheads_k * headdim apart; allocate the cache contiguous "
+            f"once (e.g. torch.zeros(batch, seqlen, nheads_k, headdim))"
         )
     stride = s0 // token if n > 1 else 0
     pages = cache.as_strided(((n - 1) * stride + t, h, 1, d), (token, d, d, 1))

@@ -16,6 +16,8 @@ ValueError (flash-attn checks only integer offsets against them).
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 
@@ -42,12 +44,16 @@ def rotate(x: torch.Tensor, cos, sin, positions: torch.Tensor, interleaved: bool
 
 def check_tables(cos, sin, head_dim: int) -> int:
     """``rotary_dim / 2`` of matching ``(seqlen_ro, rotary_dim / 2)`` float tables."""
+    if cos is None or sin is None:
+        raise TypeError("pass both rotary_cos and rotary_sin (seqlen_ro, rotary_dim / 2)")
     for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.ndim != 2:
-            raise ValueError(
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(
                 f"{name} must be a float tensor (seqlen_ro, rotary_dim / 2), got "
-                f"{type(t).__name__} {tuple(getattr(t, 'shape', ()))}"
+                f"{type(t).__name__} {getattr(t, 'dtype', '')}"
             )
+        if t.ndim != 2:
+            raise ValueError(f"{name} must be (seqlen_ro, rotary_dim / 2), got {tuple(t.shape)}")
     if cos.shape != sin.shape:
         raise ValueError(
             f"rotary_cos {tuple(cos.shape)} and rotary_sin {tuple(sin.shape)} must have one shape"
@@ -61,6 +67,16 @@ def check_tables(cos, sin, head_dim: int) -> int:
 
 
 def check_positions(positions: torch.Tensor, seqlen_ro: int) -> None:
+    """Rotary positions: integers in ``[0, seqlen_ro)`` (a negative one would
+    wrap around to the tables' end, a float one be truncated)."""
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise TypeError(
+            f"rotary positions (seqlen_offsets) must be integers, got {positions.dtype}"
+        )
+    if positions.numel() and int(positions.min()) < 0:
+        raise ValueError(
+            f"rotary position {int(positions.min())} is negative: seqlen_offsets must be >= 0"
+        )
     if positions.numel() and int(positions.max()) >= seqlen_ro:
         raise ValueError(
             f"rotary position {int(positions.max())} is past the cos/sin tables "
@@ -101,6 +117,8 @@ def apply_rotary_emb(
     if not isinstance(x, torch.Tensor) or x.ndim != (3 if packed else 4):
         layout = "(total_seqlen, nheads, headdim)" if packed else "(batch, seqlen, nheads, headdim)"
         raise ValueError(f"x has shape {tuple(getattr(x, 'shape', ()))}; expected {layout}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a float tensor, got {x.dtype}")
     device = x.device
     if not packed:
         batch, seqlen = x.shape[:2]
@@ -113,14 +131,20 @@ def apply_rotary_emb(
         positions = torch.arange(x.shape[0], device=device) - cu[sequence]
         batch = lengths.numel()
     if isinstance(seqlen_offsets, torch.Tensor):
+        if seqlen_offsets.is_floating_point() or seqlen_offsets.dtype == torch.bool:
+            raise TypeError(f"seqlen_offsets must hold integers, got {seqlen_offsets.dtype}")
         if seqlen_offsets.shape != (batch,):
             raise ValueError(
                 f"seqlen_offsets has shape {tuple(seqlen_offsets.shape)}; expected ({batch},) "
                 f"or an int"
             )
         positions = positions + seqlen_offsets.to(device).long()[sequence]
-    else:
+    elif isinstance(seqlen_offsets, numbers.Integral) and not isinstance(seqlen_offsets, bool):
         positions = positions + int(seqlen_offsets)
+    else:
+        raise TypeError(
+            f"seqlen_offsets must be an int or a (batch,) tensor, got {seqlen_offsets!r}"
+        )
     out = rotate(x, cos, sin, positions, interleaved)
     return x.copy_(out) if inplace else out
 

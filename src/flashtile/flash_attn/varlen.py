@@ -122,7 +122,8 @@ def _per_sequence(q, k, v, packed: Packed, opts: Options, seed: int):
 def _attend_once(q, k, v, cu_q, cu_k, opts: Options, seed: int, offset: int):
     if q.shape[0] == 0 or k.shape[0] == 0:
         # Nothing to attend (no query, or no key in any sequence): the kernels
-        # refuse empty arrays, and the answer is known.
+        # refuse empty arrays, and the answer is known (the sinks still checked).
+        checks.check_sinks(opts.sinks, q.shape[1])
         out, lse = EmptyAttention.apply(q, k, v, opts.sinks)
         return out, lse
     keywords = {"causal": opts.causal, "scale": opts.scale}
@@ -131,7 +132,7 @@ def _attend_once(q, k, v, cu_q, cu_k, opts: Options, seed: int, offset: int):
     if opts.softcap is not None:
         keywords["softcap"] = opts.softcap
     if checks.on_gpu(q):
-        return _on_gpu(q, k, v, cu_q, cu_k, opts, keywords)
+        return _on_gpu(q, k, v, cu_q, cu_k, opts, keywords, seed, offset)
     if opts.alibi is not None:
         keywords["alibi_slopes"] = opts.alibi.detach().to("cpu", torch.float64).numpy()
     if opts.dropout_p > 0:
@@ -142,11 +143,11 @@ def _attend_once(q, k, v, cu_q, cu_k, opts: Options, seed: int, offset: int):
     return out.transpose(0, 1), lse
 
 
-def _on_gpu(q, k, v, cu_q, cu_k, opts: Options, keywords):
+def _on_gpu(q, k, v, cu_q, cu_k, opts: Options, keywords, seed: int, offset: int):
     from flashtile import triton as gpu  # needs triton: imported on first use
 
-    if opts.dropout_p > 0:
-        keywords["dropout_p"] = opts.dropout_p
+    if opts.dropout_p > 0:  # the CPU path's seed and offset: the same mask
+        keywords.update(dropout_p=opts.dropout_p, dropout_seed=seed, dropout_offset=offset)
     if opts.sinks is not None:
         keywords["sinks"] = opts.sinks
     device = q.device

@@ -158,7 +158,7 @@ def attention_backward(
 def varlen_attention(
     q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
     causal=False, scale=None, window=None, alibi_slopes=None, softcap=None, return_lse=False,
-    sinks=None, dropout_p=0.0,
+    sinks=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
 ):  # fmt: skip
     """Attention over packed variable-length sequences (no padding computed), differentiable.
 
@@ -174,6 +174,9 @@ def varlen_attention(
         causal, scale, window, alibi_slopes (``(Hq,)``), softcap, return_lse,
             sinks, dropout_p: as in :func:`attention` (dropout's counters read rows
             of the packed arrays with ``b = 0``, as :func:`flashtile.varlen_attention`'s).
+        dropout_seed, dropout_offset: the generator's seed (None: drawn from
+            torch's default generator) and counter offset, as
+            :func:`flashtile.varlen_attention` takes them: the same mask.
 
     Returns:
         ``out (Hq, total_q, dv)`` and, if asked, ``lse (Hq, total_q)`` float32.
@@ -194,23 +197,27 @@ def varlen_attention(
             raise ValueError(f"max_seqlen_{name} = {given} but a sequence has {longest}")
     scale, left, right, cap = _scalars(causal, scale, window, softcap, q.shape[-1])
     alibi = checks.slopes(alibi_slopes, 1, q.shape[0], q.device, per_batch_ok=False)
+    dropout = _dropout(dropout_p, (1, q.shape[0]), dropout_seed, dropout_offset)
     out, lse = _forward(
         q[None], k[None], v[None], alibi, None, cu_q, cu_k, longest_q, longest_k,
-        scale, left, right, cap, *_dropout(dropout_p, (1, q.shape[0])),
-        checks.sinks(sinks, q.shape[0], q.device),
+        scale, left, right, cap, *dropout, checks.sinks(sinks, q.shape[0], q.device),
     )  # fmt: skip
     return (out[0], lse[0]) if return_lse else out[0]
 
 
-def _dropout(dropout_p, batch_heads) -> tuple[float, torch.Tensor | None]:
-    """``(dropout_p, seed)`` as the ops take them (the rule of
-    :func:`flashtile.dropout.check_dropout`; the seed drawn from torch's
-    default CPU generator, a 0-d tensor as :func:`flashtile.torch.attention` draws it)."""
-    p = check_dropout(dropout_p, 0, 0)[0]
+def _dropout(dropout_p, batch_heads, seed=None, offset=0) -> tuple[float, torch.Tensor | None]:
+    """``(dropout_p, seed words)`` as the ops take them (the rule of
+    :func:`flashtile.dropout.check_dropout`): the seed drawn from torch's
+    default CPU generator when None (a 0-d tensor, as
+    :func:`flashtile.torch.attention` draws it), or ``[seed, offset]``."""
+    p = check_dropout(dropout_p, 0 if seed is None else seed, offset)[0]
     if p == 0.0:
         return 0.0, None
     check_counter_range(*batch_heads)
-    return p, op_autograd.dropout_seed()
+    if seed is None and offset == 0:
+        return p, op_autograd.dropout_seed()
+    drawn = int(op_autograd.dropout_seed()) if seed is None else seed
+    return p, torch.tensor([drawn - (1 << 64) if drawn >= 1 << 63 else drawn, offset])
 
 
 def _forward(q, k, v, *variants):

@@ -46,13 +46,13 @@ class Variants:
     max_k: int = 0
     dropout_p: float = 0.0
     seed: int = 0
+    offset: int = 0
 
     def dropout_args(self) -> tuple[int, int, int, float]:
         """``(seed, offset, threshold, scale)``: the kernels' dropout scalars
-        (:mod:`flashtile.dropout`'s rule; the offset is 0 here: each call draws
-        a fresh seed)."""
+        (:mod:`flashtile.dropout`'s rule)."""
         p = self.dropout_p
-        return self.seed, 0, keep_threshold(p), 1.0 / (1.0 - p)
+        return self.seed, self.offset, keep_threshold(p), 1.0 / (1.0 - p)
 
     def scalars(self) -> tuple[float, float, float, float]:
         """``(scale, qk_scale, cap_in, cap_out)``: the kernels work in log2 units."""

@@ -68,10 +68,13 @@ def _variants(
     kv_lengths, cu_q, cu_k = (
         None if t is None else t.contiguous() for t in (kv_lengths, cu_q, cu_k)
     )
-    seed = 0 if seed is None else int(seed)  # a CPU tensor: no device sync
+    # The seed (0-d), or [seed, offset] (int64 words; a CPU tensor: no device sync).
+    words = [0] if seed is None else [int(x) for x in seed.reshape(-1).tolist()]
+    seed, offset = words[0] % (1 << 64), (words[1] if len(words) > 1 else 0)
     return launch.Variants(
-        scale, left, right, softcap, alibi, kv_lengths, cu_q, cu_k, max_q, max_k, dropout_p, seed
-    )
+        scale, left, right, softcap, alibi, kv_lengths, cu_q, cu_k, max_q, max_k, dropout_p, seed,
+        offset,
+    )  # fmt: skip
 
 
 @torch.library.custom_op("flashtile::triton_attention_fwd", mutates_args=(), schema=_FWD_SCHEMA)
