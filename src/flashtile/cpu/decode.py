@@ -54,8 +54,13 @@ from .tiles import (
 )
 from .vectors import wide_vectors
 
-#: Tiles gathered from small pages prefetch this many pages ahead.
+#: Tiles gathered from small pages prefetch this many pages ahead, and at
+#: least PREFETCH_KEYS keys ahead: with pages of one token (flash-attn's
+#: (B, T, Hkv, d) cache read in place, :mod:`flashtile.flash_attn`) one page
+#: ahead is one row, far too close for DRAM (GQA 32/8, d 128, Tk=65536: 0.72x
+#: the time of flashtile's own layout with 1 page ahead, 0.84x with 16-64 keys).
 PREFETCH_PAGES = 1
+PREFETCH_KEYS = 16
 
 
 def load_tile(src, fmt, table_row, hk, page, j0, j1, buf, j_end):
@@ -119,7 +124,7 @@ def _load_tile_overload(src, fmt, table_row, hk, page, j0, j1, buf, j_end):
             off, run = j % page, min(page - j % page, j1 - j)
             rows = src[table_row[j // page], hk, off : off + run]
             out = buf[j - j0 : j - j0 + run]
-            ahead = j - off + PREFETCH_PAGES * page
+            ahead = j - off + max(PREFETCH_PAGES * page, PREFETCH_KEYS)
             reach = min(page, j_end - ahead) if page < j1 - j0 else 0
             if reach > 0:  # small pages: prefetch row by row (see the docstring)
                 nxt = src[table_row[ahead // page], hk]
