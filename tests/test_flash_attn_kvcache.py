@@ -366,3 +366,23 @@ def test_empty_batches_bad_sinks_and_bad_rotary_positions():
         fa.apply_rotary_emb(x, cos, sin, seqlen_offsets=torch.tensor([1.7]))
     with pytest.raises(TypeError, match="both rotary_cos and rotary_sin"):
         fa.apply_rotary_emb(x, cos, None)
+
+
+def test_kvcache_window_past_the_cache_is_not_local_for_rotary():
+    """flash-attn counts a window side of at least the cache length as unbounded,
+    also when it picks the queries' rotary positions (seqlen_q > 1, non-causal)."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 2, 8, generator=g, dtype=torch.float64)
+    kc, vc = (torch.randn(1, 6, 1, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    kn, vn = (torch.randn(1, 1, 1, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    cos, sin = (
+        torch.rand(8, 4, generator=g, dtype=torch.float64),
+        torch.rand(8, 4, dtype=torch.float64),
+    )
+    outs = [
+        fa.flash_attn_with_kvcache(
+            q, kc.clone(), vc.clone(), kn, vn, cos, sin, cache_seqlens=3, window_size=window
+        )
+        for window in ((-1, -1), (6, -1))
+    ]
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)

@@ -148,7 +148,9 @@ def _with_kvcache(
         _check_table(table, total, rows, k_cache.shape[0])
     leftpad = _leftpad(cache_leftpad, total, batch, device)
     if rotary_cos is not None or rotary_sin is not None:
-        q, new = _rotary(q, new, rotary_cos, rotary_sin, seqlens, rotary_interleaved, opts)
+        q, new = _rotary(
+            q, new, rotary_cos, rotary_sin, seqlens, rotary_interleaved, opts, capacity
+        )
     if new is not None:
         _append(k_cache, v_cache, new, seqlens, slot, table, rows)
     lengths = total if leftpad is None else total - leftpad
@@ -215,9 +217,11 @@ def _leftpad(cache_leftpad, total, batch: int, device):
     return leftpad
 
 
-def _rotary(q, new, rotary_cos, rotary_sin, seqlens, interleaved: bool, opts):
+def _rotary(q, new, rotary_cos, rotary_sin, seqlens, interleaved: bool, opts, capacity: int):
     """``(q, new)`` rotated at flash-attn's positions: the new keys at ``seqlens +
-    t``; the queries there too when causal or local, else all at ``seqlens``."""
+    t``; the queries there too when causal or local, else all at ``seqlens``.
+    Local is flash-attn's rule: a window side of at least the cache's
+    ``capacity`` counts as unbounded."""
     if new is None:
         raise ValueError(
             "rotary_cos/rotary_sin rotate the new keys: pass k and v too (as flash-attn "
@@ -225,7 +229,9 @@ def _rotary(q, new, rotary_cos, rotary_sin, seqlens, interleaved: bool, opts):
         )
     check_tables(rotary_cos, rotary_sin, q.shape[-1])
     batch, tq, device = q.shape[0], q.shape[1], q.device
-    local = opts.causal or opts.window is not None
+    local = opts.causal or (
+        opts.window is not None and any(0 <= side < capacity for side in opts.window)
+    )
     offsets = seqlens[:, None]
     q_at = offsets + torch.arange(tq, device=device) if local else offsets.expand(batch, tq)
     q = rotate(q, rotary_cos, rotary_sin, q_at, interleaved)
