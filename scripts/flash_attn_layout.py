@@ -1,6 +1,6 @@
 """What flash-attn's (batch, seqlen, nheads, headdim) layout costs on flashtile's CPU kernels.
 
-usage: python scripts/flash_attn_layout.py [rounds]
+usage: python scripts/flash_attn_layout.py [rounds] [long_keys]
 
 flashtile's kernels read ``(B, H, T, d)`` contiguous arrays; flash-attn's
 tensors are ``(B, T, H, d)``. Two measurements, float32, medians over
@@ -22,7 +22,8 @@ order, the next round in the reverse order: flashtile.bench.timing):
    ``(B, T, Hkv, d)`` cache (read in place as one-token pages), against
    ``flashtile.decode_attention`` on a ``(B, Hkv, T, d)`` cache (its own
    layout) and against copying the flash-attn cache into that layout on every
-   call.
+   call. With ``long_keys`` (issue 30's row: 65536) also GQA 32/8, d=128
+   against that many keys (0.5 GiB per cache in float32).
 
 Prints the CPU model (/proc/cpuinfo), the thread count, each median in ms
 and the ratios (above 1: the flash-attn path is faster).
@@ -132,7 +133,10 @@ def main() -> None:
         training(rounds),
         "flash_attn_func",
     )
-    for b, hq, hkv, t, d in ((1, 32, 8, 4096, 128), (4, 8, 8, 2048, 64)):
+    cases = [(1, 32, 8, 4096, 128), (4, 8, 8, 2048, 64)]
+    if len(sys.argv) > 2:  # the long cache of issue 30's target
+        cases.append((1, 32, 8, int(sys.argv[2]), 128))
+    for b, hq, hkv, t, d in cases:
         _report(
             f"decode step, B={b} Hq={hq} Hkv={hkv} T={t} d={d}, float32",
             decoding(3 * rounds, b, hq, hkv, t, d),

@@ -57,8 +57,10 @@ from .vectors import wide_vectors
 #: Tiles gathered from small pages prefetch this many pages ahead, and at
 #: least PREFETCH_KEYS keys ahead: with pages of one token (flash-attn's
 #: (B, T, Hkv, d) cache read in place, :mod:`flashtile.flash_attn`) one page
-#: ahead is one row, far too close for DRAM (GQA 32/8, d 128, Tk=65536: 0.72x
-#: the time of flashtile's own layout with 1 page ahead, 0.84x with 16-64 keys).
+#: ahead is one row, too close for DRAM. Measured on a shared host (GQA 32/8,
+#: d 128, Tk=65536, speed relative to flashtile's own layout, A/B runs
+#: alternating): 0.72x and 0.78x with one page ahead, 0.83x and 0.77x with 16
+#: keys; a small gain at best, inside the run-to-run spread.
 PREFETCH_PAGES = 1
 PREFETCH_KEYS = 16
 
