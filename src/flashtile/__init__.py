@@ -5,6 +5,7 @@ align bottom-right when ``Tq != Tk``; rows that see no key give zeros and
 ``lse = -inf``; ``lse`` is the natural-log normaliser ``m + log(ell)``.
 """
 
+from . import tune as tune  # registers the routes' measurements (flashtile.routes)
 from .api import attention, attention_backward, varlen_attention, varlen_attention_backward
 from .decode import decode_attention
 from .kvcache import KVCache

@@ -1,5 +1,5 @@
-"""The ``flashtile`` command line: ``demo``, ``trace``, ``bench``, ``precompile``, ``gpu``, and
-the learning lab's ``learn``, ``io`` and ``plot``.
+"""The ``flashtile`` command line: ``demo``, ``trace``, ``bench``, ``precompile``,
+``tune``, ``gpu``, and the learning lab's ``learn``, ``io`` and ``plot``.
 
 Every subcommand lives with the code it runs and registers itself through an
 ``add_parser(subparsers)`` function that sets ``func``, the function that runs
@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from . import precompile
+from . import precompile, tune
 from .bench import cli as bench_cli
 from .learn import cli as learn_cli
 from .learn import io_table, plots, walkthrough
@@ -24,6 +24,7 @@ SUBCOMMANDS = (
     walkthrough.add_parsers,  # demo, trace
     bench_cli.add_parser,
     precompile.add_parser,  # the CPU kernels into Numba's cache
+    tune.add_parser,  # the CPU-dependent routes, measured
     gpu_cli.add_parser,  # gpu compile
     learn_cli.add_parser,
     io_table.add_parser,

@@ -5,8 +5,8 @@ attention calls go to the decode kernel.
   chunks (split-KV) as work items and the slots their partial results are
   merged from (:func:`flashtile.workitems.plan_splits`), the tile length,
   the operands' dtype (:func:`decode_operands`: bf16 products or widened
-  16-bit caches) and whether items read K/V rows in place
-  (:func:`flashtile.workitems.row_walk`).
+  16-bit caches) and how items walk the cache
+  (:func:`flashtile.workitems.decode_walk`).
 - :func:`decode_shaped` is the rule that sends an attention call with a few
   queries against many keys to the decode kernel (:func:`plan_decode_call`).
 
@@ -29,7 +29,7 @@ from .masks import block_key_range
 from .planning import SERIAL_WORK, Call, as_4d, bf16_products, kernel_variants
 from .precision import bf16_products_fit
 from .variants import Variants
-from .workitems import decode_tile, plan_splits, row_walk
+from .workitems import DECODE_TILE, HEADS, ROWS, TILES, decode_tile, decode_walk, plan_splits
 
 #: Decode-shaped calls (:func:`decode_shaped`): at most DECODE_MAX_QUERIES
 #: queries against at least DECODE_MIN_KEYS keys, where the split-KV decode
@@ -59,14 +59,17 @@ class DecodePlan(NamedTuple):
         q: ``(B, Hq, Tq, d)`` C-contiguous in the work dtype, or bf16 for
             bf16 products (:func:`decode_operands`).
         layout: the validated cache (:class:`flashtile.kvlayout.CacheLayout`).
-        items: ``(N, 5)`` int64 ``(b, kv head, j_lo, j_hi, slot)`` in thread order.
+        items: ``(N, 5)`` int64 ``(b, kv head, j_lo, j_hi, slot)`` in thread order
+            (with the :data:`~flashtile.workitems.HEADS` walk, one item per
+            chunk for kv head 0, standing for every head).
         spans: ``(B * Hkv, 2)`` int64: first slot and count of each
             ``(b, kv head)``'s partials.
         variants: :class:`KernelVariants` (no mask arrays).
         scale: the score multiplier; tile_keys: keys per tile.
         threads: how many threads run the kernel (1 below SERIAL_WORK).
-        row_walk: the items read their K/V rows in place (``cpu/cache_rows.py``)
-            instead of gathering tiles (:func:`flashtile.workitems.row_walk`).
+        walk: how the items walk the cache (:func:`flashtile.workitems.decode_walk`):
+            ``"tiles"``, ``"rows"`` (read in place, ``cpu/cache_rows.py``) or
+            ``"heads"`` (every kv head's rows of a tile gathered at once).
     """
 
     q: np.ndarray
@@ -77,7 +80,7 @@ class DecodePlan(NamedTuple):
     scale: float
     tile_keys: int
     threads: int
-    row_walk: bool
+    walk: str
 
 
 def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> DecodePlan:
@@ -86,30 +89,34 @@ def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> Deco
     ``num_splits``: chunks per sequence, or None to choose (:func:`plan_splits`).
     The work dtype is float64 for a float64 cache, else float32; ``q`` is
     cast to it, or kept bf16 for bf16 products (:func:`decode_operands`).
-    Items read rows in place (:func:`flashtile.workitems.row_walk`) in
-    float32 only: float64 work (float64 caches and the range fallback of
-    :mod:`flashtile.precision`) is not the serving case, and a float64 row
-    walk would be one more compiled kernel.
+    Items read rows in place (the ``"rows"`` walk of
+    :func:`flashtile.workitems.decode_walk`) in float32 only: float64 work
+    (float64 caches and the range fallback of :mod:`flashtile.precision`) is
+    not the serving case, and a float64 row walk would be one more compiled
+    kernel.
     """
     work = compute_dtype(layout.k.dtype)
     _, hq, tq, d = q.shape
     lengths = tuple(layout.seqlens.tolist())
     size = hq * tq * sum(lengths) * (d + layout.v.shape[3])
     threads = 1 if size < SERIAL_WORK else numba_threads()
-    items, spans = _decode_splits(
-        lengths, tq, va.causal, va.left, va.right, layout.heads, num_splits, threads
-    )
     if va.alibi is None:
         variants = _plain_schedule_variants(va.causal, va.left, va.right, va.softcap, work)
     else:
         variants = kernel_variants(va, work, hq)
     rows = (hq // layout.heads) * tq
-    tile_keys = decode_tile(rows, layout.page)
-    in_place = row_walk(rows, layout.page, layout.table.shape[1], tile_keys)
-    operands = decode_operands(q.dtype, layout, scale, in_place)
+    walk = decode_walk(rows, layout.page, layout.table.shape[1], layout.heads, DECODE_TILE)
+    operands = decode_operands(q.dtype, layout, scale, walk == ROWS)
+    if walk == ROWS and operands != np.float32:
+        walk = TILES
+    head_bytes = layout.heads * (d + layout.v.shape[3]) * np.dtype(operands).itemsize
+    tile_keys = decode_tile(rows, layout.page, walk, head_bytes)
+    items, spans = _decode_splits(
+        lengths, tq, va.causal, va.left, va.right, layout.heads, num_splits, threads,
+        layout.heads if walk == HEADS else 1,
+    )  # fmt: skip
     q_work = np.ascontiguousarray(q, dtype=operands)
-    in_place = in_place and operands == np.float32
-    return DecodePlan(q_work, layout, items, spans, variants, scale, tile_keys, threads, in_place)
+    return DecodePlan(q_work, layout, items, spans, variants, scale, tile_keys, threads, walk)
 
 
 def decode_operands(q_dtype, layout: CacheLayout, scale: float, row_walk: bool) -> np.dtype:
@@ -131,12 +138,12 @@ def decode_operands(q_dtype, layout: CacheLayout, scale: float, row_walk: bool) 
 
 
 @lru_cache(maxsize=256)
-def _decode_splits(lengths, tq, causal, left, right, kv_heads, num_splits, threads):
+def _decode_splits(lengths, tq, causal, left, right, kv_heads, num_splits, threads, heads):
     """:func:`plan_splits` for sequences of ``lengths`` keys, cached (shared arrays)."""
     ranges = np.zeros((len(lengths), 2), dtype=np.int64)
     for b, n in enumerate(lengths):  # keys any query of b can see
         ranges[b] = block_key_range(0, tq, tq, n, causal, left, right, n)
-    return plan_splits(ranges, kv_heads, num_splits, threads)
+    return plan_splits(ranges, kv_heads, num_splits, threads, item_heads=heads)
 
 
 @lru_cache(maxsize=64)

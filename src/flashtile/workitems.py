@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from . import routes
 from .cpu.tiles import SEQ_BATCH, SEQ_KV_LEN, SEQ_TK, SEQ_TQ, KernelVariants
 from .masks import TILE_EMPTY, block_key_range
 
@@ -123,34 +124,79 @@ def backward_items(seqs, n_kv, block_q, threads) -> tuple[np.ndarray, int]:
     return balance(items, costs), parts
 
 
-#: Decoding items of at most this many query rows read their K/V rows in
-#: place (cpu/cache_rows.py) in a paged cache of pages smaller than a tile.
-ROW_WISE_ROWS = 1
+#: Decode items of at most this many query rows walk the cache by a measured
+#: route (:func:`decode_walk`): the decode-shaped calls' limit
+#: (:data:`flashtile.decode_planning.DECODE_MAX_ROWS`).
+DECODE_ROUTED_ROWS = 16
+#: The gathered tiles of an item that walks every kv head at once (a cache
+#: of one-token pages, :func:`decode_walk`) hold about this many bytes:
+#: every head's K and V rows of the tile stay in L2 while each head's
+#: products read them.
+HEADS_TILE_BYTES = 256 * 1024
+
+#: How decode items walk their keys (:func:`decode_walk`): BLAS tiles of one
+#: kv head, gathered when they span pages; one kv head's rows read in place
+#: (cpu/cache_rows.py); or every kv head's rows of a tile gathered at once in
+#: memory order (cpu/decode.py).
+TILES, ROWS, HEADS = "tiles", "rows", "heads"
 
 
-def row_walk(rows: int, page: int, pages: int, tile_keys: int) -> bool:
-    """Whether decode items of ``rows`` query rows, over a cache of ``pages``
-    pages per sequence of ``page`` keys each in tiles of ``tile_keys``, read
-    their rows in place rather than gather BLAS tiles (for float32 work:
-    :func:`flashtile.decode_planning.plan_decode` applies it). A contiguous cache is
-    one page per sequence, whose tiles BLAS reads in place."""
-    return rows <= ROW_WISE_ROWS and pages > 1 and page < tile_keys
+def decode_walk(rows: int, page: int, pages: int, kv_heads: int, tile_keys: int) -> str:
+    """How decode items of ``rows`` query rows walk a cache of ``pages``
+    pages per sequence of ``page`` keys each, ``kv_heads`` kv heads, in tiles
+    of ``tile_keys`` (:data:`TILES`, :data:`ROWS` or :data:`HEADS`).
+
+    The walks compute the same; which is fastest depends on the CPU, so it is
+    a measured route (:mod:`flashtile.routes`, ``decode.<layout>.<rows>``)
+    per cache layout and rows class, for items of at most DECODE_ROUTED_ROWS
+    rows (more rows keep BLAS tiles):
+
+    - ``contiguous``: one page per sequence or pages of at least a tile,
+      whose tiles BLAS reads in place;
+    - ``paged``: pages smaller than a tile (gathered for BLAS);
+    - ``tokens``: one-token pages of several kv heads (flash-attn's ``(B, T,
+      Hkv, d)`` cache read in place, :mod:`flashtile.flash_attn`): one head's
+      keys lie ``Hkv * d`` elements apart, a separate stream per key that the
+      hardware prefetcher does not follow, which the :data:`HEADS` walk
+      reads as one stream.
+
+    The row walk runs float32 work only
+    (:func:`flashtile.decode_planning.plan_decode` applies that part).
+    """
+    if page == 1 and kv_heads > 1 and pages > 1:
+        layout = "tokens"
+    elif pages > 1 and page < tile_keys:
+        layout = "paged"
+    else:
+        layout = "contiguous"
+    if rows > DECODE_ROUTED_ROWS:
+        return HEADS if layout == "tokens" else TILES
+    return routes.choice(f"decode.{layout}.{'one' if rows == 1 else 'several'}")
 
 
-def decode_tile(rows: int, page: int) -> int:
+def decode_tile(rows: int, page: int, walk: str = TILES, head_bytes: int = 0) -> int:
     """Keys per tile for decode items of ``rows`` query rows over a cache in
-    pages of ``page`` keys (a contiguous cache: one page of all its keys)."""
+    pages of ``page`` keys (a contiguous cache: one page of all its keys).
+    Items of the :data:`HEADS` walk gather ``head_bytes`` (every kv head's K
+    and V row) per key: tiles of at most HEADS_TILE_BYTES, a power of two
+    from 16 to DECODE_TILE keys (so they divide the chunks, multiples of DECODE_TILE)."""
+    if walk == HEADS:
+        keys = max(1, HEADS_TILE_BYTES // head_bytes)
+        return min(DECODE_TILE, max(16, 1 << (keys.bit_length() - 1)))
     return DECODE_ROW_TILE if rows == 1 and page >= DECODE_ROW_TILE else DECODE_TILE
 
 
-def plan_splits(ranges, kv_heads, num_splits, threads, tile=DECODE_TILE):
+def plan_splits(ranges, kv_heads, num_splits, threads, tile=DECODE_TILE, item_heads=1):
     """Split each sequence's visible keys into chunks: the decode work items.
 
     Args:
         ranges: ``(B, 2)`` visible keys ``[lo, hi)`` per sequence.
         num_splits: chunks per sequence, or None: chunks of equal length
             (a multiple of ``tile``, at least MIN_SPLIT_KEYS) sized so that
-            the whole batch makes about CHUNKS_PER_THREAD chunks per thread.
+            the whole batch makes about CHUNKS_PER_THREAD items per thread.
+        item_heads: kv heads per item (1, or ``kv_heads`` for the
+            :data:`HEADS` walk: then items exist for kv head 0 only and
+            stand for every head of their chunk).
 
     Returns:
         ``items (N, 5)`` int64 rows ``(b, kv head, j_lo, j_hi, slot)`` in the
@@ -160,22 +206,23 @@ def plan_splits(ranges, kv_heads, num_splits, threads, tile=DECODE_TILE):
     # Compiled: a decoding loop plans every step anew (its key count grows),
     # and these few dozen NumPy calls on tiny arrays cost 40-70 us a step.
     items, spans = _split_items(ranges, kv_heads, -1 if num_splits is None else num_splits,
-                                threads, tile)  # fmt: skip
+                                threads, tile, item_heads)  # fmt: skip
     costs = (items[:, 3] - items[:, 2]) + 64  # + the fixed cost of a chunk
     return balance(items, costs), spans
 
 
 @njit(cache=True)
-def _split_items(ranges, kv_heads, num_splits, threads, tile):
+def _split_items(ranges, kv_heads, num_splits, threads, tile, item_heads):
     """:func:`plan_splits`' items and spans before balancing (``num_splits``
     -1: automatic). Slots run ``(b, kv head, chunk)``-major, so each pair's
-    partials are adjacent."""
+    partials are adjacent; an item of several heads holds its first head's
+    slot (head ``u`` of it writes ``count`` slots further per head)."""
     n = ranges.shape[0]
     lengths = ranges[:, 1] - ranges[:, 0]
     splits = np.empty(n, dtype=np.int64)
     chunks = np.empty(n, dtype=np.int64)
     if num_splits < 0:
-        total = kv_heads * lengths.sum()
+        total = kv_heads // item_heads * lengths.sum()
         chunk = max(MIN_SPLIT_KEYS, -(-total // (CHUNKS_PER_THREAD * threads)))
         chunk = -(-chunk // tile) * tile
         for b in range(n):
@@ -185,17 +232,20 @@ def _split_items(ranges, kv_heads, num_splits, threads, tile):
         for b in range(n):  # more chunks than keys would only add empty partials
             splits[b] = min(num_splits, max(lengths[b], 1))
             chunks[b] = max(1, -(-lengths[b] // splits[b]))
-    items = np.empty((kv_heads * splits.sum(), 5), dtype=np.int64)
+    items = np.empty((kv_heads // item_heads * splits.sum(), 5), dtype=np.int64)
     spans = np.empty((n * kv_heads, 2), dtype=np.int64)
-    slot = 0
+    slot, n_items = 0, 0
     for b in range(n):
         for hk in range(kv_heads):
             spans[b * kv_heads + hk, 0] = slot
             spans[b * kv_heads + hk, 1] = splits[b]
             for c in range(splits[b]):
-                j_lo = min(ranges[b, 0] + c * chunks[b], ranges[b, 1])
-                items[slot, 0], items[slot, 1] = b, hk
-                items[slot, 2], items[slot, 3] = j_lo, min(j_lo + chunks[b], ranges[b, 1])
-                items[slot, 4] = slot
+                if hk % item_heads == 0:
+                    j_lo = min(ranges[b, 0] + c * chunks[b], ranges[b, 1])
+                    items[n_items, 0], items[n_items, 1] = b, hk
+                    items[n_items, 2] = j_lo
+                    items[n_items, 3] = min(j_lo + chunks[b], ranges[b, 1])
+                    items[n_items, 4] = slot
+                    n_items += 1
                 slot += 1
     return items, spans

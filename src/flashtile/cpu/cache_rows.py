@@ -51,18 +51,27 @@ AHEAD = 16
 
 
 class TileWalk(NamedTuple):
-    """Walk flag: a decode call's items fold BLAS tiles (:mod:`.decode`)."""
+    """Walk flag: a decode call's items fold BLAS tiles of one kv head (:mod:`.decode`)."""
 
 
 class RowWalk(NamedTuple):
     """Walk flag: a decode call's items read their rows in place (this module)."""
 
 
-def walk_flag(row_walk: bool) -> TileWalk | RowWalk:
-    """The decode kernel's walk flag for a plan's ``row_walk`` (the routing
-    rule is :func:`flashtile.decode_planning.plan_decode`'s). The flag is a type of
-    its own, so the kernels of other calls do not compile the row walk."""
-    return RowWalk() if row_walk else TileWalk()
+class HeadsWalk(NamedTuple):
+    """Walk flag: a decode call's items take every kv head of their key chunk
+    and gather each tile's rows of all heads at once (:mod:`.decode`)."""
+
+
+#: The flag of each of :func:`flashtile.workitems.decode_walk`'s walks.
+_WALKS = {"tiles": TileWalk(), "rows": RowWalk(), "heads": HeadsWalk()}
+
+
+def walk_flag(walk: str) -> TileWalk | RowWalk | HeadsWalk:
+    """The decode kernel's walk flag for a plan's ``walk`` (the routing rule
+    is :func:`flashtile.workitems.decode_walk`'s). The flag is a type of its
+    own, so the kernels of other calls do not compile the other walks."""
+    return _WALKS[walk]
 
 
 def reads_rows(walk) -> bool:
@@ -74,6 +83,19 @@ def reads_rows(walk) -> bool:
 @overload(reads_rows, inline="always")
 def _reads_rows(walk):
     return (lambda walk: True) if is_flag(walk, RowWalk) else (lambda walk: False)
+
+
+def walk_heads(walk, kv_heads):
+    """The kv heads one item takes: ``kv_heads`` with :class:`HeadsWalk`, else
+    1 (a constant in compiled code). Only callable from compiled code."""
+    raise NotImplementedError("walk_heads is only available inside Numba kernels")
+
+
+@overload(walk_heads, inline="always")
+def _walk_heads(walk, kv_heads):
+    if is_flag(walk, HeadsWalk):
+        return lambda walk, kv_heads: kv_heads
+    return lambda walk, kv_heads: 1
 
 
 def walk_rows(walk, lo, hi, rest):

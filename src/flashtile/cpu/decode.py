@@ -39,7 +39,7 @@ from numba.extending import overload
 
 from ..units import LOG2E
 from . import FASTMATH
-from .cache_rows import reads_rows, walk_rows
+from .cache_rows import HeadsWalk, reads_rows, walk_heads, walk_rows
 from .half import prob_buffer, split_scale, work_empty
 from .memory import BFloat16Bits, FloatValues, is_flag, load_value, prefetch_rows
 from .tile_step import finish_rows, fold_key_tile, item_buffers, one_segment
@@ -155,10 +155,76 @@ def prefetch_keys(k, v, table_row, hk, page, j0, j1):
         j += run
 
 
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def head_tile(b, hk, group, tq, length):
+    """The :class:`.tiles.QueryTile` of kv head ``hk``'s group of sequence
+    ``b``: every query of the sequence (``i0 = 0``, ``br = Tq``), the last at
+    position ``length - 1``."""
+    return QueryTile(b, hk * group, tq, 0, tq, length, length, 0, 0)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def gather_heads(src, fmt, table_row, page, j0, j1, buf):
+    """``buf[h, t] =`` the row of key ``j0 + t`` of kv head ``h``, for every
+    kv head and ``t < j1 - j0``, reading each page's ``(Hkv, run, width)``
+    block in memory order (16-bit patterns widened as :func:`copy_row`).
+
+    For one-token pages (flash-attn's ``(B, T, Hkv, d)`` cache) that order is
+    the cache's own: consecutive keys' blocks follow each other, one stream
+    the hardware prefetcher follows, where one head's rows alone are ``Hkv``
+    rows apart and each a stream of its own. ``src (blocks, Hkv, P, width)``,
+    ``buf (Hkv, >= j1 - j0, width)``."""
+    wide_vectors()
+    width = src.shape[3]
+    j = j0
+    while j < j1:  # one page's run at a time
+        off, run = j % page, min(page - j % page, j1 - j)
+        block = src[table_row[j // page]]
+        for h in range(src.shape[1]):
+            rows = block[h, off : off + run]
+            out = buf[h, j - j0 : j - j0 + run]
+            copy_row(rows.reshape(run * width), out.reshape(run * width), fmt)
+        j += run
+
+
+def walk_tile(walk, src, fmt, table_row, hk, u, page, j0, j1, buf, j_end):
+    """The rows of keys ``[j0, j1)`` of kv head ``hk``, the ``u``-th head of
+    its item: with :class:`.cache_rows.HeadsWalk` ``buf[u]``'s first rows
+    (:func:`gather_heads` filled them), else :func:`load_tile` into
+    ``buf[0]``. Only callable from compiled code."""
+    raise NotImplementedError("walk_tile is only available inside Numba kernels")
+
+
+@overload(walk_tile, fastmath=FASTMATH, inline="always")
+def _walk_tile(walk, src, fmt, table_row, hk, u, page, j0, j1, buf, j_end):
+    if is_flag(walk, HeadsWalk):
+        return lambda walk, src, fmt, table_row, hk, u, page, j0, j1, buf, j_end: buf[u, : j1 - j0]
+
+    def impl(walk, src, fmt, table_row, hk, u, page, j0, j1, buf, j_end):
+        return load_tile(src, fmt, table_row, hk, page, j0, j1, buf[0], j_end)
+
+    return impl
+
+
+def gather_tile(walk, src, fmt, table_row, page, j0, j1, buf):
+    """:func:`gather_heads` with :class:`.cache_rows.HeadsWalk`; nothing for
+    the other walks. Only callable from compiled code."""
+    raise NotImplementedError("gather_tile is only available inside Numba kernels")
+
+
+@overload(gather_tile, inline="always")
+def _gather_tile(walk, src, fmt, table_row, page, j0, j1, buf):
+    if is_flag(walk, HeadsWalk):
+        return lambda walk, src, fmt, table_row, page, j0, j1, buf: gather_heads(
+            src, fmt, table_row, page, j0, j1, buf
+        )
+    return lambda walk, src, fmt, table_row, page, j0, j1, buf: None
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def decode_kernel(
-    q, k, v, fmt, walk, table, seqlens, items, part_out, part_lse, part_flag, scale, variants,
-    tile_keys, gemm_fn,
+    q, k, v, fmt, walk, table, seqlens, items, spans, part_out, part_lse, part_flag, scale,
+    variants, tile_keys, gemm_fn,
 ):  # fmt: skip
     """Partial attention of each item's queries over its key chunk.
 
@@ -174,7 +240,10 @@ def decode_kernel(
         table: ``(B, pages)`` int64 block table (see the module docstring).
         seqlens: ``(B,)`` int64 valid keys per sequence; query ``i`` of
             sequence ``b`` sits at position ``seqlens[b] - Tq + i``.
-        items: ``(N, 5)`` int64 rows ``(b, kv head, j_lo, j_hi, slot)``.
+        items: ``(N, 5)`` int64 rows ``(b, kv head, j_lo, j_hi, slot)``; with
+            :class:`.cache_rows.HeadsWalk` an item stands for every kv head
+            from its own on, head ``hk + u`` writing slot ``slot + u * count``.
+        spans: ``(B * Hkv, 2)`` int64 ``(first slot, count)`` per ``(b, kv head)``.
         part_out: ``(slots, group * Tq, dv)``, part_lse: ``(slots, group * Tq)``
             (natural log), in the work dtype (float32 for bf16 products),
             written at each item's slot; a chunk whose keys
@@ -188,9 +257,10 @@ def decode_kernel(
             of the dtype.
     """
     tq, d = q.shape[2], q.shape[3]
-    page, dv = k.shape[2], v.shape[3]
-    group = q.shape[1] // k.shape[1]
+    page, dv, hkv = k.shape[2], v.shape[3], k.shape[1]
+    group = q.shape[1] // hkv
     rows = group * tq
+    heads = walk_heads(walk, hkv)  # kv heads per item
     work = part_lse.dtype  # the state's dtype: float32 for bf16 operands
     # One row per item (MHA, one query) is a pure stream that the hardware
     # prefetcher keeps up with: prefetching the next tile at once stalls on
@@ -207,27 +277,35 @@ def decode_kernel(
     q_mult, s_mult = split_scale(q, part_lse, scale * LOG2E)
     for n in prange(items.shape[0]):
         wide_vectors()  # the prange body is a function of its own
-        b, hk, j_lo, j_hi, slot = items[n, 0], items[n, 1], items[n, 2], items[n, 3], items[n, 4]
+        b, hk0, j_lo, j_hi, slot = items[n, 0], items[n, 1], items[n, 2], items[n, 3], items[n, 4]
+        count = spans[b * hkv + hk0, 1]  # slots from one head's partial to the next's
         length = seqlens[b]
         table_row = table[b]
-        # Every query of the sequence in one tile: i0 = 0, br = Tq.
-        tile = QueryTile(b, hk * group, tq, 0, tq, length, length, 0, 0)
-        q_tile = np.empty((rows, d), dtype=q.dtype)
-        load_q_tile(q, tile, group, 0, q_mult, q_tile)
-        acc, m, ell, alpha, s_buf = item_buffers(rows, dv, floats, work)
+        q_tiles = np.empty((heads, rows, d), dtype=q.dtype)
+        for u in range(heads):
+            load_q_tile(q, head_tile(b, hk0 + u, group, tq, length), group, 0, q_mult, q_tiles[u])
+        acc, m, ell, alpha, s_buf = item_buffers(rows * heads, dv, floats, work)
+        acc, m, ell = (
+            acc.reshape((heads, rows, dv)),
+            m.reshape((heads, rows)),
+            ell.reshape((heads, rows)),
+        )
         p_buf = prob_buffer(q, rows * tile_keys, s_buf)  # bf16: P rounded for the value product
         # Gathered tiles in the operands' dtype (bf16 bits for bf16 products).
-        k_buf = np.empty((scratch, d), dtype=q.dtype)
-        v_buf = np.empty((scratch, dv), dtype=q.dtype)
+        k_buf = np.empty((heads, scratch, d), dtype=q.dtype)
+        v_buf = np.empty((heads, scratch, dv), dtype=q.dtype)
         segs = one_segment()  # no boolean mask in decoding
 
-        lo, hi = tile_key_range(tile, variants)
+        lo, hi = tile_key_range(head_tile(b, hk0, group, tq, length), variants)  # every head's
         lo, hi = max(lo, j_lo), min(hi, j_hi)
-        rest = (
-            q_tile, k_flat, v_flat, fmt, table_row, k.shape[1], hk, page, tile_keys, s_buf, m,
-            ell, alpha, acc, segs, tile, variants, part_flag[n : n + 1],
-        )  # fmt: skip
-        j0 = walk_rows(walk, lo, hi, rest)  # hi when it read the rows: no tiles left
+        j0 = lo
+        for u in range(heads):  # the row walk (heads = 1)
+            rest = (
+                q_tiles[u], k_flat, v_flat, fmt, table_row, hkv, hk0 + u, page, tile_keys,
+                s_buf, m[u], ell[u], alpha[:rows], acc[u], segs,
+                head_tile(b, hk0 + u, group, tq, length), variants, part_flag[n : n + 1],
+            )  # fmt: skip
+            j0 = walk_rows(walk, lo, hi, rest)  # hi when it read the rows: no tiles left
         while j0 < hi:
             j1 = min(j0 + tile_keys, hi)
             if page >= tile_keys:
@@ -237,19 +315,27 @@ def decode_kernel(
                 # gathered instead; a whole tile ahead measured slower there.)
                 j1 = min(j1, j0 - j0 % page + page)
                 if prefetch_ahead:
-                    prefetch_keys(k, v, table_row, hk, page, j1, min(j1 + tile_keys, hi))
-            k_tile = load_tile(k, fmt, table_row, hk, page, j0, j1, k_buf, hi)
-            v_tile = load_tile(v, fmt, table_row, hk, page, j0, j1, v_buf, hi)
+                    prefetch_keys(k, v, table_row, hk0, page, j1, min(j1 + tile_keys, hi))
+            gather_tile(walk, k, fmt, table_row, page, j0, j1, k_buf)
+            gather_tile(walk, v, fmt, table_row, page, j0, j1, v_buf)
             s = s_buf[: rows * (j1 - j0)].reshape((rows, j1 - j0))
-            full = tile_sees_all(tile, j0, j1, variants)
             segs[0, SEG_KEY], segs[0, SEG_LENGTH] = j0, j1 - j0
-            fold_key_tile(
-                gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, variants,
-                full, 0, 0, k_buf[:0], v_buf[:0], p_buf, s_mult, part_flag[n : n + 1],
-            )  # fmt: skip
+            for u in range(heads):
+                tile = head_tile(b, hk0 + u, group, tq, length)
+                k_tile = walk_tile(walk, k, fmt, table_row, hk0 + u, u, page, j0, j1, k_buf, hi)
+                v_tile = walk_tile(walk, v, fmt, table_row, hk0 + u, u, page, j0, j1, v_buf, hi)
+                full = tile_sees_all(tile, j0, j1, variants)
+                fold_key_tile(
+                    gemm_fn, q_tiles[u], k_tile, v_tile, s, m[u], ell[u], alpha[:rows], acc[u],
+                    segs, tile, variants, full, 0, 0, k_buf[0, :0], v_buf[0, :0], p_buf,
+                    s_mult, part_flag[n : n + 1],
+                )  # fmt: skip
             j0 = j1
-        out_heads = part_out[slot].reshape((group, tq, dv))
-        finish_rows(acc, m, ell, out_heads, part_lse[slot].reshape((group, tq)), 0, 0, tq, 1.0)
+        for u in range(heads):
+            at = slot + u * count
+            out_heads = part_out[at].reshape((group, tq, dv))
+            lse_heads = part_lse[at].reshape((group, tq))
+            finish_rows(acc[u], m[u], ell[u], out_heads, lse_heads, 0, 0, tq, 1.0)
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -274,13 +360,13 @@ def decode_call(
     batch, hq, tq = q.shape[0], q.shape[1], q.shape[2]
     dv = v.shape[3]
     rows = (hq // k.shape[1]) * tq
-    slots = items.shape[0]
+    slots = spans[-1, 0] + spans[-1, 1] if spans.shape[0] > 0 else 0
     part_out = work_empty((slots, rows, dv), q)
     part_lse = work_empty((slots, rows), q)
-    part_flag = np.zeros(slots if check_raw else 0, dtype=np.uint8)
+    part_flag = np.zeros(items.shape[0] if check_raw else 0, dtype=np.uint8)
     decode_kernel(
-        q, k, v, fmt, walk, table, seqlens, items, part_out, part_lse, part_flag, scale, variants,
-        tile_keys, gemm_fn,
+        q, k, v, fmt, walk, table, seqlens, items, spans, part_out, part_lse, part_flag, scale,
+        variants, tile_keys, gemm_fn,
     )  # fmt: skip
     out = work_empty((batch, hq, tq, dv), q)
     lse = work_empty((batch, hq, tq), q)

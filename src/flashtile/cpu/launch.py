@@ -162,7 +162,7 @@ def run_decode(plan) -> tuple[np.ndarray, np.ndarray, bool, bool]:
     # Numba has no 16-bit floats: the kernel widens the bit patterns itself
     # (or, for bf16 products, multiplies them as they are).
     k, v, fmt = kernels.cache_operands(layout.k, layout.v)
-    walk = kernels.walk_flag(plan.row_walk)
+    walk = kernels.walk_flag(plan.walk)
     gemm_fn = kernels.gemm_for(q.dtype, rows=rows)
     # Raw-score reports (precision.py) matter only for float32 work.
     check_raw = COMPUTE_DTYPES[q.dtype] == np.float32

@@ -1,0 +1,327 @@
+"""CPU-dependent routes: chosen by measurement once per machine, kept in a small cache.
+
+A *route* is a choice between ways of computing the same result whose
+ranking depends on the CPU: which BLAS runs the tile products, how a decode
+step walks its cache. Measured on this project's machines, the rankings
+flip between CPU classes (a decode step of 4 query rows per kv head ran 3x
+faster reading the cache rows in place than through BLAS tiles on an AVX2
+AMD EPYC; on an Intel Xeon with AMX the same loops were no faster), so no
+fixed rule is right everywhere.
+
+Each route (:data:`ROUTES`) has candidates, a *fixed rule* (the choice the
+code makes with nothing measured: the one measured best on the machines
+the rule was written on), an environment variable that forces a candidate,
+and a measurement registered by :mod:`flashtile.tune` that times every
+candidate on a short representative problem, side by side.
+
+:func:`choice` resolves a route, first match wins:
+
+1. the route's environment variable (``FLASHTILE_BLAS``, ``FLASHTILE_DECODE_WALK``);
+2. :func:`force` in this process (the measurement itself, tests);
+3. this process's earlier answer, or the cache file's entry for this machine;
+4. a measurement now, on first use (stored for later processes), unless
+   ``FLASHTILE_TUNE=0``;
+5. the fixed rule.
+
+The cache is ``routes.json`` in ``FLASHTILE_CACHE_DIR``, else
+``$XDG_CACHE_HOME/flashtile``, else ``~/.cache/flashtile``, keyed by
+:func:`machine_key`: the CPU model and its vector features, the kernel
+threads, and the versions of flashtile and the libraries whose code runs
+the candidates. A missing, unreadable or corrupt cache (or one written for
+another machine) never fails a call: the route is measured again, or
+falls back to the fixed rule. ``flashtile tune`` measures every route;
+``flashtile precompile`` does too, after compiling; ``flashtile bench``
+prints the routes in force and why (:func:`report`).
+
+This module imports nothing of flashtile's kernels: the measurements are
+registered from above (:func:`register`), so the planners can ask for a
+route without an import cycle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import numba
+
+#: The file that keeps the measured choices, in :func:`cache_dir`.
+CACHE_FILE = "routes.json"
+#: Bump when a route's candidates or measurement change meaning: older
+#: entries are then ignored.
+FORMAT = 1
+#: Libraries whose code runs the candidates (their versions key the cache).
+LIBRARIES = ("flashtile", "numba", "llvmlite", "numpy", "scipy", "mkl")
+#: /proc/cpuinfo flags that change which code the compilers and BLAS emit.
+CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
+
+
+@dataclass(frozen=True)
+class Route:
+    """One CPU-dependent choice.
+
+    Attributes:
+        name: the key in the cache and in :func:`report`.
+        candidates: the choices, in the order they are measured.
+        fixed: the fixed rule's choice (one of ``candidates``).
+        env: the environment variable that forces a candidate.
+        doc: what the route decides, one line.
+    """
+
+    name: str
+    candidates: tuple[str, ...]
+    fixed: str
+    env: str
+    doc: str
+
+
+#: How decode items walk a cache (:func:`flashtile.workitems.decode_walk`),
+#: per cache layout and rows per item.
+_WALK = "FLASHTILE_DECODE_WALK"
+_DECODE = (
+    Route("decode.contiguous.one", ("tiles", "rows"), "tiles", _WALK,
+          "one query row per item, contiguous cache or pages of a tile or more"),
+    Route("decode.contiguous.several", ("tiles", "rows"), "tiles", _WALK,
+          "2-16 query rows per item (GQA), contiguous cache or large pages"),
+    Route("decode.paged.one", ("tiles", "rows"), "rows", _WALK,
+          "one query row per item, pages smaller than a tile"),
+    Route("decode.paged.several", ("tiles", "rows"), "tiles", _WALK,
+          "2-16 query rows per item, pages smaller than a tile"),
+    Route("decode.tokens.one", ("heads", "rows", "tiles"), "heads", _WALK,
+          "one query row per item, one-token pages of several kv heads (flash-attn's cache)"),
+    Route("decode.tokens.several", ("heads", "rows", "tiles"), "heads", _WALK,
+          "2-16 query rows per item, one-token pages of several kv heads"),
+)  # fmt: skip
+_BLAS = Route(
+    "blas", ("mkl", "openblas"), "mkl", "FLASHTILE_BLAS",
+    "the library of the forward's and backward's tile products (float32)",
+)  # fmt: skip
+ROUTES: dict[str, Route] = {route.name: route for route in (_BLAS, *_DECODE)}
+
+#: A measurement: ``measure(route, candidates) -> {candidate: seconds}``.
+Measure = Callable[[Route, tuple[str, ...]], dict[str, float]]
+
+_lock = threading.RLock()
+_measures: dict[str, Measure] = {}
+_available: dict[str, Callable[[], tuple[str, ...]]] = {}
+_forced: dict[str, str] = {}
+_chosen: dict[str, tuple[str, str]] = {}  # name -> (choice, why), this process's answers
+_measuring: set[str] = set()
+
+
+def register(name: str, measure: Measure) -> None:
+    """Register route ``name``'s measurement (:mod:`flashtile.tune` does)."""
+    _measures[name] = measure
+
+
+def limit(name: str, available: Callable[[], tuple[str, ...]]) -> None:
+    """Register which of route ``name``'s candidates this process can run
+    (``available()``: e.g. no ``"mkl"`` without oneMKL)."""
+    _available[name] = available
+
+
+def candidates(name: str) -> tuple[str, ...]:
+    """Route ``name``'s candidates that can run in this process."""
+    route = ROUTES[name]
+    usable = _available.get(name)
+    return route.candidates if usable is None else usable()
+
+
+def _fixed(route: Route) -> str:
+    usable = candidates(route.name)
+    return route.fixed if route.fixed in usable or not usable else usable[0]
+
+
+def _env_choice(route: Route) -> str | None:
+    value = os.environ.get(route.env, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in route.candidates:
+        raise ValueError(
+            f"{route.env}={value!r} is not one of {route.candidates} (or 'auto', which "
+            f"lets the measured route choose): unset it or pick one of those"
+        )
+    return value
+
+
+def choice(name: str) -> str:
+    """Route ``name``'s choice in force (the module docstring gives the order)."""
+    answer = _chosen.get(name)  # a planner asks on every call: the common case first
+    if answer is not None and not _forced and not os.environ.get(ROUTES[name].env):
+        return answer[0]
+    return explain(name)[0]
+
+
+def explain(name: str) -> tuple[str, str]:
+    """``(choice, why)`` of route ``name``; ``why`` says which rule chose."""
+    route = ROUTES[name]
+    forced = _env_choice(route)
+    if forced is not None:
+        return forced, f"forced by {route.env}"
+    with _lock:
+        if name in _forced:
+            return _forced[name], "forced in this process"
+        if name in _chosen:
+            return _chosen[name]
+        entry = _read_cache().get(name)
+        usable = candidates(name)
+        if isinstance(entry, dict) and entry.get("choice") in usable:
+            answer = (entry["choice"], f"measured ({_times_text(entry.get('times'))})")
+        elif name in _measures and name not in _measuring and _lazy_tuning():
+            answer = _measure_and_store(route)
+        else:
+            answer = (_fixed(route), "fixed rule (not measured)")
+        _chosen[name] = answer
+        return answer
+
+
+def _lazy_tuning() -> bool:
+    return os.environ.get("FLASHTILE_TUNE", "1").strip().lower() not in ("0", "off", "no")
+
+
+def tune(names: list[str] | None = None) -> dict[str, dict]:
+    """Measure routes ``names`` (all registered ones when None) now, store the
+    results and use them in this process; returns each route's cache entry."""
+    results = {}
+    with _lock:
+        for name in names if names is not None else list(_measures):
+            _chosen.pop(name, None)
+            _chosen[name] = _measure_and_store(ROUTES[name])
+            results[name] = _read_cache().get(name, {})
+    return results
+
+
+def _measure_and_store(route: Route) -> tuple[str, str]:
+    """Time ``route``'s candidates (its registered measurement) and store the
+    fastest; the fixed rule when it cannot be measured here."""
+    usable = candidates(route.name)
+    if len(usable) < 2:
+        return _fixed(route), "fixed rule (one candidate on this machine)"
+    _measuring.add(route.name)
+    try:
+        times = _measures[route.name](route, usable)
+    finally:
+        _measuring.discard(route.name)
+    best = min(times, key=times.get)
+    _write_entry(route.name, {"choice": best, "times": times})
+    return best, f"measured now ({_times_text(times)})"
+
+
+def _times_text(times) -> str:
+    if not isinstance(times, dict):
+        return "no times kept"
+    return ", ".join(f"{c} {t * 1e3:.2f} ms" for c, t in times.items())
+
+
+@contextlib.contextmanager
+def force(name: str, value: str | None) -> Iterator[None]:
+    """Within the block, route ``name`` takes ``value`` (None: no forcing);
+    the environment variable still wins. For the measurement and tests."""
+    if value is not None and value not in ROUTES[name].candidates:
+        raise ValueError(f"route {name!r} has no candidate {value!r}: {ROUTES[name].candidates}")
+    with _lock:
+        before = _forced.get(name)
+        if value is None:
+            _forced.pop(name, None)
+        else:
+            _forced[name] = value
+    try:
+        yield
+    finally:
+        with _lock:
+            if before is None:
+                _forced.pop(name, None)
+            else:
+                _forced[name] = before
+
+
+def forget() -> None:
+    """Drop this process's answers (the next :func:`choice` reads the cache again)."""
+    with _lock:
+        _chosen.clear()
+
+
+def report() -> list[tuple[str, str, str, str]]:
+    """``(route, choice, why, what it decides)`` for every route, as in force now."""
+    return [(name, *explain(name), route.doc) for name, route in ROUTES.items()]
+
+
+def cache_dir() -> Path:
+    """Where ``routes.json`` lives (see the module docstring)."""
+    if os.environ.get("FLASHTILE_CACHE_DIR"):
+        return Path(os.environ["FLASHTILE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "flashtile"
+
+
+def cpu_model() -> tuple[str, list[str]]:
+    """``(model name, features of CPU_FEATURES present)`` from /proc/cpuinfo."""
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return model, flags
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and value.strip():
+            model = value.strip()
+        elif key == "flags":
+            present = set(value.split())
+            return model, [f for f in CPU_FEATURES if f in present]
+    return model, flags
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "-"
+
+
+def machine_key() -> str:
+    """The cache key of this machine and software: measurements made under
+    another key are not used."""
+    model, flags = cpu_model()
+    versions = ",".join(f"{lib}={_version(lib)}" for lib in LIBRARIES)
+    threads = numba.config.NUMBA_NUM_THREADS  # the kernels' pool
+    return f"v{FORMAT}|{model}|{'+'.join(flags)}|threads={threads}|{versions}"
+
+
+def _read_all() -> dict:
+    try:
+        data = json.loads((cache_dir() / CACHE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _read_cache() -> dict:
+    entry = _read_all().get(machine_key())
+    return entry if isinstance(entry, dict) else {}
+
+
+def _write_entry(name: str, entry: dict) -> None:
+    """Store route ``name``'s entry for this machine, atomically (a rename), and
+    quietly give up when the directory cannot be written (read-only homes)."""
+    directory = cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        data = _read_all()
+        key = machine_key()
+        mine = data.get(key) if isinstance(data.get(key), dict) else {}
+        data[key] = {**mine, name: entry}
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".routes-", suffix=".json")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=1, sort_keys=True)
+        os.replace(tmp, directory / CACHE_FILE)
+    except OSError:
+        pass

@@ -1,0 +1,144 @@
+"""``flashtile tune``: measure the CPU-dependent routes on this machine.
+
+The measurements of :mod:`flashtile.routes`: each times every candidate of
+one route on a short representative problem, side by side in interleaved
+rounds (:func:`flashtile.bench.timing.interleaved_times`, medians), with the
+candidate forced. Importing this module registers them, so a route that is
+asked for with nothing stored is measured on first use.
+
+- ``blas``: the forward and backward of ``(1, 8, 1024, 64)`` float32, causal,
+  with each BLAS library.
+- ``decode.<layout>.<rows>``: one decode step against 8192 cached keys, 8 kv
+  heads, d 128, float32 (64 MiB of keys and values, more than most L2 and
+  L3 caches hold per core), one query row per item (8 query heads) or four
+  (32 query heads), the cache contiguous, in shuffled 16-key pages, or in
+  one-token pages (flash-attn's layout) -- one buffer viewed three ways.
+
+A whole ``flashtile tune`` takes a few seconds once the kernels are compiled
+(``flashtile precompile`` compiles them, then tunes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from statistics import median
+
+import numpy as np
+
+from . import routes
+from .api import attention, attention_backward
+from .bench.timing import interleaved_times
+from .decode import decode_attention
+
+#: Interleaved rounds per measurement (medians of these).
+ROUNDS = 5
+#: The decode measurements' cache: kv heads, keys, head dim.
+DECODE_SHAPE = (8, 8192, 128)
+#: Query rows per item of the decode measurements' "several" class (GQA 32/8).
+SEVERAL_ROWS = 4
+#: Keys per page of the decode measurements' "paged" layout.
+PAGE = 16
+
+
+def _timed(calls: dict) -> dict[str, float]:
+    """Median seconds of each warmed-up call over ROUNDS interleaved rounds."""
+    for call in calls.values():
+        call()
+    return {name: median(t) for name, t in interleaved_times(calls, ROUNDS).items()}
+
+
+def measure_blas(route: routes.Route, candidates: tuple[str, ...]) -> dict[str, float]:
+    """Forward + backward of ``(1, 8, 1024, 64)`` float32 causal with each library."""
+    from .cpu import blas  # SciPy's BLAS and the MKL probe: loaded on first use, as the kernels
+
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((1, 8, 1024, 64), dtype=np.float32) for _ in range(4))
+
+    def step(library: str) -> None:
+        blas.set_backend(library)
+        out, lse = attention(q, k, v, causal=True, return_lse=True)
+        attention_backward(q, k, v, out, lse, dout, causal=True)
+
+    try:
+        return _timed({c: functools.partial(step, c) for c in candidates})
+    finally:
+        blas.reset_backend()  # resolved again, by the route this measured
+
+
+@functools.cache
+def _decode_buffers() -> tuple[np.ndarray, np.ndarray]:
+    """The decode measurements' keys and values, ``(keys * heads * d,)`` each."""
+    heads, keys, d = DECODE_SHAPE
+    rng = np.random.default_rng(1)
+    return tuple(rng.standard_normal(keys * heads * d, dtype=np.float32) for _ in range(2))
+
+
+def _decode_problem(layout: str, rows: int):
+    """``(q, k, v, block_table, cache_seqlens)`` of one decode step on the
+    measurements' buffers viewed in ``layout``."""
+    heads, keys, d = DECODE_SHAPE
+    k, v = _decode_buffers()
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, heads * rows, 1, d), dtype=np.float32)
+    if layout == "contiguous":
+        shape, table = (1, heads, keys, d), np.zeros((1, 1), dtype=np.int64)
+    elif layout == "paged":
+        shape, table = (keys // PAGE, heads, PAGE, d), rng.permutation(keys // PAGE)[None]
+    else:  # one-token pages: (keys, heads, d) token-major
+        shape, table = (keys, heads, 1, d), np.arange(keys)[None]
+    return q, k.reshape(shape), v.reshape(shape), table, np.array([keys])
+
+
+def measure_decode(route: routes.Route, candidates: tuple[str, ...]) -> dict[str, float]:
+    """One decode step per candidate walk, on the route's layout and rows class."""
+    _, layout, rows_class = route.name.split(".")
+    q, k, v, table, lengths = _decode_problem(layout, 1 if rows_class == "one" else SEVERAL_ROWS)
+
+    def step(walk: str) -> None:
+        with routes.force(route.name, walk):
+            decode_attention(q, k, v, cache_seqlens=lengths, block_table=table)
+
+    return _timed({c: functools.partial(step, c) for c in candidates})
+
+
+routes.register("blas", measure_blas)
+for _name in routes.ROUTES:
+    if _name.startswith("decode."):
+        routes.register(_name, measure_decode)
+
+
+def print_routes(out=print) -> None:
+    """One line per route: its choice in force, why, and what it decides
+    (a route not measured yet is measured now, as a first call would)."""
+    from .cpu import blas  # which libraries this process can load
+
+    blas.available()
+    for name, choice, why, doc in routes.report():
+        out(f"  {name:26s} {choice:9s} {why}  [{doc}]")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``flashtile tune``: measure every route (or ``--route``), store, print."""
+    started = time.perf_counter()
+    routes.tune(args.route or None)
+    print(f"routes for {routes.machine_key()}")
+    print(f"cache: {routes.cache_dir() / routes.CACHE_FILE}")
+    print_routes()
+    print(f"tuned in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    """Register ``flashtile tune``."""
+    parser = subparsers.add_parser(
+        "tune",
+        help="measure the CPU-dependent routes on this machine and keep the fastest",
+        description=__doc__.split("\n\n")[0],
+    )
+    parser.add_argument(
+        "--route", action="append", choices=sorted(routes.ROUTES),
+        help="measure only this route (repeatable); default: all",
+    )  # fmt: skip
+    parser.set_defaults(func=run)
