@@ -40,10 +40,10 @@ import torch
 
 import flashtile
 import flashtile.torch as ftt
-from flashtile.bench.machine import _cpuinfo
 from flashtile.bench.timing import interleaved_times
 from flashtile.cpu.launch import numba_threads
 from flashtile.flash_attn import flash_attn_func, flash_attn_with_kvcache
+from flashtile.routes import cpu_model
 from flashtile.torch.arrays import as_numpy
 
 
@@ -122,7 +122,7 @@ def _report(title: str, medians: dict[str, float], subject: str) -> None:
 
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 9
-    model, flags = _cpuinfo()
+    model, flags = cpu_model()
     print(f"CPU: {model} ({os.cpu_count()} logical cores; {' '.join(flags)})")
     print(f"Numba threads {numba_threads()}, torch threads {torch.get_num_threads()}, "
           f"{rounds} interleaved rounds, medians")  # fmt: skip

@@ -32,3 +32,19 @@ if _TESTS_DIR not in sys.path:
 def rng() -> np.random.Generator:
     """A fresh, seeded generator per test, so every test is reproducible."""
     return np.random.default_rng(20240526)
+
+
+@pytest.fixture
+def fixed_walks():
+    """Decode walks by the fixed rules (:mod:`flashtile.routes`), whatever was
+    measured on this machine: for tests about one walk's behaviour (each
+    walk against the oracle on every layout is tests/test_routes.py's)."""
+    import contextlib
+
+    from flashtile import routes
+
+    with contextlib.ExitStack() as stack:
+        for name, route in routes.ROUTES.items():
+            if name.startswith("decode."):
+                stack.enter_context(routes.force(name, route.fixed))
+        yield

@@ -12,13 +12,14 @@ import pytest
 
 import flashtile
 from dense import dense_attention, dense_variant_attention
-from flashtile.cpu.cache_rows import RowWalk, TileWalk, walk_flag
+from flashtile import routes
+from flashtile.cpu.cache_rows import HeadsWalk, RowWalk, TileWalk, walk_flag
 from flashtile.cpu.decode import copy_row
 from flashtile.cpu.memory import Float16Bits
 from flashtile.decode_planning import plan_decode
 from flashtile.kvlayout import check_cache, decode_variants
 from flashtile.reference import decode_attention as reference_decode
-from flashtile.workitems import decode_tile, plan_splits, row_walk
+from flashtile.workitems import decode_tile, decode_walk, plan_splits
 
 TOL32 = dict(rtol=2e-5, atol=2e-5)
 
@@ -158,10 +159,11 @@ def test_large_logits_and_late_maxima(rng):
 
 @pytest.mark.parametrize("variants", VARIANTS, ids=lambda v: "-".join(v) or "plain")
 @pytest.mark.parametrize("page", [None, 1, 7, 300])
-def test_single_row_items_read_the_cache_in_place(rng, variants, page):
-    # One query row per kv head (MHA, Tq = 1): pages smaller than a tile (1,
-    # 7) take the row-wise path (cpu/cache_rows.py), rows read where they
-    # lie; 300-key pages stay on BLAS, and so does the contiguous float32
+def test_single_row_items_read_the_cache_in_place(rng, variants, page, fixed_walks):
+    # One query row per kv head (MHA, Tq = 1), by the fixed rules: pages
+    # smaller than a tile (7) take the row-wise path (cpu/cache_rows.py),
+    # rows read where they lie; one-token pages gather all heads' rows at
+    # once (the heads walk); 300-key pages stay on BLAS, and so does the contiguous float32
     # cache, in tiles of 1024 keys (workitems.decode_tile). An odd head dim
     # leaves the rows unaligned.
     q, k, v = _problem(rng, hq=6, hkv=6, tq=1, d=13, dv=11, t_max=1300)
@@ -175,27 +177,44 @@ def test_single_row_items_read_the_cache_in_place(rng, variants, page):
     np.testing.assert_allclose(lse, want_lse, **TOL32)
 
 
-def test_the_row_walk_is_for_single_float32_rows_in_small_pages(rng):
-    # (rows, page, pages per sequence, tile keys) -> whether rows are read in place
-    assert row_walk(1, 16, 8, 256)
-    assert not row_walk(1, 16, 1, 256)  # one page: contiguous
-    assert not row_walk(1, 256, 8, 256)  # pages as large as a tile
-    assert not row_walk(2, 16, 8, 256)  # several rows: BLAS
-    # Tile lengths: one-row items in long pages take longer tiles.
+def test_the_walk_is_the_route_of_the_layout_and_rows_class(rng):
+    # (rows, page, pages per sequence, kv heads, tile keys) -> the route asked
+    cases = {
+        (1, 16, 8, 2, 256): "decode.paged.one",
+        (4, 16, 8, 2, 256): "decode.paged.several",
+        (1, 16, 1, 2, 256): "decode.contiguous.one",  # one page: contiguous
+        (4, 256, 8, 2, 256): "decode.contiguous.several",  # pages as large as a tile
+        (1, 1, 64, 8, 256): "decode.tokens.one",  # one-token pages of several heads
+        (16, 1, 64, 8, 256): "decode.tokens.several",
+        (1, 1, 64, 1, 256): "decode.paged.one",  # one head: plain small pages
+    }
+    for args, name in cases.items():
+        for walk in routes.ROUTES[name].candidates:
+            with routes.force(name, walk):
+                assert decode_walk(*args) == walk, (args, walk)
+    # More rows than the routes measure keep BLAS tiles (heads for one-token pages).
+    assert decode_walk(17, 16, 8, 2, 256) == "tiles"
+    assert decode_walk(17, 1, 64, 8, 256) == "heads"
+    # Tile lengths: one-row items in long pages take longer tiles; the heads
+    # walk's tiles hold every head's rows in HEADS_TILE_BYTES.
     assert decode_tile(1, 1300) == 1024 and decode_tile(4, 1300) == decode_tile(1, 300) == 256
-    # Planned: float32 work only (float64 keeps tiles); the flag types.
+    assert decode_tile(4, 1, "heads", 8 * 256 * 4) == 32
+    assert decode_tile(4, 1, "heads", 64) == 256 and decode_tile(4, 1, "heads", 1 << 20) == 16
+    # Planned: the row walk runs float32 work only (float64 keeps tiles); the flag types.
     q, k, v = _problem(rng, batch=1, hq=2, hkv=2, tq=1, d=4, t_max=64)
     kp, vp, table = _paged(rng, k, v, [64], 16)
-    for dtype, rows_in_place in ((np.float32, True), (np.float64, False)):
-        a = [x.astype(dtype) for x in (q, kp, vp)]
-        layout = check_cache(a[0], a[1], a[2], None, table)[1]
-        plan = plan_decode(a[0], layout, decode_variants(a[0], layout), 0.5, None)
-        assert plan.row_walk == rows_in_place
-    assert isinstance(walk_flag(True), RowWalk) and isinstance(walk_flag(False), TileWalk)
+    with routes.force("decode.paged.one", "rows"):
+        for dtype, walk in ((np.float32, "rows"), (np.float64, "tiles")):
+            a = [x.astype(dtype) for x in (q, kp, vp)]
+            layout = check_cache(a[0], a[1], a[2], None, table)[1]
+            plan = plan_decode(a[0], layout, decode_variants(a[0], layout), 0.5, None)
+            assert plan.walk == walk
+    assert isinstance(walk_flag("rows"), RowWalk) and isinstance(walk_flag("tiles"), TileWalk)
+    assert isinstance(walk_flag("heads"), HeadsWalk)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])  # (float32: the test above)
-def test_single_row_items_widen_each_format(rng, dtype):
+def test_single_row_items_widen_each_format(rng, dtype, fixed_walks):
     dtype = np.dtype(dtype)  # ml_dtypes registers "bfloat16" with NumPy
     q, k, v = _problem(rng, batch=2, hq=3, hkv=3, tq=1, d=8, t_max=600)
     k, v = k.astype(dtype), v.astype(dtype)
@@ -207,7 +226,7 @@ def test_single_row_items_widen_each_format(rng, dtype):
     np.testing.assert_allclose(out, want, **TOL32)
 
 
-def test_single_row_late_maximum_rebases_from_the_kept_scores(rng):
+def test_single_row_late_maximum_rebases_from_the_kept_scores(rng, fixed_walks):
     # A score far above the first tile's: the row's reference is raised
     # from a copy of the tile's raw scores (there is no key tile to
     # recompute them from), here with softcap applied on the way.
@@ -379,7 +398,7 @@ def test_decode_argument_errors(rng):
 @pytest.mark.parametrize("num_splits", [1, 2, 7])
 @pytest.mark.parametrize("hkv", [1, 2], ids=["gqa", "row-wise"])
 def test_a_non_finite_score_gives_nan_like_attention_whatever_the_split(
-    rng, where, num_splits, hkv
+    rng, where, num_splits, hkv, fixed_walks
 ):
     # A corrupted cache row must not look like an empty sequence (zeros,
     # lse = -inf), and the split count must not change the answer.

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import flashtile.cpu.launch as launch
+from flashtile import routes
 from flashtile._validate import BFLOAT16
 from flashtile.cli import main
 from flashtile.planning import bf16_products
@@ -47,7 +48,7 @@ def test_each_task_reaches_its_kernel(monkeypatch):
     calls = _recorded_calls(monkeypatch)
     products = bf16_products(BFLOAT16)
     half = "uint16" if products else "float32"  # bf16 operands, or widened
-    routes = {}
+    kernels_of = {}
     for name, tag, function, arguments in TASKS:
         calls.clear()
         function(*arguments)
@@ -56,14 +57,14 @@ def test_each_task_reaches_its_kernel(monkeypatch):
             route = (kernel, str(types[0].dtype), str(types[1].dtype), str(types[3]), str(types[4]))
         else:
             route = (kernel, str(types[0].dtype))
-        routes[name] = (tag, *route)  # tag: the --dtype that selects the task
+        kernels_of[name] = (tag, *route)  # tag: the --dtype that selects the task
     f32, f64, bits, f16, bf16 = "float32", "float64", "uint16", "float16", "bfloat16"
     tiles = "TileWalk"
 
     def decode(tag, q, cache, fmt, walk):  # the decode kernel's queries, cache, flags
         return (tag, "decode_call", q, cache, f"{fmt}()", f"{walk}()")
 
-    assert routes == {
+    assert kernels_of == {
         "forward float64": (f64, "forward_call", f64),
         "forward float32": (f32, "forward_call", f32),
         "forward bfloat16": (bf16, "forward_call", half),
@@ -73,8 +74,9 @@ def test_each_task_reaches_its_kernel(monkeypatch):
         "backward bfloat16": (bf16, "backward_kernel", half),
         "backward float16": (f16, "backward_kernel", f32),
         "decode float32, 16-key pages": decode(f32, f32, f32, "FloatValues", "RowWalk"),
+        "decode float32, one-token pages": decode(f32, f32, f32, "FloatValues", "HeadsWalk"),
         "decode float16 cache, 16-key pages": decode(f16, f32, bits, "Float16Bits", "RowWalk"),
-        # bf16 queries in small pages keep the widening row walk (workitems.row_walk)
+        # bf16 queries read row by row are widened (decode_planning.decode_operands)
         "decode bfloat16, 16-key pages": decode(bf16, f32, bits, "BFloat16Bits", "RowWalk"),
         "decode float64": decode(f64, f64, f64, "FloatValues", "TileWalk"),
         "decode float32": decode(f32, f32, f32, "FloatValues", "TileWalk"),
@@ -85,12 +87,20 @@ def test_each_task_reaches_its_kernel(monkeypatch):
     assert {task[1] for task in TASKS} == set(DTYPES)
 
 
-def test_the_float32_tasks_from_the_command_line(capsys):
+def test_the_float32_tasks_from_the_command_line(capsys, monkeypatch):
+    tuned = []  # the routes are measured after compiling (not here: planted)
+    monkeypatch.setattr(routes, "tune", lambda names=None: tuned.append(names))
+    monkeypatch.setenv("FLASHTILE_TUNE", "0")  # the report: stored routes or the fixed rules
+    monkeypatch.setattr(routes, "_chosen", {})  # (this process's answers left as they were)
     assert main(["precompile", "--dtype", "float32", "--jobs", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     names = [name for name, dtype, *_ in TASKS if dtype == "float32"]
-    assert [line.split(":")[0] for line in lines[:-1]] == names
-    assert lines[-1].startswith(f"{len(names)} tasks in ")
+    assert [line.split(":")[0] for line in lines[: len(names)]] == names
+    assert lines[len(names)].startswith(f"{len(names)} tasks in ")
+    assert tuned == [None] and lines[len(names) + 1].startswith("routes measured in ")
+    assert main(["precompile", "--dtype", "float64", "--jobs", "1"]) == 0  # no float32: no tuning
+    assert main(["precompile", "--dtype", "float32", "--jobs", "1", "--no-tune"]) == 0
+    assert tuned == [None]
 
 
 def test_precompile_names_what_it_refuses():

@@ -40,6 +40,7 @@ import time
 
 import numpy as np
 
+from . import routes, tune
 from ._validate import BFLOAT16
 from .argtypes import positive_int
 
@@ -66,44 +67,61 @@ def _backward(dtype):
     flashtile.attention_backward(q, k, v, out, lse, np.ones_like(out), causal=True)
 
 
-def _decode(q_dtype, cache_dtype, paged):
-    """One decode step: GQA (2 query heads per kv head) against a contiguous
-    cache, or MHA against 16-key pages (the row walk, :mod:`flashtile.cpu.cache_rows`)."""
+def _decode(q_dtype, cache_dtype, layout):
+    """One decode step, its walk forced (:mod:`flashtile.routes`: the kernel
+    compiled is the same whatever was measured): GQA (2 query heads per kv
+    head) against a contiguous cache in BLAS tiles; MHA against 16-key pages
+    read row by row (:mod:`flashtile.cpu.cache_rows`); or GQA against
+    one-token pages of 2 kv heads, all heads at once (``"tokens"``)."""
     import flashtile
+    from flashtile import routes
 
-    if paged:  # one query row per item, pages smaller than a tile: rows read in place
+    if layout == "paged":  # one query row per item, pages smaller than a tile: rows read in place
         q = _array((1, 1, 1, 16), q_dtype)
         k, v = (_array((4, 1, 16, 16), cache_dtype, s) for s in (1, 2))
         extra = {"block_table": np.arange(4).reshape(1, 4), "cache_seqlens": np.array([64])}
+        route = ("decode.paged.one", "rows")
+    elif layout == "tokens":
+        q = _array((1, 4, 1, 16), q_dtype)
+        k, v = (_array((64, 2, 1, 16), cache_dtype, s) for s in (1, 2))
+        extra = {"block_table": np.arange(64).reshape(1, 64), "cache_seqlens": np.array([64])}
+        route = ("decode.tokens.several", "heads")
     else:
         q = _array((1, 2, 1, 16), q_dtype)
         k, v = (_array((1, 1, 64, 16), cache_dtype, s) for s in (1, 2))
-        extra = {}
-    flashtile.decode_attention(q, k, v, **extra)
+        extra = {"block_table": np.zeros((1, 1), dtype=np.int64), "cache_seqlens": np.array([64])}
+        route = ("decode.contiguous.several", "tiles")
+    with routes.force(*route):
+        flashtile.decode_attention(q, k, v, **extra)
 
 
 #: ``(name, dtype it is selected by, function, arguments)``, the slowest
 #: compilations first so that the processes finish about together. float16
 #: inputs run the forward and backward on the float32 kernels: their tasks
-#: compile those (nothing, after the float32 ones).
+#: compile those (nothing, after the float32 ones). Decoding's walks
+#: (:func:`flashtile.workitems.decode_walk`) are routes measured on the
+#: machine: every walk of float32 work is compiled (the measurement runs
+#: them all); the 16-bit caches' heads walk compiles on first use.
 TASKS = (
     ("forward float64", "float64", _forward, (np.float64,)),
     ("forward float32", "float32", _forward, (np.float32,)),
     ("forward bfloat16", "bfloat16", _forward, (BFLOAT16,)),
-    ("decode float32, 16-key pages", "float32", _decode, (np.float32, np.float32, True)),
-    ("decode float16 cache, 16-key pages", "float16", _decode, (np.float16, np.float16, True)),
-    ("decode bfloat16, 16-key pages", "bfloat16", _decode, (BFLOAT16, BFLOAT16, True)),
+    ("decode float32, 16-key pages", "float32", _decode, (np.float32, np.float32, "paged")),
+    ("decode float16 cache, 16-key pages", "float16", _decode, (np.float16, np.float16, "paged")),
+    ("decode bfloat16, 16-key pages", "bfloat16", _decode, (BFLOAT16, BFLOAT16, "paged")),
     ("backward float64", "float64", _backward, (np.float64,)),
     ("backward float32", "float32", _backward, (np.float32,)),
     ("backward bfloat16", "bfloat16", _backward, (BFLOAT16,)),
-    ("decode float64", "float64", _decode, (np.float64, np.float64, False)),
-    ("decode float32", "float32", _decode, (np.float32, np.float32, False)),
-    ("decode float16 cache", "float16", _decode, (np.float16, np.float16, False)),
-    ("decode float32 queries, bfloat16 cache", "bfloat16", _decode, (np.float32, BFLOAT16, False)),
-    ("decode bfloat16", "bfloat16", _decode, (BFLOAT16, BFLOAT16, False)),
+    ("decode float32, one-token pages", "float32", _decode, (np.float32, np.float32, "tokens")),
+    ("decode float64", "float64", _decode, (np.float64, np.float64, "contiguous")),
+    ("decode float32", "float32", _decode, (np.float32, np.float32, "contiguous")),
+    ("decode float16 cache", "float16", _decode, (np.float16, np.float16, "contiguous")),
+    ("decode float32 queries, bfloat16 cache", "bfloat16", _decode,
+     (np.float32, BFLOAT16, "contiguous")),
+    ("decode bfloat16", "bfloat16", _decode, (BFLOAT16, BFLOAT16, "contiguous")),
     ("forward float16", "float16", _forward, (np.float16,)),
     ("backward float16", "float16", _backward, (np.float16,)),
-)
+)  # fmt: skip
 
 
 def _run(index: int, worker: bool = False) -> float:
@@ -115,10 +133,26 @@ def _run(index: int, worker: bool = False) -> float:
     name, _, function, arguments = TASKS[index]
     start = time.perf_counter()
     try:
-        function(*arguments)
+        with _no_tuning():
+            function(*arguments)
     except Exception as error:
         raise RuntimeError(f"precompile: {name!r} failed: {error!r}") from error
     return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def _no_tuning():
+    """No route measured while compiling (beside other processes, or with
+    half the kernels still to compile): :func:`run_precompile` tunes after."""
+    before = os.environ.get("FLASHTILE_TUNE")
+    os.environ["FLASHTILE_TUNE"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("FLASHTILE_TUNE", None)
+        else:
+            os.environ["FLASHTILE_TUNE"] = before
 
 
 def lock_cache_saves() -> None:
@@ -265,6 +299,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--jobs", type=positive_int, default=os.cpu_count() or 1, help="processes (default: cores)"
     )
+    parser.add_argument(
+        "--no-tune", action="store_true",
+        help="do not measure the CPU-dependent routes afterwards (flashtile tune)",
+    )  # fmt: skip
     parser.set_defaults(func=run_precompile)
     return parser
 
@@ -272,6 +310,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run_precompile(args) -> int:
     lock_cache_saves()  # this process compiles too, with jobs 1
     start = time.perf_counter()
-    done = precompile(tuple(args.dtype or DTYPES), args.jobs)
+    dtypes = tuple(args.dtype or DTYPES)
+    done = precompile(dtypes, args.jobs)
     print(f"{len(done)} tasks in {time.perf_counter() - start:.1f} s; cache: {cache_directory()}")
+    if not args.no_tune and "float32" in dtypes:  # the measurements run float32 kernels
+        start = time.perf_counter()
+        routes.tune()
+        print(f"routes measured in {time.perf_counter() - start:.1f} s:")
+        tune.print_routes()
     return 0

@@ -141,15 +141,22 @@ def _fixed(route: Route) -> str:
 
 
 def _env_choice(route: Route) -> str | None:
+    """The candidate ``route``'s environment variable forces, or None. One
+    variable may serve several routes (the decode walks): a value that is a
+    candidate of none of them is an error; one that is a candidate of others
+    only leaves this route to its own rule."""
     value = os.environ.get(route.env, "").strip().lower()
     if value in ("", "auto"):
         return None
-    if value not in route.candidates:
+    if value in route.candidates:
+        return value
+    known = sorted({c for r in ROUTES.values() if r.env == route.env for c in r.candidates})
+    if value not in known:
         raise ValueError(
-            f"{route.env}={value!r} is not one of {route.candidates} (or 'auto', which "
-            f"lets the measured route choose): unset it or pick one of those"
+            f"{route.env}={value!r} is not one of {known} (or 'auto', which lets the "
+            f"measured route choose): unset it or pick one of those"
         )
-    return value
+    return None
 
 
 def choice(name: str) -> str:
@@ -218,7 +225,8 @@ def _measure_and_store(route: Route) -> tuple[str, str]:
 def _times_text(times) -> str:
     if not isinstance(times, dict):
         return "no times kept"
-    return ", ".join(f"{c} {t * 1e3:.2f} ms" for c, t in times.items())
+    ranked = sorted(times.items(), key=lambda item: item[1])  # fastest first
+    return ", ".join(f"{c} {t * 1e3:.2f} ms" for c, t in ranked)
 
 
 @contextlib.contextmanager

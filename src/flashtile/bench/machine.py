@@ -15,28 +15,9 @@ from importlib import metadata
 
 import numpy as np
 
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16")
+from .. import routes
+
 CEILING_N = 2048
-
-
-def _cpuinfo() -> tuple[str, list[str]]:
-    """(CPU model, ISA flags of interest present) from /proc/cpuinfo, if any."""
-    model, flags = platform.processor() or platform.machine(), []
-    try:
-        with open("/proc/cpuinfo") as fh:
-            text = fh.read()
-    except OSError:
-        return model, flags
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and value.strip():
-            model = value.strip()
-        elif key == "flags":
-            present = set(value.split())
-            flags = [f for f in ISA_FLAGS if f in present]
-            break  # every core reports the same flags
-    return model, flags
 
 
 def _version(dist: str) -> str | None:
@@ -61,7 +42,7 @@ def machine_info(torch_threads: int | None = None) -> dict:
     """
     from ..cpu import blas
 
-    model, flags = _cpuinfo()
+    model, flags = routes.cpu_model()
     kernel_blas = blas.backend()
     if kernel_blas == "mkl":
         kernel_blas += f" {_version('mkl')}"
@@ -78,6 +59,8 @@ def machine_info(torch_threads: int | None = None) -> dict:
         "numba": _version("numba"),
         "kernel_blas": kernel_blas,
         "bf16_path": blas.half_path(),
+        # The CPU-dependent routes in force, and why (flashtile.routes).
+        "routes": {name: f"{choice} ({why})" for name, choice, why, _ in routes.report()},
         "torch": _version("torch"),
         "torch_threads": torch_threads,
         "flashtile": _version("flashtile"),
@@ -105,7 +88,7 @@ def sgemm_gflops(n: int = CEILING_N, reps: int = 3) -> float:
 
 def header_lines(info: dict, ceiling: float | None) -> list[str]:
     """The machine header as printable lines."""
-    isa = " ".join(info["isa"]) or "none of " + "/".join(ISA_FLAGS)
+    isa = " ".join(info["isa"]) or "none of " + "/".join(routes.CPU_FEATURES)
     cores = f"{info['logical_cores']} logical"
     if info["usable_cores"] not in (None, info["logical_cores"]):
         cores += f", {info['usable_cores']} usable"
@@ -123,6 +106,8 @@ def header_lines(info: dict, ceiling: float | None) -> list[str]:
     ]
     if info.get("bf16_path"):  # absent in reports written before it was recorded
         lines.append(f"bfloat16: {info['bf16_path']}")
+    for name, chosen in info.get("routes", {}).items():  # absent in older reports
+        lines.append(f"route   : {name} = {chosen}")
     if ceiling is not None:
         lines.append(
             f"ceiling : NumPy sgemm {CEILING_N}^3 float32 = {ceiling:.0f} GFLOP/s (best of 3)"

@@ -164,6 +164,28 @@ def head_tile(b, hk, group, tq, length):
 
 
 @njit(fastmath=FASTMATH, cache=True)
+def item_queries(q, b, hk0, heads, group, length, q_mult):
+    """``(heads, group * Tq, d)``: the stacked, scaled queries
+    (:func:`.tiles.load_q_tile`) of kv heads ``hk0 .. hk0 + heads - 1`` of
+    sequence ``b``."""
+    tq = q.shape[2]
+    q_tiles = np.empty((heads, group * tq, q.shape[3]), dtype=q.dtype)
+    for u in range(heads):
+        load_q_tile(q, head_tile(b, hk0 + u, group, tq, length), group, 0, q_mult, q_tiles[u])
+    return q_tiles
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def heads_buffers(heads, rows, dv, scores, dtype):
+    """:func:`.tile_step.item_buffers` for ``heads`` kv heads' rows: ``(acc
+    (heads, rows, dv), m (heads, rows), ell (heads, rows), alpha (rows,),
+    s_buf)``, one allocation."""
+    acc, m, ell, alpha, s_buf = item_buffers(rows * heads, dv, scores, dtype)
+    acc3 = acc.reshape((heads, rows, dv))
+    return acc3, m.reshape((heads, rows)), ell.reshape((heads, rows)), alpha[:rows], s_buf
+
+
+@njit(fastmath=FASTMATH, cache=True)
 def gather_heads(src, fmt, table_row, page, j0, j1, buf):
     """``buf[h, t] =`` the row of key ``j0 + t`` of kv head ``h``, for every
     kv head and ``t < j1 - j0``, reading each page's ``(Hkv, run, width)``
@@ -281,15 +303,8 @@ def decode_kernel(
         count = spans[b * hkv + hk0, 1]  # slots from one head's partial to the next's
         length = seqlens[b]
         table_row = table[b]
-        q_tiles = np.empty((heads, rows, d), dtype=q.dtype)
-        for u in range(heads):
-            load_q_tile(q, head_tile(b, hk0 + u, group, tq, length), group, 0, q_mult, q_tiles[u])
-        acc, m, ell, alpha, s_buf = item_buffers(rows * heads, dv, floats, work)
-        acc, m, ell = (
-            acc.reshape((heads, rows, dv)),
-            m.reshape((heads, rows)),
-            ell.reshape((heads, rows)),
-        )
+        q_tiles = item_queries(q, b, hk0, heads, group, length, q_mult)
+        acc, m, ell, alpha, s_buf = heads_buffers(heads, rows, dv, floats, work)
         p_buf = prob_buffer(q, rows * tile_keys, s_buf)  # bf16: P rounded for the value product
         # Gathered tiles in the operands' dtype (bf16 bits for bf16 products).
         k_buf = np.empty((heads, scratch, d), dtype=q.dtype)
@@ -302,7 +317,7 @@ def decode_kernel(
         for u in range(heads):  # the row walk (heads = 1)
             rest = (
                 q_tiles[u], k_flat, v_flat, fmt, table_row, hkv, hk0 + u, page, tile_keys,
-                s_buf, m[u], ell[u], alpha[:rows], acc[u], segs,
+                s_buf, m[u], ell[u], alpha, acc[u], segs,
                 head_tile(b, hk0 + u, group, tq, length), variants, part_flag[n : n + 1],
             )  # fmt: skip
             j0 = walk_rows(walk, lo, hi, rest)  # hi when it read the rows: no tiles left
@@ -326,16 +341,15 @@ def decode_kernel(
                 v_tile = walk_tile(walk, v, fmt, table_row, hk0 + u, u, page, j0, j1, v_buf, hi)
                 full = tile_sees_all(tile, j0, j1, variants)
                 fold_key_tile(
-                    gemm_fn, q_tiles[u], k_tile, v_tile, s, m[u], ell[u], alpha[:rows], acc[u],
+                    gemm_fn, q_tiles[u], k_tile, v_tile, s, m[u], ell[u], alpha, acc[u],
                     segs, tile, variants, full, 0, 0, k_buf[0, :0], v_buf[0, :0], p_buf,
                     s_mult, part_flag[n : n + 1],
                 )  # fmt: skip
             j0 = j1
-        for u in range(heads):
-            at = slot + u * count
-            out_heads = part_out[at].reshape((group, tq, dv))
-            lse_heads = part_lse[at].reshape((group, tq))
-            finish_rows(acc[u], m[u], ell[u], out_heads, lse_heads, 0, 0, tq, 1.0)
+        for u in range(heads):  # head u's partial: `count` slots after head u - 1's
+            out_u = part_out[slot + u * count].reshape((group, tq, dv))
+            lse_u = part_lse[slot + u * count].reshape((group, tq))
+            finish_rows(acc[u], m[u], ell[u], out_u, lse_u, 0, 0, tq, 1.0)
 
 
 @njit(fastmath=FASTMATH, cache=True)

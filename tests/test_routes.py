@@ -1,0 +1,194 @@
+"""CPU-dependent routes (issue 32): every route forced in turn against the
+oracle, and the tuner's choice from planted measurements, cache and all."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import flashtile
+from flashtile import routes, tune
+from flashtile.cli import main
+from flashtile.cpu import blas
+from flashtile.reference import decode_attention as reference_decode
+
+TOL32 = dict(rtol=3e-5, atol=3e-5)
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """An empty routes cache of the test's own; this process's answers
+    forgotten before and after (other tests see the machine's routes again)."""
+    monkeypatch.setenv("FLASHTILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(routes, "_chosen", {})
+    return tmp_path / routes.CACHE_FILE
+
+
+def _layouts(rng, k, v, lengths):
+    """The same caches ``(B, Hkv, T, d)`` as a contiguous cache, in shuffled
+    16-key pages, and in one-token pages (flash-attn's token-major layout):
+    ``{name: (k, v, block_table)}``."""
+    batch, hkv, t, _ = k.shape
+    out = {"contiguous": (k, v, np.arange(batch)[:, None])}
+    per = -(-t // 16)
+    order = rng.permutation(batch * per)
+    pad = per * 16 - t
+    paged = []
+    for a in (k, v):
+        a = np.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0)))
+        pages = a.reshape(batch, hkv, per, 16, -1).transpose(0, 2, 1, 3, 4)
+        pool = np.empty_like(pages.reshape(batch * per, hkv, 16, -1))
+        pool[order] = pages.reshape(batch * per, hkv, 16, -1)
+        paged.append(pool)
+    out["paged"] = (*paged, order.reshape(batch, per))
+    tokens = [np.ascontiguousarray(a.transpose(0, 2, 1, 3)).reshape(batch * t, hkv, 1, -1)
+              for a in (k, v)]  # fmt: skip
+    out["tokens"] = (*tokens, np.arange(batch * t).reshape(batch, t))
+    return out
+
+
+VARIANTS = [{}, {"window": (40, 0)}, {"softcap": 5.0}, {"alibi": True}]
+
+
+@pytest.mark.parametrize("variants", VARIANTS, ids=["plain", "window", "softcap", "alibi"])
+@pytest.mark.parametrize("heads", [(6, 6, 1), (6, 2, 2)], ids=["one-row", "several-rows"])
+def test_every_decode_walk_on_every_layout_matches_the_reference(rng, variants, heads):
+    hq, hkv, tq = heads
+    batch, t, d = 2, 300, 12
+    q = rng.standard_normal((batch, hq, tq, d)).astype(np.float32)
+    k, v = (rng.standard_normal((batch, hkv, t, d)).astype(np.float32) for _ in range(2))
+    lengths = np.array([300, 157])
+    kw = dict(variants)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = rng.uniform(0.01, 0.3, hq)
+    want, want_lse = reference_decode(
+        *(a.astype(np.float64) for a in (q, k, v)), cache_seqlens=lengths, return_lse=True, **kw
+    )
+    rows = "one" if hq == hkv and tq == 1 else "several"
+    for layout, (kc, vc, table) in _layouts(rng, k, v, lengths).items():
+        name = f"decode.{layout}.{rows}"
+        for walk in routes.ROUTES[name].candidates:
+            with routes.force(name, walk):
+                out, lse = flashtile.decode_attention(
+                    q, kc, vc, cache_seqlens=lengths, block_table=table, num_splits=2,
+                    return_lse=True, **kw,
+                )  # fmt: skip
+            np.testing.assert_allclose(out, want, **TOL32, err_msg=f"{layout} {walk}")
+            np.testing.assert_allclose(lse, want_lse, **TOL32, err_msg=f"{layout} {walk}")
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16", np.float64])
+def test_the_walks_of_one_token_pages_in_other_dtypes(rng, dtype):
+    dtype = np.dtype(dtype)  # ml_dtypes registers "bfloat16" with NumPy
+    q = rng.standard_normal((1, 4, 2, 8)).astype(np.float32 if dtype.itemsize == 2 else dtype)
+    k, v = (rng.standard_normal((1, 2, 600, 8)).astype(dtype) for _ in range(2))
+    lengths = np.array([600])
+    want = reference_decode(*(a.astype(np.float64) for a in (q, k, v)), cache_seqlens=lengths)
+    kc, vc, table = _layouts(rng, k, v, lengths)["tokens"]
+    for walk in routes.ROUTES["decode.tokens.several"].candidates:
+        with routes.force("decode.tokens.several", walk):
+            out = flashtile.decode_attention(q, kc, vc, cache_seqlens=lengths, block_table=table)
+        tol = 1e-9 if dtype == np.float64 else 3e-5
+        np.testing.assert_allclose(out, want, rtol=tol, atol=tol, err_msg=walk)
+
+
+def test_the_fastest_planted_measurement_is_chosen_stored_and_read_back(store, monkeypatch):
+    name = "decode.paged.several"
+    seen = []
+
+    def planted(route, candidates):
+        seen.append((route.name, candidates))
+        return {"tiles": 2.0e-3, "rows": 1.0e-3}
+
+    monkeypatch.setitem(routes._measures, name, planted)
+    assert routes.explain(name) == ("rows", "measured now (rows 1.00 ms, tiles 2.00 ms)")
+    assert seen == [(name, ("tiles", "rows"))]
+    entry = json.loads(store.read_text())[routes.machine_key()][name]
+    assert entry == {"choice": "rows", "times": {"tiles": 2.0e-3, "rows": 1.0e-3}}
+    # A later process (this one's answers forgotten) reads it without measuring.
+    routes.forget()
+    assert routes.explain(name) == ("rows", "measured (rows 1.00 ms, tiles 2.00 ms)")
+    assert len(seen) == 1
+    # The environment variable wins; so does forcing, below it.
+    monkeypatch.setenv("FLASHTILE_DECODE_WALK", "tiles")
+    assert routes.explain(name) == ("tiles", "forced by FLASHTILE_DECODE_WALK")
+    monkeypatch.delenv("FLASHTILE_DECODE_WALK")
+    with routes.force(name, "tiles"):
+        assert routes.choice(name) == "tiles"
+    assert routes.choice(name) == "rows"
+
+
+def test_another_machines_measurements_are_not_used(store, monkeypatch):
+    name = "decode.contiguous.one"
+    other = {"v1|another CPU|avx512f|threads=2|": {name: {"choice": "rows", "times": {}}}}
+    store.write_text(json.dumps(other))
+    monkeypatch.setenv("FLASHTILE_TUNE", "0")
+    assert routes.explain(name) == ("tiles", "fixed rule (not measured)")
+
+
+@pytest.mark.parametrize(
+    "text", ["{not json", "[1, 2]", '{"KEY": 3}', '{"KEY": {"decode.paged.one": {"choice": "x"}}}']
+)
+def test_a_corrupt_cache_falls_back_to_the_fixed_rule(store, monkeypatch, text):
+    store.write_text(text.replace("KEY", routes.machine_key()))
+    monkeypatch.setenv("FLASHTILE_TUNE", "0")
+    assert routes.explain("decode.paged.one") == ("rows", "fixed rule (not measured)")
+
+
+def test_an_unwritable_cache_directory_never_fails_a_call(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("FLASHTILE_CACHE_DIR", str(blocker / "sub"))  # under a file: no mkdir
+    monkeypatch.setattr(routes, "_chosen", {})
+    monkeypatch.setitem(routes._measures, "decode.paged.one", lambda r, c: {"tiles": 2, "rows": 1})
+    assert routes.choice("decode.paged.one") == "rows"
+
+
+def test_forcing_names_what_it_accepts(monkeypatch):
+    with (
+        pytest.raises(ValueError, match="has no candidate 'heads'"),
+        routes.force("decode.paged.one", "heads"),
+    ):
+        pass
+    monkeypatch.setenv("FLASHTILE_DECODE_WALK", "diagonal")
+    with pytest.raises(ValueError, match=r"FLASHTILE_DECODE_WALK='diagonal' is not one of"):
+        routes.choice("decode.paged.one")
+    # A walk another layout has leaves this one to its route.
+    monkeypatch.setenv("FLASHTILE_DECODE_WALK", "heads")
+    assert routes.choice("decode.tokens.one") == "heads"
+    assert routes.choice("decode.paged.one") in ("tiles", "rows")
+
+
+def test_the_blas_route_resolves_auto(monkeypatch):
+    monkeypatch.delenv("FLASHTILE_BLAS", raising=False)
+    try:
+        with routes.force("blas", "openblas"):
+            assert blas.set_backend("auto") == "openblas"
+            blas.reset_backend()
+            assert blas.backend() == "openblas"
+        if "mkl" in blas.available():
+            with routes.force("blas", "mkl"):
+                assert blas.set_backend("auto") == "mkl"
+    finally:
+        blas.reset_backend()
+
+
+def test_the_tune_command_measures_stores_and_reports(store, monkeypatch, capsys):
+    planted = {"tiles": 3e-3, "rows": 1e-3}
+    monkeypatch.setitem(routes._measures, "decode.paged.one", lambda r, c: planted)
+    monkeypatch.setenv("FLASHTILE_TUNE", "0")  # the other routes: the fixed rules
+    assert main(["tune", "--route", "decode.paged.one"]) == 0
+    text = capsys.readouterr().out
+    assert "decode.paged.one           rows      measured now (rows 1.00 ms, tiles 3.00 ms)" in text
+    assert "decode.contiguous.one      tiles     fixed rule (not measured)" in text
+    assert str(store) in text
+
+
+def test_the_measurements_time_every_candidate(monkeypatch):
+    # The real measurement (one route, one round): every candidate timed, forced.
+    route = routes.ROUTES["decode.tokens.several"]
+    monkeypatch.setattr(tune, "ROUNDS", 1)
+    times = tune.measure_decode(route, route.candidates)
+    assert set(times) == set(route.candidates) and all(t > 0 for t in times.values())
