@@ -13,7 +13,7 @@ import pytest
 import flashtile
 from dense import dense_attention, dense_variant_attention
 from flashtile import routes
-from flashtile.cpu.cache_rows import HeadsWalk, RowWalk, TileWalk, walk_flag
+from flashtile.cpu.cache_rows import HeadRowsWalk, HeadTilesWalk, RowWalk, TileWalk, walk_flag
 from flashtile.cpu.decode import copy_row
 from flashtile.cpu.memory import Float16Bits
 from flashtile.decode_planning import plan_decode
@@ -194,23 +194,34 @@ def test_the_walk_is_the_route_of_the_layout_and_rows_class(rng):
                 assert decode_walk(*args) == walk, (args, walk)
     # More rows than the routes measure keep BLAS tiles (heads for one-token pages).
     assert decode_walk(17, 16, 8, 2, 256) == "tiles"
-    assert decode_walk(17, 1, 64, 8, 256) == "heads"
+    assert decode_walk(17, 1, 64, 8, 256) == "head-tiles"
     # Tile lengths: one-row items in long pages take longer tiles; the heads
     # walk's tiles hold every head's rows in HEADS_TILE_BYTES.
     assert decode_tile(1, 1300) == 1024 and decode_tile(4, 1300) == decode_tile(1, 300) == 256
-    assert decode_tile(4, 1, "heads", 8 * 256 * 4) == 32
-    assert decode_tile(4, 1, "heads", 64) == 256 and decode_tile(4, 1, "heads", 1 << 20) == 16
-    # Planned: the row walk runs float32 work only (float64 keeps tiles); the flag types.
+    assert decode_tile(4, 1, "head-tiles", 8 * 256 * 4) == 32
+    assert decode_tile(4, 1, "head-tiles", 64) == 256
+    assert decode_tile(4, 1, "head-tiles", 1 << 20) == 16 == decode_tile(4, 1, "head-rows", 1 << 20)
+    # Planned: the walks that read rows in place run float32 work only
+    # (float64 takes the tiles of the same items); the flag types.
     q, k, v = _problem(rng, batch=1, hq=2, hkv=2, tq=1, d=4, t_max=64)
     kp, vp, table = _paged(rng, k, v, [64], 16)
-    with routes.force("decode.paged.one", "rows"):
-        for dtype, walk in ((np.float32, "rows"), (np.float64, "tiles")):
-            a = [x.astype(dtype) for x in (q, kp, vp)]
-            layout = check_cache(a[0], a[1], a[2], None, table)[1]
-            plan = plan_decode(a[0], layout, decode_variants(a[0], layout), 0.5, None)
-            assert plan.walk == walk
+    kt, vt = (x.transpose(0, 2, 1, 3).reshape(64, 2, 1, 4).copy() for x in (k, v))  # token pages
+    cases = (
+        ("decode.paged.one", "rows", (kp, vp, table), "tiles"),
+        ("decode.tokens.one", "head-rows", (kt, vt, np.arange(64)[None]), "head-tiles"),
+    )
+    for name, walk, (kc, vc, tab), wide in cases:
+        with routes.force(name, walk):
+            for dtype, want in ((np.float32, walk), (np.float64, wide)):
+                a = [x.astype(dtype) for x in (q, kc, vc)]
+                layout = check_cache(a[0], a[1], a[2], None, tab)[1]
+                plan = plan_decode(a[0], layout, decode_variants(a[0], layout), 0.5, None)
+                assert plan.walk == want
+                # One chunk: an item per kv head, or one for both heads.
+                assert len(plan.items) == (1 if want.startswith("head") else 2)
     assert isinstance(walk_flag("rows"), RowWalk) and isinstance(walk_flag("tiles"), TileWalk)
-    assert isinstance(walk_flag("heads"), HeadsWalk)
+    assert isinstance(walk_flag("head-tiles"), HeadTilesWalk)
+    assert isinstance(walk_flag("head-rows"), HeadRowsWalk)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])  # (float32: the test above)

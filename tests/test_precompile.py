@@ -74,7 +74,10 @@ def test_each_task_reaches_its_kernel(monkeypatch):
         "backward bfloat16": (bf16, "backward_kernel", half),
         "backward float16": (f16, "backward_kernel", f32),
         "decode float32, 16-key pages": decode(f32, f32, f32, "FloatValues", "RowWalk"),
-        "decode float32, one-token pages": decode(f32, f32, f32, "FloatValues", "HeadsWalk"),
+        "decode float32, one-token pages": decode(f32, f32, f32, "FloatValues", "HeadTilesWalk"),
+        "decode float32, one-token pages in place": decode(
+            f32, f32, f32, "FloatValues", "HeadRowsWalk"
+        ),
         "decode float16 cache, 16-key pages": decode(f16, f32, bits, "Float16Bits", "RowWalk"),
         # bf16 queries read row by row are widened (decode_planning.decode_operands)
         "decode bfloat16, 16-key pages": decode(bf16, f32, bits, "BFloat16Bits", "RowWalk"),

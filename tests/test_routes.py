@@ -148,16 +148,16 @@ def test_an_unwritable_cache_directory_never_fails_a_call(tmp_path, monkeypatch)
 
 def test_forcing_names_what_it_accepts(monkeypatch):
     with (
-        pytest.raises(ValueError, match="has no candidate 'heads'"),
-        routes.force("decode.paged.one", "heads"),
+        pytest.raises(ValueError, match="has no candidate 'head-rows'"),
+        routes.force("decode.paged.one", "head-rows"),
     ):
         pass
     monkeypatch.setenv("FLASHTILE_DECODE_WALK", "diagonal")
     with pytest.raises(ValueError, match=r"FLASHTILE_DECODE_WALK='diagonal' is not one of"):
         routes.choice("decode.paged.one")
     # A walk another layout has leaves this one to its route.
-    monkeypatch.setenv("FLASHTILE_DECODE_WALK", "heads")
-    assert routes.choice("decode.tokens.one") == "heads"
+    monkeypatch.setenv("FLASHTILE_DECODE_WALK", "head-rows")
+    assert routes.choice("decode.tokens.one") == "head-rows"
     assert routes.choice("decode.paged.one") in ("tiles", "rows")
 
 

@@ -29,7 +29,17 @@ from .masks import block_key_range
 from .planning import SERIAL_WORK, Call, as_4d, bf16_products, kernel_variants
 from .precision import bf16_products_fit
 from .variants import Variants
-from .workitems import DECODE_TILE, HEADS, ROWS, TILES, decode_tile, decode_walk, plan_splits
+from .workitems import (
+    DECODE_TILE,
+    HEAD_ROWS,
+    HEAD_TILES,
+    HEAD_WALKS,
+    ROWS,
+    TILES,
+    decode_tile,
+    decode_walk,
+    plan_splits,
+)
 
 #: Decode-shaped calls (:func:`decode_shaped`): at most DECODE_MAX_QUERIES
 #: queries against at least DECODE_MIN_KEYS keys, where the split-KV decode
@@ -60,7 +70,7 @@ class DecodePlan(NamedTuple):
             bf16 products (:func:`decode_operands`).
         layout: the validated cache (:class:`flashtile.kvlayout.CacheLayout`).
         items: ``(N, 5)`` int64 ``(b, kv head, j_lo, j_hi, slot)`` in thread order
-            (with the :data:`~flashtile.workitems.HEADS` walk, one item per
+            (with the :data:`~flashtile.workitems.HEAD_WALKS`, one item per
             chunk for kv head 0, standing for every head).
         spans: ``(B * Hkv, 2)`` int64: first slot and count of each
             ``(b, kv head)``'s partials.
@@ -68,8 +78,8 @@ class DecodePlan(NamedTuple):
         scale: the score multiplier; tile_keys: keys per tile.
         threads: how many threads run the kernel (1 below SERIAL_WORK).
         walk: how the items walk the cache (:func:`flashtile.workitems.decode_walk`):
-            ``"tiles"``, ``"rows"`` (read in place, ``cpu/cache_rows.py``) or
-            ``"heads"`` (every kv head's rows of a tile gathered at once).
+            ``"tiles"``, ``"rows"`` (read in place, ``cpu/cache_rows.py``),
+            ``"head-tiles"`` or ``"head-rows"`` (every kv head at once).
     """
 
     q: np.ndarray
@@ -106,14 +116,15 @@ def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> Deco
         variants = kernel_variants(va, work, hq)
     rows = (hq // layout.heads) * tq
     walk = decode_walk(rows, layout.page, layout.table.shape[1], layout.heads, DECODE_TILE)
-    operands = decode_operands(q.dtype, layout, scale, walk == ROWS)
-    if walk == ROWS and operands != np.float32:
-        walk = TILES
+    in_place = walk in (ROWS, HEAD_ROWS)
+    operands = decode_operands(q.dtype, layout, scale, in_place)
+    if in_place and operands != np.float32:  # the tiles of the same items instead
+        walk = TILES if walk == ROWS else HEAD_TILES
     head_bytes = layout.heads * (d + layout.v.shape[3]) * np.dtype(operands).itemsize
     tile_keys = decode_tile(rows, layout.page, walk, head_bytes)
     items, spans = _decode_splits(
         lengths, tq, va.causal, va.left, va.right, layout.heads, num_splits, threads,
-        layout.heads if walk == HEADS else 1,
+        layout.heads if walk in HEAD_WALKS else 1,
     )  # fmt: skip
     q_work = np.ascontiguousarray(q, dtype=operands)
     return DecodePlan(q_work, layout, items, spans, variants, scale, tile_keys, threads, walk)

@@ -72,7 +72,8 @@ def _decode(q_dtype, cache_dtype, layout):
     compiled is the same whatever was measured): GQA (2 query heads per kv
     head) against a contiguous cache in BLAS tiles; MHA against 16-key pages
     read row by row (:mod:`flashtile.cpu.cache_rows`); or GQA against
-    one-token pages of 2 kv heads, all heads at once (``"tokens"``)."""
+    one-token pages of 2 kv heads, all heads at once (``"head-tiles"``,
+    ``"head-rows"``)."""
     import flashtile
     from flashtile import routes
 
@@ -81,11 +82,11 @@ def _decode(q_dtype, cache_dtype, layout):
         k, v = (_array((4, 1, 16, 16), cache_dtype, s) for s in (1, 2))
         extra = {"block_table": np.arange(4).reshape(1, 4), "cache_seqlens": np.array([64])}
         route = ("decode.paged.one", "rows")
-    elif layout == "tokens":
+    elif layout in ("head-tiles", "head-rows"):  # one-token pages
         q = _array((1, 4, 1, 16), q_dtype)
         k, v = (_array((64, 2, 1, 16), cache_dtype, s) for s in (1, 2))
         extra = {"block_table": np.arange(64).reshape(1, 64), "cache_seqlens": np.array([64])}
-        route = ("decode.tokens.several", "heads")
+        route = ("decode.tokens.several", layout)
     else:
         q = _array((1, 2, 1, 16), q_dtype)
         k, v = (_array((1, 1, 64, 16), cache_dtype, s) for s in (1, 2))
@@ -112,7 +113,10 @@ TASKS = (
     ("backward float64", "float64", _backward, (np.float64,)),
     ("backward float32", "float32", _backward, (np.float32,)),
     ("backward bfloat16", "bfloat16", _backward, (BFLOAT16,)),
-    ("decode float32, one-token pages", "float32", _decode, (np.float32, np.float32, "tokens")),
+    ("decode float32, one-token pages", "float32", _decode,
+     (np.float32, np.float32, "head-tiles")),
+    ("decode float32, one-token pages in place", "float32", _decode,
+     (np.float32, np.float32, "head-rows")),
     ("decode float64", "float64", _decode, (np.float64, np.float64, "contiguous")),
     ("decode float32", "float32", _decode, (np.float32, np.float32, "contiguous")),
     ("decode float16 cache", "float16", _decode, (np.float16, np.float16, "contiguous")),

@@ -86,6 +86,7 @@ class Route:
 #: How decode items walk a cache (:func:`flashtile.workitems.decode_walk`),
 #: per cache layout and rows per item.
 _WALK = "FLASHTILE_DECODE_WALK"
+_TOKEN_WALKS = ("head-tiles", "head-rows", "rows", "tiles")
 _DECODE = (
     Route("decode.contiguous.one", ("tiles", "rows"), "tiles", _WALK,
           "one query row per item, contiguous cache or pages of a tile or more"),
@@ -95,9 +96,9 @@ _DECODE = (
           "one query row per item, pages smaller than a tile"),
     Route("decode.paged.several", ("tiles", "rows"), "tiles", _WALK,
           "2-16 query rows per item, pages smaller than a tile"),
-    Route("decode.tokens.one", ("heads", "rows", "tiles"), "heads", _WALK,
+    Route("decode.tokens.one", _TOKEN_WALKS, "head-tiles", _WALK,
           "one query row per item, one-token pages of several kv heads (flash-attn's cache)"),
-    Route("decode.tokens.several", ("heads", "rows", "tiles"), "heads", _WALK,
+    Route("decode.tokens.several", _TOKEN_WALKS, "head-tiles", _WALK,
           "2-16 query rows per item, one-token pages of several kv heads"),
 )  # fmt: skip
 _BLAS = Route(

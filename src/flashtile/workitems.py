@@ -136,15 +136,19 @@ HEADS_TILE_BYTES = 256 * 1024
 
 #: How decode items walk their keys (:func:`decode_walk`): BLAS tiles of one
 #: kv head, gathered when they span pages; one kv head's rows read in place
-#: (cpu/cache_rows.py); or every kv head's rows of a tile gathered at once in
-#: memory order (cpu/decode.py).
-TILES, ROWS, HEADS = "tiles", "rows", "heads"
+#: (cpu/cache_rows.py); every kv head's rows of a tile gathered at once in
+#: memory order for BLAS (cpu/decode.py); or every kv head's rows of each key
+#: read in place in memory order (cpu/cache_rows.py).
+TILES, ROWS, HEAD_TILES, HEAD_ROWS = "tiles", "rows", "head-tiles", "head-rows"
+#: The walks whose items take every kv head of their key chunk.
+HEAD_WALKS = (HEAD_TILES, HEAD_ROWS)
 
 
 def decode_walk(rows: int, page: int, pages: int, kv_heads: int, tile_keys: int) -> str:
     """How decode items of ``rows`` query rows walk a cache of ``pages``
     pages per sequence of ``page`` keys each, ``kv_heads`` kv heads, in tiles
-    of ``tile_keys`` (:data:`TILES`, :data:`ROWS` or :data:`HEADS`).
+    of ``tile_keys`` (:data:`TILES`, :data:`ROWS`, :data:`HEAD_TILES` or
+    :data:`HEAD_ROWS`).
 
     The walks compute the same; which is fastest depends on the CPU, so it is
     a measured route (:mod:`flashtile.routes`, ``decode.<layout>.<rows>``)
@@ -157,10 +161,10 @@ def decode_walk(rows: int, page: int, pages: int, kv_heads: int, tile_keys: int)
     - ``tokens``: one-token pages of several kv heads (flash-attn's ``(B, T,
       Hkv, d)`` cache read in place, :mod:`flashtile.flash_attn`): one head's
       keys lie ``Hkv * d`` elements apart, a separate stream per key that the
-      hardware prefetcher does not follow, which the :data:`HEADS` walk
-      reads as one stream.
+      hardware prefetcher does not follow, which the two head walks read as
+      one stream.
 
-    The row walk runs float32 work only
+    The walks that read rows in place run float32 work only
     (:func:`flashtile.decode_planning.plan_decode` applies that part).
     """
     if page == 1 and kv_heads > 1 and pages > 1:
@@ -170,17 +174,18 @@ def decode_walk(rows: int, page: int, pages: int, kv_heads: int, tile_keys: int)
     else:
         layout = "contiguous"
     if rows > DECODE_ROUTED_ROWS:
-        return HEADS if layout == "tokens" else TILES
+        return HEAD_TILES if layout == "tokens" else TILES
     return routes.choice(f"decode.{layout}.{'one' if rows == 1 else 'several'}")
 
 
 def decode_tile(rows: int, page: int, walk: str = TILES, head_bytes: int = 0) -> int:
     """Keys per tile for decode items of ``rows`` query rows over a cache in
     pages of ``page`` keys (a contiguous cache: one page of all its keys).
-    Items of the :data:`HEADS` walk gather ``head_bytes`` (every kv head's K
-    and V row) per key: tiles of at most HEADS_TILE_BYTES, a power of two
-    from 16 to DECODE_TILE keys (so they divide the chunks, multiples of DECODE_TILE)."""
-    if walk == HEADS:
+    Items of the :data:`HEAD_WALKS` read ``head_bytes`` (every kv head's K
+    and V row) per key: tiles of at most HEADS_TILE_BYTES, a power
+    of two from 16 to DECODE_TILE keys (so they divide the chunks, multiples
+    of DECODE_TILE)."""
+    if walk in HEAD_WALKS:
         keys = max(1, HEADS_TILE_BYTES // head_bytes)
         return min(DECODE_TILE, max(16, 1 << (keys.bit_length() - 1)))
     return DECODE_ROW_TILE if rows == 1 and page >= DECODE_ROW_TILE else DECODE_TILE
@@ -195,7 +200,7 @@ def plan_splits(ranges, kv_heads, num_splits, threads, tile=DECODE_TILE, item_he
             (a multiple of ``tile``, at least MIN_SPLIT_KEYS) sized so that
             the whole batch makes about CHUNKS_PER_THREAD items per thread.
         item_heads: kv heads per item (1, or ``kv_heads`` for the
-            :data:`HEADS` walk: then items exist for kv head 0 only and
+            :data:`HEAD_WALKS`: then items exist for kv head 0 only and
             stand for every head of their chunk).
 
     Returns:

@@ -39,7 +39,7 @@ from numba.extending import overload
 
 from ..units import LOG2E
 from . import FASTMATH
-from .cache_rows import HeadsWalk, reads_rows, walk_heads, walk_rows
+from .cache_rows import HeadTilesWalk, head_tile, reads_rows, walk_heads, walk_rows
 from .half import prob_buffer, split_scale, work_empty
 from .memory import BFloat16Bits, FloatValues, is_flag, load_value, prefetch_rows
 from .tile_step import finish_rows, fold_key_tile, item_buffers, one_segment
@@ -47,7 +47,6 @@ from .tiles import (
     SEG_KEY,
     SEG_LENGTH,
     KernelVariants,
-    QueryTile,
     load_q_tile,
     tile_key_range,
     tile_sees_all,
@@ -155,14 +154,6 @@ def prefetch_keys(k, v, table_row, hk, page, j0, j1):
         j += run
 
 
-@njit(fastmath=FASTMATH, cache=True, inline="always")
-def head_tile(b, hk, group, tq, length):
-    """The :class:`.tiles.QueryTile` of kv head ``hk``'s group of sequence
-    ``b``: every query of the sequence (``i0 = 0``, ``br = Tq``), the last at
-    position ``length - 1``."""
-    return QueryTile(b, hk * group, tq, 0, tq, length, length, 0, 0)
-
-
 @njit(fastmath=FASTMATH, cache=True)
 def item_queries(q, b, hk0, heads, group, length, q_mult):
     """``(heads, group * Tq, d)``: the stacked, scaled queries
@@ -211,7 +202,7 @@ def gather_heads(src, fmt, table_row, page, j0, j1, buf):
 
 def walk_tile(walk, src, fmt, table_row, hk, u, page, j0, j1, buf, j_end):
     """The rows of keys ``[j0, j1)`` of kv head ``hk``, the ``u``-th head of
-    its item: with :class:`.cache_rows.HeadsWalk` ``buf[u]``'s first rows
+    its item: with :class:`.cache_rows.HeadTilesWalk` ``buf[u]``'s first rows
     (:func:`gather_heads` filled them), else :func:`load_tile` into
     ``buf[0]``. Only callable from compiled code."""
     raise NotImplementedError("walk_tile is only available inside Numba kernels")
@@ -219,7 +210,7 @@ def walk_tile(walk, src, fmt, table_row, hk, u, page, j0, j1, buf, j_end):
 
 @overload(walk_tile, fastmath=FASTMATH, inline="always")
 def _walk_tile(walk, src, fmt, table_row, hk, u, page, j0, j1, buf, j_end):
-    if is_flag(walk, HeadsWalk):
+    if is_flag(walk, HeadTilesWalk):
         return lambda walk, src, fmt, table_row, hk, u, page, j0, j1, buf, j_end: buf[u, : j1 - j0]
 
     def impl(walk, src, fmt, table_row, hk, u, page, j0, j1, buf, j_end):
@@ -229,14 +220,14 @@ def _walk_tile(walk, src, fmt, table_row, hk, u, page, j0, j1, buf, j_end):
 
 
 def gather_tile(walk, src, fmt, table_row, page, j0, j1, buf):
-    """:func:`gather_heads` with :class:`.cache_rows.HeadsWalk`; nothing for
+    """:func:`gather_heads` with :class:`.cache_rows.HeadTilesWalk`; nothing for
     the other walks. Only callable from compiled code."""
     raise NotImplementedError("gather_tile is only available inside Numba kernels")
 
 
 @overload(gather_tile, inline="always")
 def _gather_tile(walk, src, fmt, table_row, page, j0, j1, buf):
-    if is_flag(walk, HeadsWalk):
+    if is_flag(walk, HeadTilesWalk):
         return lambda walk, src, fmt, table_row, page, j0, j1, buf: gather_heads(
             src, fmt, table_row, page, j0, j1, buf
         )
@@ -263,7 +254,7 @@ def decode_kernel(
         seqlens: ``(B,)`` int64 valid keys per sequence; query ``i`` of
             sequence ``b`` sits at position ``seqlens[b] - Tq + i``.
         items: ``(N, 5)`` int64 rows ``(b, kv head, j_lo, j_hi, slot)``; with
-            :class:`.cache_rows.HeadsWalk` an item stands for every kv head
+            :class:`.cache_rows.HeadTilesWalk` an item stands for every kv head
             from its own on, head ``hk + u`` writing slot ``slot + u * count``.
         spans: ``(B * Hkv, 2)`` int64 ``(first slot, count)`` per ``(b, kv head)``.
         part_out: ``(slots, group * Tq, dv)``, part_lse: ``(slots, group * Tq)``
@@ -294,7 +285,7 @@ def decode_kernel(
     # scores after the scores (a rebase reads them) and gather nothing.
     row_wise = reads_rows(walk)
     k_flat, v_flat = k.reshape(k.size), v.reshape(v.size)  # their addressing
-    floats = rows * tile_keys * (2 if row_wise else 1)
+    floats = rows * tile_keys * (2 * heads if row_wise else 1)
     scratch = 0 if row_wise else tile_keys  # rows of the gather tiles
     q_mult, s_mult = split_scale(q, part_lse, scale * LOG2E)
     for n in prange(items.shape[0]):
@@ -313,14 +304,11 @@ def decode_kernel(
 
         lo, hi = tile_key_range(head_tile(b, hk0, group, tq, length), variants)  # every head's
         lo, hi = max(lo, j_lo), min(hi, j_hi)
-        j0 = lo
-        for u in range(heads):  # the row walk (heads = 1)
-            rest = (
-                q_tiles[u], k_flat, v_flat, fmt, table_row, hkv, hk0 + u, page, tile_keys,
-                s_buf, m[u], ell[u], alpha, acc[u], segs,
-                head_tile(b, hk0 + u, group, tq, length), variants, part_flag[n : n + 1],
-            )  # fmt: skip
-            j0 = walk_rows(walk, lo, hi, rest)  # hi when it read the rows: no tiles left
+        rest = (
+            q_tiles, k_flat, v_flat, fmt, table_row, hkv, hk0, page, tile_keys, s_buf, m, ell,
+            alpha, acc, segs, b, group, length, variants, part_flag[n : n + 1],
+        )  # fmt: skip
+        j0 = walk_rows(walk, lo, hi, rest)  # hi when it read the rows: no tiles left
         while j0 < hi:
             j1 = min(j0 + tile_keys, hi)
             if page >= tile_keys:
