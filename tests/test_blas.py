@@ -19,6 +19,7 @@ import pytest
 import flashtile as ft
 import flashtile.cpu.blas as blas
 from dense import dense_attention, dense_attention_backward, rel_err
+from flashtile import routes
 
 INSTALLED = ["openblas"] + (["mkl"] if blas._mkl() is not None else [])
 
@@ -109,10 +110,18 @@ def test_missing_mkl_is_a_clear_error_and_auto_falls_back(monkeypatch, restore_b
 
 
 @pytest.mark.skipif("mkl" not in INSTALLED, reason="oneMKL not installed")
-def test_mkl_is_the_default_when_installed(monkeypatch, restore_backend):
+def test_mkl_is_the_default_when_installed(monkeypatch, restore_backend, tmp_path):
+    # With nothing measured (an empty routes cache, no measuring), the fixed rule.
     monkeypatch.setattr(blas, "_choice", None)
     monkeypatch.delenv("FLASHTILE_BLAS", raising=False)
+    monkeypatch.setenv("FLASHTILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASHTILE_TUNE", "0")
+    monkeypatch.setattr(routes, "_chosen", {})
     assert blas.backend() == "mkl"
+    # A measurement that found OpenBLAS faster is followed.
+    monkeypatch.setattr(blas, "_choice", None)
+    monkeypatch.setattr(routes, "_chosen", {"blas": ("openblas", "planted")})
+    assert blas.backend() == "openblas"
 
 
 def test_openblas_is_pinned_to_one_thread_during_kernel_calls(restore_backend):
@@ -177,7 +186,7 @@ assert mkl() == before, (mkl(), before)
 q = np.random.default_rng(0).standard_normal((1, 2, 300, 16), dtype=np.float32)
 np.save("out.npy", ft.attention(q, q, q, causal=True))
 """
-    env = {**os.environ, "MKL_THREADING_LAYER": "INTEL", "FLASHTILE_BLAS": "auto"}
+    env = {**os.environ, "MKL_THREADING_LAYER": "INTEL", "FLASHTILE_BLAS": "mkl"}
     with tempfile.TemporaryDirectory() as cwd:
         run = subprocess.run(
             [sys.executable, "-c", script], env=env, cwd=cwd, capture_output=True, text=True

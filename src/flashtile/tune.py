@@ -119,7 +119,7 @@ def print_routes(out=print) -> None:
         out(f"  {name:26s} {choice:9s} {why}  [{doc}]")
 
 
-def run(args: argparse.Namespace) -> int:
+def run_tune(args: argparse.Namespace) -> int:
     """``flashtile tune``: measure every route (or ``--route``), store, print."""
     started = time.perf_counter()
     routes.tune(args.route or None)
@@ -141,4 +141,4 @@ def add_parser(subparsers) -> None:
         "--route", action="append", choices=sorted(routes.ROUTES),
         help="measure only this route (repeatable); default: all",
     )  # fmt: skip
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run_tune)

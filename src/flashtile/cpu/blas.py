@@ -169,7 +169,8 @@ def _resolve(choice: str) -> str:
     if choice not in CHOICES:
         raise ValueError(f"BLAS backend must be one of {CHOICES}, got {choice!r}")
     if choice == "auto":  # the measured route, or the fixed rule: MKL when installed
-        return routes.choice("blas")
+        chosen = routes.choice("blas")
+        return chosen if chosen in available() else "openblas"
     if choice == "mkl" and _mkl() is None:
         raise ValueError(f"BLAS backend 'mkl' requested but {_mkl_problem}; or choose 'openblas'")
     return choice
