@@ -178,23 +178,23 @@ def test_single_row_items_read_the_cache_in_place(rng, variants, page, fixed_wal
 
 
 def test_the_walk_is_the_route_of_the_layout_and_rows_class(rng):
-    # (rows, page, pages per sequence, kv heads, tile keys) -> the route asked
+    # (rows, page, pages per sequence, kv heads, tile keys, head dim, keys) -> the route
     cases = {
-        (1, 16, 8, 2, 256): "decode.paged.one",
-        (4, 16, 8, 2, 256): "decode.paged.several",
-        (1, 16, 1, 2, 256): "decode.contiguous.one",  # one page: contiguous
-        (4, 256, 8, 2, 256): "decode.contiguous.several",  # pages as large as a tile
-        (1, 1, 64, 8, 256): "decode.tokens.one",  # one-token pages of several heads
-        (16, 1, 64, 8, 256): "decode.tokens.several",
-        (1, 1, 64, 1, 256): "decode.paged.one",  # one head: plain small pages
+        (1, 16, 8, 2, 256, 64, 128): "decode.paged.one.d64.short",
+        (4, 16, 8, 2, 256, 96, 4096): "decode.paged.several.d64.short",
+        (1, 16, 1, 2, 256, 97, 4097): "decode.contiguous.one.d128.long",  # one page: contiguous
+        (4, 256, 8, 2, 256, 128, 2048): "decode.contiguous.several.d128.short",  # large pages
+        (1, 1, 64, 8, 256, 64, 9000): "decode.tokens.one.d64.long",  # one-token pages, heads
+        (16, 1, 64, 8, 256, 256, 64): "decode.tokens.several.d128.short",
+        (1, 1, 64, 1, 256, 64, 64): "decode.paged.one.d64.short",  # one head: small pages
     }
     for args, name in cases.items():
         for walk in routes.ROUTES[name].candidates:
             with routes.force(name, walk):
                 assert decode_walk(*args) == walk, (args, walk)
     # More rows than the routes measure keep BLAS tiles (heads for one-token pages).
-    assert decode_walk(17, 16, 8, 2, 256) == "tiles"
-    assert decode_walk(17, 1, 64, 8, 256) == "head-tiles"
+    assert decode_walk(17, 16, 8, 2, 256, 64, 64) == "tiles"
+    assert decode_walk(17, 1, 64, 8, 256, 64, 64) == "head-tiles"
     # Tile lengths: one-row items in long pages take longer tiles; the heads
     # walk's tiles hold every head's rows in HEADS_TILE_BYTES.
     assert decode_tile(1, 1300) == 1024 and decode_tile(4, 1300) == decode_tile(1, 300) == 256
@@ -207,8 +207,8 @@ def test_the_walk_is_the_route_of_the_layout_and_rows_class(rng):
     kp, vp, table = _paged(rng, k, v, [64], 16)
     kt, vt = (x.transpose(0, 2, 1, 3).reshape(64, 2, 1, 4).copy() for x in (k, v))  # token pages
     cases = (
-        ("decode.paged.one", "rows", (kp, vp, table), "tiles"),
-        ("decode.tokens.one", "head-rows", (kt, vt, np.arange(64)[None]), "head-tiles"),
+        ("decode.paged.one.d64.short", "rows", (kp, vp, table), "tiles"),
+        ("decode.tokens.one.d64.short", "head-rows", (kt, vt, np.arange(64)[None]), "head-tiles"),
     )
     for name, walk, (kc, vc, tab), wide in cases:
         with routes.force(name, walk):

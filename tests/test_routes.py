@@ -68,7 +68,7 @@ def test_every_decode_walk_on_every_layout_matches_the_reference(rng, variants, 
     )
     rows = "one" if hq == hkv and tq == 1 else "several"
     for layout, (kc, vc, table) in _layouts(rng, k, v, lengths).items():
-        name = f"decode.{layout}.{rows}"
+        name = f"decode.{layout}.{rows}.d64.short"
         for walk in routes.ROUTES[name].candidates:
             with routes.force(name, walk):
                 out, lse = flashtile.decode_attention(
@@ -87,15 +87,15 @@ def test_the_walks_of_one_token_pages_in_other_dtypes(rng, dtype):
     lengths = np.array([600])
     want = reference_decode(*(a.astype(np.float64) for a in (q, k, v)), cache_seqlens=lengths)
     kc, vc, table = _layouts(rng, k, v, lengths)["tokens"]
-    for walk in routes.ROUTES["decode.tokens.several"].candidates:
-        with routes.force("decode.tokens.several", walk):
+    for walk in routes.ROUTES["decode.tokens.several.d64.short"].candidates:
+        with routes.force("decode.tokens.several.d64.short", walk):
             out = flashtile.decode_attention(q, kc, vc, cache_seqlens=lengths, block_table=table)
         tol = 1e-9 if dtype == np.float64 else 3e-5
         np.testing.assert_allclose(out, want, rtol=tol, atol=tol, err_msg=walk)
 
 
 def test_the_fastest_planted_measurement_is_chosen_stored_and_read_back(store, monkeypatch):
-    name = "decode.paged.several"
+    name = "decode.paged.several.d64.short"
     seen = []
 
     def planted(route, candidates):
@@ -121,7 +121,7 @@ def test_the_fastest_planted_measurement_is_chosen_stored_and_read_back(store, m
 
 
 def test_another_machines_measurements_are_not_used(store, monkeypatch):
-    name = "decode.contiguous.one"
+    name = "decode.contiguous.one.d64.short"
     other = {"v1|another CPU|avx512f|threads=2|": {name: {"choice": "rows", "times": {}}}}
     store.write_text(json.dumps(other))
     monkeypatch.setenv("FLASHTILE_TUNE", "0")
@@ -129,12 +129,18 @@ def test_another_machines_measurements_are_not_used(store, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "text", ["{not json", "[1, 2]", '{"KEY": 3}', '{"KEY": {"decode.paged.one": {"choice": "x"}}}']
+    "text",
+    [
+        "{not json",
+        "[1, 2]",
+        '{"KEY": 3}',
+        '{"KEY": {"decode.paged.one.d64.short": {"choice": "x"}}}',
+    ],
 )
 def test_a_corrupt_cache_falls_back_to_the_fixed_rule(store, monkeypatch, text):
     store.write_text(text.replace("KEY", routes.machine_key()))
     monkeypatch.setenv("FLASHTILE_TUNE", "0")
-    assert routes.explain("decode.paged.one") == ("rows", "fixed rule (not measured)")
+    assert routes.explain("decode.paged.one.d64.short") == ("rows", "fixed rule (not measured)")
 
 
 def test_an_unwritable_cache_directory_never_fails_a_call(tmp_path, monkeypatch):
@@ -142,23 +148,25 @@ def test_an_unwritable_cache_directory_never_fails_a_call(tmp_path, monkeypatch)
     blocker.write_text("")
     monkeypatch.setenv("FLASHTILE_CACHE_DIR", str(blocker / "sub"))  # under a file: no mkdir
     monkeypatch.setattr(routes, "_chosen", {})
-    monkeypatch.setitem(routes._measures, "decode.paged.one", lambda r, c: {"tiles": 2, "rows": 1})
-    assert routes.choice("decode.paged.one") == "rows"
+    monkeypatch.setitem(
+        routes._measures, "decode.paged.one.d64.short", lambda r, c: {"tiles": 2, "rows": 1}
+    )
+    assert routes.choice("decode.paged.one.d64.short") == "rows"
 
 
 def test_forcing_names_what_it_accepts(monkeypatch):
     with (
         pytest.raises(ValueError, match="has no candidate 'head-rows'"),
-        routes.force("decode.paged.one", "head-rows"),
+        routes.force("decode.paged.one.d64.short", "head-rows"),
     ):
         pass
     monkeypatch.setenv("FLASHTILE_DECODE_WALK", "diagonal")
     with pytest.raises(ValueError, match=r"FLASHTILE_DECODE_WALK='diagonal' is not one of"):
-        routes.choice("decode.paged.one")
+        routes.choice("decode.paged.one.d64.short")
     # A walk another layout has leaves this one to its route.
     monkeypatch.setenv("FLASHTILE_DECODE_WALK", "head-rows")
-    assert routes.choice("decode.tokens.one") == "head-rows"
-    assert routes.choice("decode.paged.one") in ("tiles", "rows")
+    assert routes.choice("decode.tokens.one.d64.short") == "head-rows"
+    assert routes.choice("decode.paged.one.d64.short") in ("tiles", "rows")
 
 
 def test_the_blas_route_resolves_auto(monkeypatch):
@@ -177,18 +185,22 @@ def test_the_blas_route_resolves_auto(monkeypatch):
 
 def test_the_tune_command_measures_stores_and_reports(store, monkeypatch, capsys):
     planted = {"tiles": 3e-3, "rows": 1e-3}
-    monkeypatch.setitem(routes._measures, "decode.paged.one", lambda r, c: planted)
+    monkeypatch.setitem(routes._measures, "decode.paged.one.d64.short", lambda r, c: planted)
     monkeypatch.setenv("FLASHTILE_TUNE", "0")  # the other routes: the fixed rules
-    assert main(["tune", "--route", "decode.paged.one"]) == 0
+    assert main(["tune", "--route", "decode.paged.one.d64.short"]) == 0
     text = capsys.readouterr().out
-    assert "decode.paged.one           rows      measured now (rows 1.00 ms, tiles 3.00 ms)" in text
-    assert "decode.contiguous.one      tiles     fixed rule (not measured)" in text
+    lines = {line.split()[0]: line.split(None, 2)[1:] for line in text.splitlines()[2:-1]}
+    assert lines["decode.paged.one.d64.short"][0] == "rows"
+    assert lines["decode.paged.one.d64.short"][1].startswith(
+        "measured now (rows 1.00 ms, tiles 3.00 ms)"
+    )
+    assert lines["decode.contiguous.one.d64.short"][1].startswith("fixed rule (not measured)")
     assert str(store) in text
 
 
 def test_the_measurements_time_every_candidate(monkeypatch):
     # The real measurement (one route, one round): every candidate timed, forced.
-    route = routes.ROUTES["decode.tokens.several"]
+    route = routes.ROUTES["decode.tokens.several.d64.short"]
     monkeypatch.setattr(tune, "ROUNDS", 1)
     times = tune.measure_decode(route, route.candidates)
     assert set(times) == set(route.candidates) and all(t > 0 for t in times.values())

@@ -115,7 +115,10 @@ def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> Deco
     else:
         variants = kernel_variants(va, work, hq)
     rows = (hq // layout.heads) * tq
-    walk = decode_walk(rows, layout.page, layout.table.shape[1], layout.heads, DECODE_TILE)
+    longest = max(lengths, default=0)
+    walk = decode_walk(
+        rows, layout.page, layout.table.shape[1], layout.heads, DECODE_TILE, d, longest
+    )
     in_place = walk in (ROWS, HEAD_ROWS)
     operands = decode_operands(q.dtype, layout, scale, in_place)
     if in_place and operands != np.float32:  # the tiles of the same items instead

@@ -81,18 +81,19 @@ def _decode(q_dtype, cache_dtype, layout):
         q = _array((1, 1, 1, 16), q_dtype)
         k, v = (_array((4, 1, 16, 16), cache_dtype, s) for s in (1, 2))
         extra = {"block_table": np.arange(4).reshape(1, 4), "cache_seqlens": np.array([64])}
-        route = ("decode.paged.one", "rows")
+        route = ("paged", 1, "rows")
     elif layout in ("head-tiles", "head-rows"):  # one-token pages
         q = _array((1, 4, 1, 16), q_dtype)
         k, v = (_array((64, 2, 1, 16), cache_dtype, s) for s in (1, 2))
         extra = {"block_table": np.arange(64).reshape(1, 64), "cache_seqlens": np.array([64])}
-        route = ("decode.tokens.several", layout)
+        route = ("tokens", 2, layout)  # rows per item: 2 query heads per kv head
     else:
         q = _array((1, 2, 1, 16), q_dtype)
         k, v = (_array((1, 1, 64, 16), cache_dtype, s) for s in (1, 2))
         extra = {"block_table": np.zeros((1, 1), dtype=np.int64), "cache_seqlens": np.array([64])}
-        route = ("decode.contiguous.several", "tiles")
-    with routes.force(*route):
+        route = ("contiguous", 2, "tiles")
+    layout, rows, walk = route
+    with routes.force(routes.decode_route_name(layout, rows, 16, 64), walk):
         flashtile.decode_attention(q, k, v, **extra)
 
 

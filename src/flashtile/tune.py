@@ -8,11 +8,12 @@ asked for with nothing stored is measured on first use.
 
 - ``blas``: the forward and backward of ``(1, 8, 1024, 64)`` float32, causal,
   with each BLAS library.
-- ``decode.<layout>.<rows>``: one decode step against 8192 cached keys, 8 kv
-  heads, d 128, float32 (64 MiB of keys and values, more than most L2 and
-  L3 caches hold per core), one query row per item (8 query heads) or four
-  (32 query heads), the cache contiguous, in shuffled 16-key pages, or in
-  one-token pages (flash-attn's layout) -- one buffer viewed three ways.
+- ``decode.<layout>.<rows>.<d>.<keys>``: one decode step, float32, 8 kv
+  heads of d 64 or 128, one query row per item (8 query heads) or four (32
+  query heads), against 2048 keys ("short") or 64 MiB of keys and values
+  ("long": 16384 or 8192 keys, more than most L2 and L3 caches hold per
+  core), the cache contiguous, in shuffled 16-key pages, or in one-token
+  pages (flash-attn's layout) -- one buffer viewed three ways.
 
 A whole ``flashtile tune`` takes a few seconds once the kernels are compiled
 (``flashtile precompile`` compiles them, then tunes).
@@ -34,8 +35,9 @@ from .decode import decode_attention
 
 #: Interleaved rounds per measurement (medians of these).
 ROUNDS = 5
-#: The decode measurements' cache: kv heads, keys, head dim.
-DECODE_SHAPE = (8, 8192, 128)
+#: The decode measurements' kv heads, and the bytes of keys and values of
+#: the "long" class (the "short" class has SHORT_KEYS keys).
+DECODE_HEADS, LONG_BYTES, SHORT_KEYS = 8, 64 << 20, 2048
 #: Query rows per item of the decode measurements' "several" class (GQA 32/8).
 SEVERAL_ROWS = 4
 #: Keys per page of the decode measurements' "paged" layout.
@@ -69,17 +71,17 @@ def measure_blas(route: routes.Route, candidates: tuple[str, ...]) -> dict[str, 
 
 @functools.cache
 def _decode_buffers() -> tuple[np.ndarray, np.ndarray]:
-    """The decode measurements' keys and values, ``(keys * heads * d,)`` each."""
-    heads, keys, d = DECODE_SHAPE
+    """The decode measurements' keys and values, LONG_BYTES / 2 each (float32)."""
     rng = np.random.default_rng(1)
-    return tuple(rng.standard_normal(keys * heads * d, dtype=np.float32) for _ in range(2))
+    return tuple(rng.standard_normal(LONG_BYTES // 8, dtype=np.float32) for _ in range(2))
 
 
-def _decode_problem(layout: str, rows: int):
+def _decode_problem(layout: str, rows: int, d: int, long: bool):
     """``(q, k, v, block_table, cache_seqlens)`` of one decode step on the
     measurements' buffers viewed in ``layout``."""
-    heads, keys, d = DECODE_SHAPE
-    k, v = _decode_buffers()
+    heads = DECODE_HEADS
+    keys = LONG_BYTES // (8 * heads * d) if long else SHORT_KEYS
+    k, v = (a[: keys * heads * d] for a in _decode_buffers())
     rng = np.random.default_rng(2)
     q = rng.standard_normal((1, heads * rows, 1, d), dtype=np.float32)
     if layout == "contiguous":
@@ -92,9 +94,12 @@ def _decode_problem(layout: str, rows: int):
 
 
 def measure_decode(route: routes.Route, candidates: tuple[str, ...]) -> dict[str, float]:
-    """One decode step per candidate walk, on the route's layout and rows class."""
-    _, layout, rows_class = route.name.split(".")
-    q, k, v, table, lengths = _decode_problem(layout, 1 if rows_class == "one" else SEVERAL_ROWS)
+    """One decode step per candidate walk, on the route's layout, rows, head
+    dim and length class."""
+    _, layout, rows_class, d_class, keys_class = route.name.split(".")
+    rows = 1 if rows_class == "one" else SEVERAL_ROWS
+    d = 64 if d_class == "d64" else 128
+    q, k, v, table, lengths = _decode_problem(layout, rows, d, keys_class == "long")
 
     def step(walk: str) -> None:
         with routes.force(route.name, walk):
@@ -116,7 +121,7 @@ def print_routes(out=print) -> None:
 
     blas.available()
     for name, choice, why, doc in routes.report():
-        out(f"  {name:26s} {choice:9s} {why}  [{doc}]")
+        out(f"  {name:36s} {choice:10s} {why}  [{doc}]")
 
 
 def run_tune(args: argparse.Namespace) -> int:

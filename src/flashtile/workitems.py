@@ -144,16 +144,20 @@ TILES, ROWS, HEAD_TILES, HEAD_ROWS = "tiles", "rows", "head-tiles", "head-rows"
 HEAD_WALKS = (HEAD_TILES, HEAD_ROWS)
 
 
-def decode_walk(rows: int, page: int, pages: int, kv_heads: int, tile_keys: int) -> str:
+def decode_walk(
+    rows: int, page: int, pages: int, kv_heads: int, tile_keys: int, head_dim: int, keys: int
+) -> str:
     """How decode items of ``rows`` query rows walk a cache of ``pages``
-    pages per sequence of ``page`` keys each, ``kv_heads`` kv heads, in tiles
-    of ``tile_keys`` (:data:`TILES`, :data:`ROWS`, :data:`HEAD_TILES` or
+    pages per sequence of ``page`` keys each, ``kv_heads`` kv heads of head
+    dim ``head_dim``, the longest sequence ``keys`` keys, in tiles of
+    ``tile_keys`` (:data:`TILES`, :data:`ROWS`, :data:`HEAD_TILES` or
     :data:`HEAD_ROWS`).
 
-    The walks compute the same; which is fastest depends on the CPU, so it is
-    a measured route (:mod:`flashtile.routes`, ``decode.<layout>.<rows>``)
-    per cache layout and rows class, for items of at most DECODE_ROUTED_ROWS
-    rows (more rows keep BLAS tiles):
+    The walks compute the same; which is fastest depends on the CPU and the
+    shape, so it is a measured route (:mod:`flashtile.routes`,
+    :func:`~flashtile.routes.decode_route_name`) per cache layout, rows,
+    head dim and length class, for items of at most DECODE_ROUTED_ROWS rows
+    (more rows keep BLAS tiles):
 
     - ``contiguous``: one page per sequence or pages of at least a tile,
       whose tiles BLAS reads in place;
@@ -175,7 +179,7 @@ def decode_walk(rows: int, page: int, pages: int, kv_heads: int, tile_keys: int)
         layout = "contiguous"
     if rows > DECODE_ROUTED_ROWS:
         return HEAD_TILES if layout == "tokens" else TILES
-    return routes.choice(f"decode.{layout}.{'one' if rows == 1 else 'several'}")
+    return routes.choice(routes.decode_route_name(layout, rows, head_dim, keys))
 
 
 def decode_tile(rows: int, page: int, walk: str = TILES, head_bytes: int = 0) -> int:
