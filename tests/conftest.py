@@ -1,5 +1,7 @@
 """Shared fixtures; puts tests/ on ``sys.path`` so tests can ``from dense import ...``.
 
+Runs the CPU-dependent routes by their fixed rules (below).
+
 Also runs flashtile's Triton kernels in Triton's interpreter unless
 ``TRITON_INTERPRET`` is set (``triton.jit`` reads it when the kernels are
 defined, so before any test module loads; see tests/triton_device.py).
@@ -9,9 +11,17 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The CPU-dependent routes (flashtile.routes) by their fixed rules, whatever
+# this machine measured: the same walks on every machine, nothing measured
+# inside a test, the user's cache untouched (tests/test_routes.py forces
+# every candidate in turn, and plants measurements).
+os.environ["FLASHTILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="flashtile-routes-")
+os.environ["FLASHTILE_TUNE"] = "0"
+os.environ.pop("FLASHTILE_DECODE_WALK", None)
 
 import numpy as np
 import pytest
@@ -32,19 +42,3 @@ if _TESTS_DIR not in sys.path:
 def rng() -> np.random.Generator:
     """A fresh, seeded generator per test, so every test is reproducible."""
     return np.random.default_rng(20240526)
-
-
-@pytest.fixture
-def fixed_walks():
-    """Decode walks by the fixed rules (:mod:`flashtile.routes`), whatever was
-    measured on this machine: for tests about one walk's behaviour (each
-    walk against the oracle on every layout is tests/test_routes.py's)."""
-    import contextlib
-
-    from flashtile import routes
-
-    with contextlib.ExitStack() as stack:
-        for name, route in routes.ROUTES.items():
-            if name.startswith("decode."):
-                stack.enter_context(routes.force(name, route.fixed))
-        yield

@@ -159,7 +159,7 @@ def test_large_logits_and_late_maxima(rng):
 
 @pytest.mark.parametrize("variants", VARIANTS, ids=lambda v: "-".join(v) or "plain")
 @pytest.mark.parametrize("page", [None, 1, 7, 300])
-def test_single_row_items_read_the_cache_in_place(rng, variants, page, fixed_walks):
+def test_single_row_items_read_the_cache_in_place(rng, variants, page):
     # One query row per kv head (MHA, Tq = 1), by the fixed rules: pages
     # smaller than a tile (7) take the row-wise path (cpu/cache_rows.py),
     # rows read where they lie; one-token pages gather all heads' rows at
@@ -181,11 +181,13 @@ def test_the_walk_is_the_route_of_the_layout_and_rows_class(rng):
     # (rows, page, pages per sequence, kv heads, tile keys, head dim, keys) -> the route
     cases = {
         (1, 16, 8, 2, 256, 64, 128): "decode.paged.one.d64.short",
-        (4, 16, 8, 2, 256, 96, 4096): "decode.paged.several.d64.short",
+        (4, 16, 8, 2, 256, 96, 4096): "decode.paged.few.d64.short",
         (1, 16, 1, 2, 256, 97, 4097): "decode.contiguous.one.d128.long",  # one page: contiguous
-        (4, 256, 8, 2, 256, 128, 2048): "decode.contiguous.several.d128.short",  # large pages
+        (4, 256, 8, 2, 256, 128, 2048): "decode.contiguous.few.d128.short",  # large pages
         (1, 1, 64, 8, 256, 64, 9000): "decode.tokens.one.d64.long",  # one-token pages, heads
-        (16, 1, 64, 8, 256, 256, 64): "decode.tokens.several.d128.short",
+        (16, 1, 64, 8, 256, 256, 64): "decode.tokens.many.d128.short",
+        (9, 1, 64, 8, 256, 64, 64): "decode.tokens.many.d64.short",
+        (8, 1, 64, 8, 256, 64, 64): "decode.tokens.few.d64.short",
         (1, 1, 64, 1, 256, 64, 64): "decode.paged.one.d64.short",  # one head: small pages
     }
     for args, name in cases.items():
@@ -225,7 +227,7 @@ def test_the_walk_is_the_route_of_the_layout_and_rows_class(rng):
 
 
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])  # (float32: the test above)
-def test_single_row_items_widen_each_format(rng, dtype, fixed_walks):
+def test_single_row_items_widen_each_format(rng, dtype):
     dtype = np.dtype(dtype)  # ml_dtypes registers "bfloat16" with NumPy
     q, k, v = _problem(rng, batch=2, hq=3, hkv=3, tq=1, d=8, t_max=600)
     k, v = k.astype(dtype), v.astype(dtype)
@@ -237,7 +239,7 @@ def test_single_row_items_widen_each_format(rng, dtype, fixed_walks):
     np.testing.assert_allclose(out, want, **TOL32)
 
 
-def test_single_row_late_maximum_rebases_from_the_kept_scores(rng, fixed_walks):
+def test_single_row_late_maximum_rebases_from_the_kept_scores(rng):
     # A score far above the first tile's: the row's reference is raised
     # from a copy of the tile's raw scores (there is no key tile to
     # recompute them from), here with softcap applied on the way.
@@ -409,7 +411,7 @@ def test_decode_argument_errors(rng):
 @pytest.mark.parametrize("num_splits", [1, 2, 7])
 @pytest.mark.parametrize("hkv", [1, 2], ids=["gqa", "row-wise"])
 def test_a_non_finite_score_gives_nan_like_attention_whatever_the_split(
-    rng, where, num_splits, hkv, fixed_walks
+    rng, where, num_splits, hkv
 ):
     # A corrupted cache row must not look like an empty sequence (zeros,
     # lse = -inf), and the split count must not change the answer.

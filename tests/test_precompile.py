@@ -78,6 +78,13 @@ def test_each_task_reaches_its_kernel(monkeypatch):
         "decode float32, one-token pages in place": decode(
             f32, f32, f32, "FloatValues", "HeadRowsWalk"
         ),
+        "decode float16 cache, one-token pages in place": decode(
+            f16, f32, bits, "Float16Bits", "HeadRowsWalk"
+        ),
+        "decode bfloat16, one-token pages in place": decode(
+            bf16, f32, bits, "BFloat16Bits", "HeadRowsWalk"
+        ),
+        "decode float64, one-token pages": decode(f64, f64, f64, "FloatValues", "HeadTilesWalk"),
         "decode float16 cache, 16-key pages": decode(f16, f32, bits, "Float16Bits", "RowWalk"),
         # bf16 queries read row by row are widened (decode_planning.decode_operands)
         "decode bfloat16, 16-key pages": decode(bf16, f32, bits, "BFloat16Bits", "RowWalk"),

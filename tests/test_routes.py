@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 import flashtile
-from flashtile import routes, tune
+from flashtile import frontdoor, routes, tune
 from flashtile.cli import main
 from flashtile.cpu import blas
 from flashtile.reference import decode_attention as reference_decode
+from flashtile.workitems import plan_splits
 
 TOL32 = dict(rtol=3e-5, atol=3e-5)
 
@@ -22,6 +23,7 @@ def store(tmp_path, monkeypatch):
     """An empty routes cache of the test's own; this process's answers
     forgotten before and after (other tests see the machine's routes again)."""
     monkeypatch.setenv("FLASHTILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASHTILE_TUNE", "1")  # (the suite runs the fixed rules: conftest)
     monkeypatch.setattr(routes, "_chosen", {})
     return tmp_path / routes.CACHE_FILE
 
@@ -66,7 +68,7 @@ def test_every_decode_walk_on_every_layout_matches_the_reference(rng, variants, 
     want, want_lse = reference_decode(
         *(a.astype(np.float64) for a in (q, k, v)), cache_seqlens=lengths, return_lse=True, **kw
     )
-    rows = "one" if hq == hkv and tq == 1 else "several"
+    rows = "one" if hq == hkv and tq == 1 else "few"
     for layout, (kc, vc, table) in _layouts(rng, k, v, lengths).items():
         name = f"decode.{layout}.{rows}.d64.short"
         for walk in routes.ROUTES[name].candidates:
@@ -87,15 +89,15 @@ def test_the_walks_of_one_token_pages_in_other_dtypes(rng, dtype):
     lengths = np.array([600])
     want = reference_decode(*(a.astype(np.float64) for a in (q, k, v)), cache_seqlens=lengths)
     kc, vc, table = _layouts(rng, k, v, lengths)["tokens"]
-    for walk in routes.ROUTES["decode.tokens.several.d64.short"].candidates:
-        with routes.force("decode.tokens.several.d64.short", walk):
+    for walk in routes.ROUTES["decode.tokens.few.d64.short"].candidates:
+        with routes.force("decode.tokens.few.d64.short", walk):
             out = flashtile.decode_attention(q, kc, vc, cache_seqlens=lengths, block_table=table)
         tol = 1e-9 if dtype == np.float64 else 3e-5
         np.testing.assert_allclose(out, want, rtol=tol, atol=tol, err_msg=walk)
 
 
 def test_the_fastest_planted_measurement_is_chosen_stored_and_read_back(store, monkeypatch):
-    name = "decode.paged.several.d64.short"
+    name = "decode.paged.few.d64.short"
     seen = []
 
     def planted(route, candidates):
@@ -111,13 +113,36 @@ def test_the_fastest_planted_measurement_is_chosen_stored_and_read_back(store, m
     routes.forget()
     assert routes.explain(name) == ("rows", "measured (rows 1.00 ms, tiles 2.00 ms)")
     assert len(seen) == 1
-    # The environment variable wins; so does forcing, below it.
+    # The environment variable wins over the measurement; forcing (the
+    # measurement's own, precompile's) over both.
     monkeypatch.setenv("FLASHTILE_DECODE_WALK", "tiles")
     assert routes.explain(name) == ("tiles", "forced by FLASHTILE_DECODE_WALK")
+    with routes.force(name, "rows"):
+        assert routes.choice(name) == "rows"
     monkeypatch.delenv("FLASHTILE_DECODE_WALK")
     with routes.force(name, "tiles"):
         assert routes.choice(name) == "tiles"
     assert routes.choice(name) == "rows"
+
+
+def test_a_failed_measurement_gives_the_fixed_rule_not_an_error(store, monkeypatch, rng):
+    calls = []
+
+    def failing(route, candidates):
+        calls.append(route.name)
+        raise MemoryError("64 MiB")
+
+    name = "decode.contiguous.one.d64.short"
+    monkeypatch.setitem(routes._measures, name, failing)
+    q, k, v = (rng.standard_normal((1, 2, t, 8)).astype(np.float32) for t in (1, 600, 600))
+    for _ in range(2):  # measured once, then the answer kept
+        out = flashtile.decode_attention(q, k, v, block_table=[[0]], cache_seqlens=[600])
+        np.testing.assert_allclose(out, reference_decode(q, k, v), **TOL32)
+    assert calls == [name] and not store.exists()
+    assert routes.explain(name) == (
+        "tiles",
+        "fixed rule (the measurement failed: MemoryError('64 MiB'))",
+    )
 
 
 def test_another_machines_measurements_are_not_used(store, monkeypatch):
@@ -128,15 +153,18 @@ def test_another_machines_measurements_are_not_used(store, monkeypatch):
     assert routes.explain(name) == ("tiles", "fixed rule (not measured)")
 
 
+ENTRY = '{"KEY": {"decode.paged.one.d64.short": ENTRY}}'
+
+
 @pytest.mark.parametrize(
     "text",
     [
-        "{not json",
-        "[1, 2]",
-        '{"KEY": 3}',
-        '{"KEY": {"decode.paged.one.d64.short": {"choice": "x"}}}',
+        "{not json", "[1, 2]", '{"KEY": 3}', ENTRY.replace("ENTRY", '{"choice": "x"}'),
+        ENTRY.replace("ENTRY", '{"choice": "tiles"}'),
+        ENTRY.replace("ENTRY", '{"choice": "tiles", "times": {"tiles": null}}'),
+        ENTRY.replace("ENTRY", '{"choice": "tiles", "times": {"tiles": "1.0", "rows": 2}}'),
     ],
-)
+)  # fmt: skip
 def test_a_corrupt_cache_falls_back_to_the_fixed_rule(store, monkeypatch, text):
     store.write_text(text.replace("KEY", routes.machine_key()))
     monkeypatch.setenv("FLASHTILE_TUNE", "0")
@@ -186,7 +214,8 @@ def test_the_blas_route_resolves_auto(monkeypatch):
 def test_the_tune_command_measures_stores_and_reports(store, monkeypatch, capsys):
     planted = {"tiles": 3e-3, "rows": 1e-3}
     monkeypatch.setitem(routes._measures, "decode.paged.one.d64.short", lambda r, c: planted)
-    monkeypatch.setenv("FLASHTILE_TUNE", "0")  # the other routes: the fixed rules
+    other = "decode.contiguous.one.d64.short"  # --route: the others are not measured
+    monkeypatch.setitem(routes._measures, other, lambda r, c: pytest.fail("measured"))
     assert main(["tune", "--route", "decode.paged.one.d64.short"]) == 0
     text = capsys.readouterr().out
     lines = {line.split()[0]: line.split(None, 2)[1:] for line in text.splitlines()[2:-1]}
@@ -194,13 +223,61 @@ def test_the_tune_command_measures_stores_and_reports(store, monkeypatch, capsys
     assert lines["decode.paged.one.d64.short"][1].startswith(
         "measured now (rows 1.00 ms, tiles 3.00 ms)"
     )
-    assert lines["decode.contiguous.one.d64.short"][1].startswith("fixed rule (not measured)")
+    assert lines[other][1].startswith("fixed rule (not measured yet)")
     assert str(store) in text
 
 
 def test_the_measurements_time_every_candidate(monkeypatch):
-    # The real measurement (one route, one round): every candidate timed, forced.
-    route = routes.ROUTES["decode.tokens.several.d64.short"]
+    # The real measurement (one route, one round): every candidate timed, and
+    # run as itself, even under a variable that forces another walk.
+    route = routes.ROUTES["decode.tokens.few.d64.short"]
     monkeypatch.setattr(tune, "ROUNDS", 1)
+    monkeypatch.setenv("FLASHTILE_DECODE_WALK", "tiles")
+    walks = []
+    run = frontdoor.run_decode
+    monkeypatch.setattr(frontdoor, "run_decode", lambda plan: walks.append(plan.walk) or run(plan))
     times = tune.measure_decode(route, route.candidates)
     assert set(times) == set(route.candidates) and all(t > 0 for t in times.values())
+    assert sorted(set(walks)) == sorted(route.candidates)  # (warm-up and timed calls)
+
+
+def test_a_prepared_call_is_planned_again_when_a_route_moves(rng, monkeypatch):
+    # decode_attention on a whole contiguous cache keeps its plan between
+    # calls; forcing a route (or tuning) must reach it.
+    walks = []
+    run = frontdoor.run_decode
+    monkeypatch.setattr(frontdoor, "run_decode", lambda plan: walks.append(plan.walk) or run(plan))
+    q, k, v = (rng.standard_normal((1, 3, t, 8)).astype(np.float32) for t in (1, 700, 700))
+    name = routes.decode_route_name("contiguous", 1, 8, 700)
+    for walk in ("tiles", "rows", "tiles"):
+        with routes.force(name, walk):
+            for _ in range(2):
+                np.testing.assert_allclose(
+                    flashtile.decode_attention(q, k, v), reference_decode(q, k, v), **TOL32
+                )
+    assert walks == ["tiles", "tiles", "rows", "rows", "tiles", "tiles"]
+
+
+def test_head_walk_items_keep_the_threads_busy():
+    # An item of every kv head carries their work: automatic chunks shorten
+    # so that as many items are made; an explicit split count too small for
+    # the threads takes per-head items instead.
+    ranges = np.array([[0, 2048]])
+    per_head, _ = plan_splits(ranges, 8, None, 16)
+    heads, _ = plan_splits(ranges, 8, None, 16, tile=32, item_heads=8)
+    assert len(per_head) == 32 and len(heads) == 32
+    with pytest.raises(ValueError, match="item_heads=3 must divide kv_heads=8"):
+        plan_splits(ranges, 8, None, 16, item_heads=3)
+
+
+def test_the_bench_header_names_the_routes_in_force():
+    from flashtile.bench.machine import _route_lines, machine_info
+
+    info = machine_info()
+    assert set(info["routes"]) == set(routes.ROUTES)
+    chosen = {"blas": "mkl (measured)", "decode.a": "rows (x)", "decode.b": "rows (y)"}
+    lines = _route_lines({**chosen, "decode.c": "tiles"})
+    assert lines == [
+        "route   : blas = mkl (measured)",
+        "route   : decode walks of 3 classes: rows 2, tiles 1 (flashtile tune lists them)",
+    ]

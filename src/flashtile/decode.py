@@ -92,7 +92,7 @@ def decode_attention(
         entry = None if key is None else prepared(key)
         if entry is not None:  # checked and planned before
             result = run_prepared_decode(entry, q, k_cache, v_cache, return_lse)
-            if result is not None:  # (None: planned for another BLAS backend)
+            if result is not None:  # (None: planned before a BLAS or route change)
                 return result
     num_splits = check_num_splits(num_splits)
     return_lse = check_flag(return_lse, "return_lse")

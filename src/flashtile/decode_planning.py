@@ -119,6 +119,9 @@ def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> Deco
     walk = decode_walk(
         rows, layout.page, layout.table.shape[1], layout.heads, DECODE_TILE, d, longest
     )
+    if walk in HEAD_WALKS and num_splits is not None and len(lengths) * num_splits < threads:
+        # One item per sequence and split would leave threads idle: per-head items.
+        walk = ROWS if walk == HEAD_ROWS else TILES
     in_place = walk in (ROWS, HEAD_ROWS)
     operands = decode_operands(q.dtype, layout, scale, in_place)
     if in_place and operands != np.float32:  # the tiles of the same items instead
@@ -127,7 +130,7 @@ def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> Deco
     tile_keys = decode_tile(rows, layout.page, walk, head_bytes)
     items, spans = _decode_splits(
         lengths, tq, va.causal, va.left, va.right, layout.heads, num_splits, threads,
-        layout.heads if walk in HEAD_WALKS else 1,
+        *((layout.heads, tile_keys) if walk in HEAD_WALKS else (1, DECODE_TILE)),
     )  # fmt: skip
     q_work = np.ascontiguousarray(q, dtype=operands)
     return DecodePlan(q_work, layout, items, spans, variants, scale, tile_keys, threads, walk)
@@ -152,12 +155,12 @@ def decode_operands(q_dtype, layout: CacheLayout, scale: float, row_walk: bool) 
 
 
 @lru_cache(maxsize=256)
-def _decode_splits(lengths, tq, causal, left, right, kv_heads, num_splits, threads, heads):
+def _decode_splits(lengths, tq, causal, left, right, kv_heads, num_splits, threads, heads, tile):
     """:func:`plan_splits` for sequences of ``lengths`` keys, cached (shared arrays)."""
     ranges = np.zeros((len(lengths), 2), dtype=np.int64)
     for b, n in enumerate(lengths):  # keys any query of b can see
         ranges[b] = block_key_range(0, tq, tq, n, causal, left, right, n)
-    return plan_splits(ranges, kv_heads, num_splits, threads, item_heads=heads)
+    return plan_splits(ranges, kv_heads, num_splits, threads, tile, heads)
 
 
 @lru_cache(maxsize=64)

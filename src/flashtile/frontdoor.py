@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import routes
 from ._validate import (
     BFLOAT16,
     AttentionShapes,
@@ -180,6 +181,9 @@ class Step(NamedTuple):
             BLAS can be switched at run time; a step planned for the other
             answer is planned again); None for other dtypes.
         num_splits: the decode plan's ``num_splits`` (its float64 retry's too).
+        routes: for a decode plan, :data:`flashtile.routes.GENERATION` when it
+            was planned (its walk is a route: planned again once that moves);
+            None for the forward.
     """
 
     plan: KernelPlan | DecodePlan
@@ -190,6 +194,7 @@ class Step(NamedTuple):
     bf16: bool
     products: bool | None
     num_splits: int | None = None
+    routes: int | None = None
 
 
 class Prepared(NamedTuple):
@@ -314,7 +319,7 @@ def run_prepared_decode(entry: Prepared, q, k_cache, v_cache, return_lse: bool):
     :func:`prepare_decode` stored (no check, no planning), or None when its
     step no longer holds (the BLAS was switched: the caller plans the call)."""
     step = entry.steps[None]
-    if step.products is not None and _stale(step):
+    if (step.products is not None and _stale(step)) or step.routes != routes.GENERATION[0]:
         return None
     return _run_step(step, entry.variants, q, k_cache, v_cache, return_lse)
 
@@ -336,6 +341,8 @@ def run_prepared(entry: Prepared, q, k, v, return_lse: bool):
     step = entry.steps.get(tk)
     if step is not None and step.products is not None and _stale(step):
         step = None  # planned for another BLAS (set_backend): planned again below
+    elif step is not None and step.routes is not None and step.routes != routes.GENERATION[0]:
+        step = None  # a decode walk planned before a route changed
     if step is not None and step.bounded:  # the values must allow the planned work dtype
         score, products = bounds(entry.scale, q, k, entry.variants, step.shapes.tq, tk)
         if score >= FLOAT32_SCORE_LIMIT or (step.bf16 and products >= FLOAT32_SCORE_LIMIT):
@@ -383,7 +390,10 @@ def _decode_step(plan: DecodePlan, shapes: AttentionShapes, dtype, num_splits) -
     shapes4 = (plan.q.shape, plan.layout.k.shape, plan.layout.v.shape)
     template = plan._replace(q=None, layout=plan.layout._replace(k=None, v=None))
     work = plan.q.dtype
-    return Step(template, shapes, shapes4, work, False, False, _products(dtype), num_splits)
+    return Step(
+        template, shapes, shapes4, work, False, False, _products(dtype), num_splits,
+        routes.GENERATION[0],
+    )  # fmt: skip
 
 
 def _products(dtype) -> bool | None:

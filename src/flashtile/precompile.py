@@ -103,7 +103,9 @@ def _decode(q_dtype, cache_dtype, layout):
 #: compile those (nothing, after the float32 ones). Decoding's walks
 #: (:func:`flashtile.workitems.decode_walk`) are routes measured on the
 #: machine: every walk of float32 work is compiled (the measurement runs
-#: them all); the 16-bit caches' heads walk compiles on first use.
+#: them all), and for 16-bit caches and float64 (the range fallback) the
+#: walks measured fastest on the machines so far; another one compiles on
+#: its first use.
 TASKS = (
     ("forward float64", "float64", _forward, (np.float64,)),
     ("forward float32", "float32", _forward, (np.float32,)),
@@ -118,6 +120,12 @@ TASKS = (
      (np.float32, np.float32, "head-tiles")),
     ("decode float32, one-token pages in place", "float32", _decode,
      (np.float32, np.float32, "head-rows")),
+    ("decode float16 cache, one-token pages in place", "float16", _decode,
+     (np.float16, np.float16, "head-rows")),
+    ("decode bfloat16, one-token pages in place", "bfloat16", _decode,
+     (BFLOAT16, BFLOAT16, "head-rows")),
+    ("decode float64, one-token pages", "float64", _decode,
+     (np.float64, np.float64, "head-tiles")),
     ("decode float64", "float64", _decode, (np.float64, np.float64, "contiguous")),
     ("decode float32", "float32", _decode, (np.float32, np.float32, "contiguous")),
     ("decode float16 cache", "float16", _decode, (np.float16, np.float16, "contiguous")),

@@ -16,11 +16,14 @@ candidate on a short representative problem, side by side.
 
 :func:`choice` resolves a route, first match wins:
 
-1. the route's environment variable (``FLASHTILE_BLAS``, ``FLASHTILE_DECODE_WALK``);
-2. :func:`force` in this process (the measurement itself, tests);
+1. :func:`force` in this process (the measurement itself, ``flashtile
+   precompile``'s compilations, tests);
+2. the route's environment variable (``FLASHTILE_BLAS``,
+   ``FLASHTILE_DECODE_WALK``), read when a call is planned (a prepared call
+   keeps its plan until :data:`GENERATION` moves);
 3. this process's earlier answer, or the cache file's entry for this machine;
 4. a measurement now, on first use (stored for later processes), unless
-   ``FLASHTILE_TUNE=0``;
+   ``FLASHTILE_TUNE=0``; a measurement that fails gives the fixed rule;
 5. the fixed rule.
 
 The cache is ``routes.json`` in ``FLASHTILE_CACHE_DIR``, else
@@ -29,9 +32,11 @@ The cache is ``routes.json`` in ``FLASHTILE_CACHE_DIR``, else
 threads, and the versions of flashtile and the libraries whose code runs
 the candidates. A missing, unreadable or corrupt cache (or one written for
 another machine) never fails a call: the route is measured again, or
-falls back to the fixed rule. ``flashtile tune`` measures every route;
-``flashtile precompile`` does too, after compiling; ``flashtile bench``
-prints the routes in force and why (:func:`report`).
+falls back to the fixed rule. Processes measuring at once do not
+coordinate (the last writer's file wins; a lost entry is measured again).
+``flashtile tune`` measures every route; ``flashtile precompile`` does
+too, after compiling; ``flashtile bench`` prints the routes in force and
+why (:func:`report`).
 
 This module imports nothing of flashtile's kernels: the measurements are
 registered from above (:func:`register`), so the planners can ask for a
@@ -96,18 +101,25 @@ _LAYOUTS = {
                "one-token pages of several kv heads (flash-attn's cache)"),
 }  # fmt: skip
 #: Head dims up to this are the "d64" class, larger ones "d128"; caches of
-#: at most SHORT_KEYS keys (the longest sequence) the "short" class.
-SMALL_HEAD_DIM, SHORT_KEYS = 96, 4096
+#: at most SHORT_KEYS keys (the longest sequence) the "short" class; items of
+#: 2 to FEW_ROWS query rows the "few" class, more (up to 16) "many" (the
+#: row walk's cost grows with the rows, BLAS's hardly: at 16 rows the
+#: ranking flips where at 4 it did not).
+SMALL_HEAD_DIM, SHORT_KEYS, FEW_ROWS = 96, 4096, 8
 
 
 def decode_route_name(layout: str, rows: int, head_dim: int, keys: int) -> str:
     """The route of decode items of ``rows`` query rows (1-16), head dim
     ``head_dim``, over a ``layout`` cache whose longest sequence has ``keys``."""
+    rows_class = "one" if rows == 1 else "few" if rows <= FEW_ROWS else "many"
     return (
-        f"decode.{layout}.{'one' if rows == 1 else 'several'}"
+        f"decode.{layout}.{rows_class}"
         f".{'d64' if head_dim <= SMALL_HEAD_DIM else 'd128'}"
         f".{'short' if keys <= SHORT_KEYS else 'long'}"
     )
+
+
+_ROWS_DOC = {"one": "one query row", "few": "2-8 query rows", "many": "9-16 query rows"}
 
 
 def _fixed_walk(layout: str, rows: str) -> str:
@@ -121,12 +133,12 @@ def _fixed_walk(layout: str, rows: str) -> str:
 _DECODE = tuple(
     Route(
         f"decode.{layout}.{rows}.{d}.{keys}", walks, _fixed_walk(layout, rows), _WALK,
-        f"{'one query row' if rows == 'one' else '2-16 query rows'} per item, head dim "
+        f"{_ROWS_DOC[rows]} per item, head dim "
         f"{'<= 96' if d == 'd64' else '> 96'}, {'<=' if keys == 'short' else '>'} 4096 "
         f"keys, {doc}",
     )
     for layout, (walks, doc) in _LAYOUTS.items()
-    for rows in ("one", "several")
+    for rows in _ROWS_DOC
     for d in ("d64", "d128")
     for keys in ("short", "long")
 )  # fmt: skip
@@ -145,6 +157,12 @@ _available: dict[str, Callable[[], tuple[str, ...]]] = {}
 _forced: dict[str, str] = {}
 _chosen: dict[str, tuple[str, str]] = {}  # name -> (choice, why), this process's answers
 _measuring: set[str] = set()
+#: ``GENERATION[0]`` moves whenever a route's answer in this process may
+#: have changed (forcing, tuning, forgetting): plans kept across calls
+#: compare it to plan again (:mod:`flashtile.frontdoor`; a list read in
+#: place: no call on the hot path). A variable changed after a call was
+#: planned applies to calls planned afterwards.
+GENERATION = [0]
 
 
 def register(name: str, measure: Measure) -> None:
@@ -192,36 +210,55 @@ def _env_choice(route: Route) -> str | None:
 def choice(name: str) -> str:
     """Route ``name``'s choice in force (the module docstring gives the order)."""
     answer = _chosen.get(name)  # a planner asks on every call: the common case first
-    if answer is not None and not _forced and not os.environ.get(ROUTES[name].env):
+    if answer is not None and name not in _forced and not os.environ.get(ROUTES[name].env):
         return answer[0]
     return explain(name)[0]
 
 
-def explain(name: str) -> tuple[str, str]:
-    """``(choice, why)`` of route ``name``; ``why`` says which rule chose."""
+def explain(name: str, measure: bool = True) -> tuple[str, str]:
+    """``(choice, why)`` of route ``name``; ``why`` says which rule chose.
+    ``measure``: measure a route that has no stored choice (False: report the
+    fixed rule without measuring or remembering it)."""
     route = ROUTES[name]
+    if name in _forced:  # the measurement, precompile and tests: over the variable too
+        return _forced[name], "forced in this process"
     forced = _env_choice(route)
     if forced is not None:
         return forced, f"forced by {route.env}"
     with _lock:
-        if name in _forced:
-            return _forced[name], "forced in this process"
         if name in _chosen:
             return _chosen[name]
         entry = _read_cache().get(name)
         usable = candidates(name)
-        if isinstance(entry, dict) and entry.get("choice") in usable:
-            answer = (entry["choice"], f"measured ({_times_text(entry.get('times'))})")
-        elif name in _measures and name not in _measuring and _lazy_tuning():
+        if _valid_entry(entry, usable):
+            answer = (entry["choice"], f"measured ({_times_text(entry['times'])})")
+        elif measure and name in _measures and name not in _measuring and _lazy_tuning():
             answer = _measure_and_store(route)
+        elif not measure:
+            return _fixed(route), "fixed rule (not measured yet)"
         else:
             answer = (_fixed(route), "fixed rule (not measured)")
         _chosen[name] = answer
         return answer
 
 
+def _valid_entry(entry, usable) -> bool:
+    """Whether a cache entry is a choice this process can run and its times."""
+    if not (isinstance(entry, dict) and entry.get("choice") in usable):
+        return False
+    times = entry.get("times")
+    return isinstance(times, dict) and all(
+        isinstance(t, (int, float)) and not isinstance(t, bool) for t in times.values()
+    )
+
+
 def _lazy_tuning() -> bool:
-    return os.environ.get("FLASHTILE_TUNE", "1").strip().lower() not in ("0", "off", "no")
+    off = ("0", "off", "no", "false")
+    return os.environ.get("FLASHTILE_TUNE", "1").strip().lower() not in off
+
+
+def _moved() -> None:
+    GENERATION[0] += 1
 
 
 def tune(names: list[str] | None = None) -> dict[str, dict]:
@@ -233,18 +270,22 @@ def tune(names: list[str] | None = None) -> dict[str, dict]:
             _chosen.pop(name, None)
             _chosen[name] = _measure_and_store(ROUTES[name])
             results[name] = _read_cache().get(name, {})
+        _moved()
     return results
 
 
 def _measure_and_store(route: Route) -> tuple[str, str]:
     """Time ``route``'s candidates (its registered measurement) and store the
-    fastest; the fixed rule when it cannot be measured here."""
+    fastest; the fixed rule when it cannot be measured here, or when the
+    measurement fails (an allocation, a compilation: never the caller's call)."""
     usable = candidates(route.name)
     if len(usable) < 2:
         return _fixed(route), "fixed rule (one candidate on this machine)"
     _measuring.add(route.name)
     try:
         times = _measures[route.name](route, usable)
+    except Exception as error:  # a failed measurement falls back, as documented
+        return _fixed(route), f"fixed rule (the measurement failed: {error!r})"
     finally:
         _measuring.discard(route.name)
     best = min(times, key=times.get)
@@ -252,9 +293,7 @@ def _measure_and_store(route: Route) -> tuple[str, str]:
     return best, f"measured now ({_times_text(times)})"
 
 
-def _times_text(times) -> str:
-    if not isinstance(times, dict):
-        return "no times kept"
+def _times_text(times: dict) -> str:
     ranked = sorted(times.items(), key=lambda item: item[1])  # fastest first
     return ", ".join(f"{c} {t * 1e3:.2f} ms" for c, t in ranked)
 
@@ -271,6 +310,7 @@ def force(name: str, value: str | None) -> Iterator[None]:
             _forced.pop(name, None)
         else:
             _forced[name] = value
+        _moved()
     try:
         yield
     finally:
@@ -279,17 +319,20 @@ def force(name: str, value: str | None) -> Iterator[None]:
                 _forced.pop(name, None)
             else:
                 _forced[name] = before
+            _moved()
 
 
 def forget() -> None:
     """Drop this process's answers (the next :func:`choice` reads the cache again)."""
     with _lock:
         _chosen.clear()
+        _moved()
 
 
-def report() -> list[tuple[str, str, str, str]]:
-    """``(route, choice, why, what it decides)`` for every route, as in force now."""
-    return [(name, *explain(name), route.doc) for name, route in ROUTES.items()]
+def report(measure: bool = True) -> list[tuple[str, str, str, str]]:
+    """``(route, choice, why, what it decides)`` for every route, as in force
+    now (``measure``: as :func:`explain`'s)."""
+    return [(name, *explain(name, measure), route.doc) for name, route in ROUTES.items()]
 
 
 def cache_dir() -> Path:
@@ -358,8 +401,12 @@ def _write_entry(name: str, entry: dict) -> None:
         mine = data.get(key) if isinstance(data.get(key), dict) else {}
         data[key] = {**mine, name: entry}
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".routes-", suffix=".json")
+    except OSError:
+        return
+    try:
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh, indent=1, sort_keys=True)
         os.replace(tmp, directory / CACHE_FILE)
     except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)

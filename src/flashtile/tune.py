@@ -36,10 +36,11 @@ from .decode import decode_attention
 #: Interleaved rounds per measurement (medians of these).
 ROUNDS = 5
 #: The decode measurements' kv heads, and the bytes of keys and values of
-#: the "long" class (the "short" class has SHORT_KEYS keys).
-DECODE_HEADS, LONG_BYTES, SHORT_KEYS = 8, 64 << 20, 2048
-#: Query rows per item of the decode measurements' "several" class (GQA 32/8).
-SEVERAL_ROWS = 4
+#: the "long" class (the "short" class has SHORT_PROBLEM_KEYS keys).
+DECODE_HEADS, LONG_BYTES, SHORT_PROBLEM_KEYS = 8, 64 << 20, 2048
+#: Query rows per item of the decode measurements of each rows class
+#: (:func:`flashtile.routes.decode_route_name`): GQA 32/8, and 16 rows.
+CLASS_ROWS = {"one": 1, "few": 4, "many": 16}
 #: Keys per page of the decode measurements' "paged" layout.
 PAGE = 16
 
@@ -63,25 +64,21 @@ def measure_blas(route: routes.Route, candidates: tuple[str, ...]) -> dict[str, 
         out, lse = attention(q, k, v, causal=True, return_lse=True)
         attention_backward(q, k, v, out, lse, dout, causal=True)
 
+    before = blas.pinned()  # an explicit set_backend stays; "auto" resolves again
     try:
         return _timed({c: functools.partial(step, c) for c in candidates})
     finally:
-        blas.reset_backend()  # resolved again, by the route this measured
-
-
-@functools.cache
-def _decode_buffers() -> tuple[np.ndarray, np.ndarray]:
-    """The decode measurements' keys and values, LONG_BYTES / 2 each (float32)."""
-    rng = np.random.default_rng(1)
-    return tuple(rng.standard_normal(LONG_BYTES // 8, dtype=np.float32) for _ in range(2))
+        blas.reset_backend(before)
 
 
 def _decode_problem(layout: str, rows: int, d: int, long: bool):
     """``(q, k, v, block_table, cache_seqlens)`` of one decode step on the
     measurements' buffers viewed in ``layout``."""
     heads = DECODE_HEADS
-    keys = LONG_BYTES // (8 * heads * d) if long else SHORT_KEYS
-    k, v = (a[: keys * heads * d] for a in _decode_buffers())
+    keys = LONG_BYTES // (8 * heads * d) if long else SHORT_PROBLEM_KEYS
+    # Constant keys and values (the time does not read them; filling 64 MiB
+    # with random numbers would take longer than the measurement).
+    k, v = (np.full(keys * heads * d, 0.01, dtype=np.float32) for _ in range(2))
     rng = np.random.default_rng(2)
     q = rng.standard_normal((1, heads * rows, 1, d), dtype=np.float32)
     if layout == "contiguous":
@@ -97,7 +94,7 @@ def measure_decode(route: routes.Route, candidates: tuple[str, ...]) -> dict[str
     """One decode step per candidate walk, on the route's layout, rows, head
     dim and length class."""
     _, layout, rows_class, d_class, keys_class = route.name.split(".")
-    rows = 1 if rows_class == "one" else SEVERAL_ROWS
+    rows = CLASS_ROWS[rows_class]
     d = 64 if d_class == "d64" else 128
     q, k, v, table, lengths = _decode_problem(layout, rows, d, keys_class == "long")
 
@@ -114,13 +111,14 @@ for _name in routes.ROUTES:
         routes.register(_name, measure_decode)
 
 
-def print_routes(out=print) -> None:
+def print_routes(out=print, measure: bool = True) -> None:
     """One line per route: its choice in force, why, and what it decides
-    (a route not measured yet is measured now, as a first call would)."""
+    (``measure``: a route not measured yet is measured now, as a first call
+    would; False: it shows its fixed rule)."""
     from .cpu import blas  # which libraries this process can load
 
     blas.available()
-    for name, choice, why, doc in routes.report():
+    for name, choice, why, doc in routes.report(measure):
         out(f"  {name:36s} {choice:10s} {why}  [{doc}]")
 
 
@@ -130,7 +128,7 @@ def run_tune(args: argparse.Namespace) -> int:
     routes.tune(args.route or None)
     print(f"routes for {routes.machine_key()}")
     print(f"cache: {routes.cache_dir() / routes.CACHE_FILE}")
-    print_routes()
+    print_routes(measure=False)  # (--route: the others as they stand)
     print(f"tuned in {time.perf_counter() - started:.1f} s")
     return 0
 

@@ -205,13 +205,17 @@ def plan_splits(ranges, kv_heads, num_splits, threads, tile=DECODE_TILE, item_he
             the whole batch makes about CHUNKS_PER_THREAD items per thread.
         item_heads: kv heads per item (1, or ``kv_heads`` for the
             :data:`HEAD_WALKS`: then items exist for kv head 0 only and
-            stand for every head of their chunk).
+            stand for every head of their chunk, and automatic chunks may be
+            ``item_heads`` times shorter, down to one ``tile``, so that as
+            many items carry the same work).
 
     Returns:
         ``items (N, 5)`` int64 rows ``(b, kv head, j_lo, j_hi, slot)`` in the
         order the threads should take them, and ``spans (B * Hkv, 2)``:
         the first slot and the count of each ``(b, kv head)``'s partials.
     """
+    if item_heads < 1 or kv_heads % item_heads:
+        raise ValueError(f"item_heads={item_heads} must divide kv_heads={kv_heads}")
     # Compiled: a decoding loop plans every step anew (its key count grows),
     # and these few dozen NumPy calls on tiny arrays cost 40-70 us a step.
     items, spans = _split_items(ranges, kv_heads, -1 if num_splits is None else num_splits,
@@ -232,7 +236,8 @@ def _split_items(ranges, kv_heads, num_splits, threads, tile, item_heads):
     chunks = np.empty(n, dtype=np.int64)
     if num_splits < 0:
         total = kv_heads // item_heads * lengths.sum()
-        chunk = max(MIN_SPLIT_KEYS, -(-total // (CHUNKS_PER_THREAD * threads)))
+        shortest = max(tile, MIN_SPLIT_KEYS // item_heads)  # the same work per item
+        chunk = max(shortest, -(-total // (CHUNKS_PER_THREAD * threads)))
         chunk = -(-chunk // tile) * tile
         for b in range(n):
             splits[b] = max(1, -(-lengths[b] // chunk))

@@ -106,10 +106,25 @@ def header_lines(info: dict, ceiling: float | None) -> list[str]:
     ]
     if info.get("bf16_path"):  # absent in reports written before it was recorded
         lines.append(f"bfloat16: {info['bf16_path']}")
-    for name, chosen in info.get("routes", {}).items():  # absent in older reports
-        lines.append(f"route   : {name} = {chosen}")
+    lines += _route_lines(info.get("routes", {}))  # absent in older reports
     if ceiling is not None:
         lines.append(
             f"ceiling : NumPy sgemm {CEILING_N}^3 float32 = {ceiling:.0f} GFLOP/s (best of 3)"
         )
+    return lines
+
+
+def _route_lines(chosen: dict[str, str]) -> list[str]:
+    """The routes in force: each non-decode route on a line, the decode walks
+    counted by choice (``flashtile tune`` lists each of them)."""
+    lines = [f"route   : {n} = {c}" for n, c in chosen.items() if not n.startswith("decode.")]
+    walks: dict[str, int] = {}
+    for name, text in chosen.items():
+        if name.startswith("decode."):
+            walk = text.split(" ", 1)[0]
+            walks[walk] = walks.get(walk, 0) + 1
+    if walks:
+        counts = ", ".join(f"{w} {n}" for w, n in sorted(walks.items(), key=lambda i: -i[1]))
+        lines.append(f"route   : decode walks of {sum(walks.values())} classes: {counts} "
+                     "(flashtile tune lists them)")  # fmt: skip
     return lines

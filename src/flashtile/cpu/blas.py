@@ -187,7 +187,8 @@ def backend() -> str:
     except ValueError as err:
         raise ValueError(f"FLASHTILE_BLAS={env!r}: {err}") from None
     with _lock:
-        _choice = resolved
+        if _choice is None:  # (a set_backend meanwhile wins)
+            _choice = resolved
         return _choice
 
 
@@ -205,12 +206,19 @@ def set_backend(choice: str) -> str:
     return resolved
 
 
-def reset_backend() -> None:
-    """Forget the backend in force: the next :func:`backend` resolves
-    ``FLASHTILE_BLAS`` (or the route) again."""
+def pinned() -> str | None:
+    """The backend this process settled on so far (:func:`set_backend`, or a
+    resolved ``auto``), without resolving one: None if none yet."""
+    return _choice
+
+
+def reset_backend(choice: str | None = None) -> None:
+    """Put back the backend in force (the ``backend()`` of an earlier moment,
+    or None: the next :func:`backend` resolves ``FLASHTILE_BLAS``, or the
+    route, again)."""
     global _choice
     with _lock:
-        _choice = None
+        _choice = choice
 
 
 #: CPU features (LLVM's names) with bf16 dot-product instructions.

@@ -1,30 +1,26 @@
-"""Single-row decoding tiles read from cache pages in place: no gather, no BLAS.
+"""Decoding tiles read from cache pages in place: no gather, no BLAS.
 
-With pages smaller than a 256-key tile (a paged cache of 16-key pages, as
-serving engines keep them), the BLAS path first gathers each tile's page
-runs into a scratch tile. With one query row per work item (multi-head
-attention, one new query) the products are a dot product per key and an
-``axpy`` per value row, too little work to hide that copy. Here both
-products read each key's row where it lies, in the cache's own format
-(float32 as is; bf16 and float16 patterns widened in registers,
-:func:`.memory.load_value`), each key prefetching the row :data:`AHEAD`
-keys on (pages are separate streams the hardware prefetcher does not
-follow). The online softmax in between is the forward's own
-(:func:`.tile_step.softmax_tile`).
+Two of the decode kernel's walks (:mod:`.decode`; which one runs is a route
+measured on the machine, :func:`flashtile.workitems.decode_walk`):
 
-Measured (``scripts/compare_trees.py --decode``, 12 heads, d 64, one query,
-Tk=32768 in shuffled 16-key pages, float32; Intel Xeon of the Emerald Rapids
-class, 2 cores): 0.76-0.91x the time of the gather path on one core (CPU
-time), 0.74-0.91x on two threads. Not routed here, as measured no faster:
-contiguous or large-page caches (BLAS reads the tile in place: float32 at
-1.0-1.35x the BLAS time here), bf16 caches in large pages (the widening copy
-streams from memory better: 0.86-1.2x, inside the noise), items of
-several rows (docs/decoding.md), and float64 work (float64 caches and the
-float32 range fallback: not the serving case, and one compilation less).
-bf16 queries in small pages come here too, widened, rather than to bf16
-tile products (which took 1.09-1.10x the time). The routing rule is the
-plan's (:func:`flashtile.workitems.row_walk`, applied by
-:func:`flashtile.decode_planning.plan_decode`).
+- :class:`RowWalk`: one kv head's items read each key's row where it lies,
+  in the cache's own format (float32 as is; bf16 and float16 patterns
+  widened in registers, :func:`.memory.load_value`): a dot product per key
+  and query row, an ``axpy`` per value row, each key prefetching the row
+  :data:`AHEAD` keys on (pages are separate streams the hardware prefetcher
+  does not follow);
+- :class:`HeadRowsWalk`: an item takes every kv head of its key chunk and
+  reads each key's rows of all heads in turn, the memory order of one-token
+  pages (flash-attn's ``(B, T, Hkv, d)`` cache).
+
+The online softmax in between is the forward's own
+(:func:`.tile_step.softmax_tile`). Measured: with one query row in 16-key
+pages (12 heads, d 64, Tk=32768, float32; Emerald Rapids Xeon, 2 cores)
+the row walk took 0.74-0.91x the gather path's time, while contiguous
+caches and several rows stayed faster on BLAS there (1.0-1.35x); on an AVX2
+AMD EPYC the row walk beat BLAS tiles by 2-3x for GQA rows and d 128, and
+lost 2x at d 64 against 2048 keys (docs/decoding.md). float64 work (float64
+caches and the float32 range fallback) takes the tiles of the same items.
 
 Rows are addressed through the flat cache (``reshape(-1)`` of the C-contiguous
 ``(blocks, Hkv, P, width)`` array) by an unsigned element offset per key:

@@ -4,7 +4,8 @@ A decode step has a handful of queries per sequence and a long cache, so
 the work is reading K and V once. One work item is one ``(sequence, kv head,
 key chunk)``: the ``group * Tq`` queries of the query heads that read the kv
 head, stacked as rows (as in :mod:`.forward`), against one chunk of that
-sequence's keys. Chunks of one sequence run in parallel and each writes a
+sequence's keys; with the head walks (one-token pages) one item takes every
+kv head of its chunk. Chunks of one sequence run in parallel and each writes a
 partial ``(out, lse)``; :func:`merge_partials` folds them with the
 ``merge_states`` rule. Planning (how many chunks, which thread takes which)
 is :func:`flashtile.decode_planning.plan_decode`'s job.
@@ -23,9 +24,9 @@ bf16 ones (``P`` rounded to bf16). Either way each tile is
 folded by the forward's tile step (:func:`.tile_step.fold_key_tile`: the same
 online softmax, variants and epilogue), and the next rows are prefetched
 (:mod:`.memory`): the next tile while this one is computed, or, for small
-pages, the next page while this one is copied. Items of a single query row
-in a paged cache of pages smaller than a tile skip the gather and BLAS:
-:mod:`.cache_rows` reads their rows in place.
+pages, the next page while this one is copied. Items that walk the cache
+row by row skip the gather and BLAS (:mod:`.cache_rows`); which walk runs is
+a route measured on the machine (:func:`flashtile.workitems.decode_walk`).
 """
 
 from __future__ import annotations
@@ -254,8 +255,9 @@ def decode_kernel(
         seqlens: ``(B,)`` int64 valid keys per sequence; query ``i`` of
             sequence ``b`` sits at position ``seqlens[b] - Tq + i``.
         items: ``(N, 5)`` int64 rows ``(b, kv head, j_lo, j_hi, slot)``; with
-            :class:`.cache_rows.HeadTilesWalk` an item stands for every kv head
-            from its own on, head ``hk + u`` writing slot ``slot + u * count``.
+            :class:`.cache_rows.HeadTilesWalk` or :class:`.cache_rows.HeadRowsWalk`
+            an item stands for every kv head from its own on, head ``hk + u``
+            writing slot ``slot + u * count``.
         spans: ``(B * Hkv, 2)`` int64 ``(first slot, count)`` per ``(b, kv head)``.
         part_out: ``(slots, group * Tq, dv)``, part_lse: ``(slots, group * Tq)``
             (natural log), in the work dtype (float32 for bf16 products),

@@ -12,12 +12,14 @@ second), so they are imported on first use, not with ``flashtile``.
 from __future__ import annotations
 
 import functools
+import os
 import types
 
 import numba
 import numpy as np
 
 from .._validate import BFLOAT16, COMPUTE_DTYPES
+from ..cpuset import usable_cpus
 
 
 @numba.njit  # not cached: it reads Numba's thread-count functions as ctypes globals
@@ -30,13 +32,21 @@ def _swap_threads(n):
     return saved
 
 
+#: The CPUs this process may use (affinity, and a container's CPU quota:
+#: :func:`flashtile.cpuset.usable_cpus`), read once; with NUMBA_NUM_THREADS
+#: set, the user's pool size instead.
+_USABLE = numba.config.NUMBA_NUM_THREADS if "NUMBA_NUM_THREADS" in os.environ else usable_cpus()
+
+
 @numba.njit  # not cached, as _swap_threads
 def numba_threads():
-    """Numba's thread count for the calling thread: ``numba.get_num_threads()``
-    compiled (the Python function costs about 2 us, this 0.2; planning asks
-    on every call). Compiled once per process on first use, as
+    """The kernels' thread count for the calling thread: Numba's
+    (``numba.get_num_threads()``), at most the CPUs the process may use
+    (``_USABLE``: a quota-limited container's Numba pool is larger than its
+    quota). Compiled: the Python function costs about 2 us, this 0.2, and
+    planning asks on every call; once per process on first use, as
     :func:`_swap_threads` (a few hundred ms, with Numba's own start-up)."""
-    return numba.get_num_threads()
+    return min(numba.get_num_threads(), _USABLE)
 
 
 @functools.cache

@@ -1,0 +1,76 @@
+"""The CPUs a process may use: cgroup v1 and v2 quotas read from planted files."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from flashtile.cpu.launch import numba_threads
+from flashtile.cpuset import cgroup_cpu_limit, usable_cpus
+
+
+def _plant(root, files: dict[str, str]):
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+V2 = "0::/kubepods/pod1/ctr\n"
+V1 = "12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n"
+
+
+@pytest.mark.parametrize(
+    ("files", "want"),
+    [
+        ({"proc/self/cgroup": V2, "sys/fs/cgroup/kubepods/pod1/ctr/cpu.max": "150000 100000"}, 1.5),
+        ({"proc/self/cgroup": V2, "sys/fs/cgroup/kubepods/pod1/ctr/cpu.max": "max 100000"}, None),
+        # An ancestor's quota binds its descendants: the tightest wins.
+        (
+            {
+                "proc/self/cgroup": V2,
+                "sys/fs/cgroup/kubepods/pod1/ctr/cpu.max": "400000 100000",
+                "sys/fs/cgroup/kubepods/pod1/cpu.max": "100000 100000",
+            },
+            1.0,
+        ),
+        # In a cgroup namespace the process's path is the mount's root.
+        ({"proc/self/cgroup": "0::/\n", "sys/fs/cgroup/cpu.max": "250000 100000"}, 2.5),
+        (
+            {
+                "proc/self/cgroup": V1,
+                "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "50000",
+                "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000",
+            },
+            0.5,
+        ),
+        (
+            {
+                "proc/self/cgroup": V1,
+                "sys/fs/cgroup/cpu/docker/abc/cpu.cfs_quota_us": "-1",
+                "sys/fs/cgroup/cpu/docker/abc/cpu.cfs_period_us": "100000",
+            },
+            None,
+        ),
+        ({"proc/self/cgroup": V2, "sys/fs/cgroup/kubepods/pod1/ctr/cpu.max": "garbage"}, None),
+        ({}, None),  # no /proc: no limit known
+    ],
+    ids=["v2", "v2-max", "v2-parent", "v2-namespace", "v1", "v1-none", "v2-garbage", "none"],
+)
+def test_the_quota_is_read_in_both_cgroup_formats(tmp_path, files, want):
+    assert cgroup_cpu_limit(_plant(tmp_path, files)) == want
+
+
+def test_usable_cpus_round_a_quota_down_and_keep_the_affinity(tmp_path):
+    affinity = len(os.sched_getaffinity(0))
+    assert usable_cpus(tmp_path) == affinity  # nothing planted: the affinity
+    quota = {"proc/self/cgroup": "0::/\n", "sys/fs/cgroup/cpu.max": "50000 100000"}
+    assert usable_cpus(_plant(tmp_path, quota)) == 1  # half a CPU: one thread, never zero
+    (tmp_path / "sys/fs/cgroup/cpu.max").write_text(f"{(affinity + 5) * 100000} 100000")
+    assert usable_cpus(tmp_path) == affinity  # a quota above the affinity changes nothing
+
+
+def test_the_kernels_run_at_most_the_usable_cpus():
+    assert 1 <= numba_threads() <= usable_cpus()
