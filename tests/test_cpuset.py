@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 
+import numba
 import pytest
 
+import flashtile.cpu.launch as launch
 from flashtile.cpu.launch import numba_threads
 from flashtile.cpuset import cgroup_cpu_limit, usable_cpus
 
@@ -72,5 +74,23 @@ def test_usable_cpus_round_a_quota_down_and_keep_the_affinity(tmp_path):
     assert usable_cpus(tmp_path) == affinity  # a quota above the affinity changes nothing
 
 
-def test_the_kernels_run_at_most_the_usable_cpus():
-    assert 1 <= numba_threads() <= usable_cpus()
+def test_the_kernels_run_on_the_planned_threads():
+    # Planned at most the usable CPUs (a user's NUMBA_NUM_THREADS kept), and
+    # each call runs on the plan's count, whatever the pool's size.
+    assert 1 <= numba_threads() <= launch._USABLE
+    if "NUMBA_NUM_THREADS" not in os.environ:
+        assert usable_cpus() == launch._USABLE
+
+    @numba.njit
+    def running():
+        return numba.get_num_threads()
+
+    assert launch._on_threads(1, running) == 1
+    assert launch._on_threads(numba_threads(), running) == numba_threads()
+    if numba.config.NUMBA_NUM_THREADS > 1:  # a pool larger than the CPUs allowed
+        monkeypatched = launch._USABLE
+        try:
+            launch._USABLE = 1
+            assert launch._on_threads(2, running) == 2  # swapped to the plan's count
+        finally:
+            launch._USABLE = monkeypatched

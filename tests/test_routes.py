@@ -12,6 +12,8 @@ import flashtile
 from flashtile import frontdoor, routes, tune
 from flashtile.cli import main
 from flashtile.cpu import blas
+from flashtile.decode_planning import plan_decode
+from flashtile.kvlayout import check_cache, decode_variants
 from flashtile.reference import decode_attention as reference_decode
 from flashtile.workitems import plan_splits
 
@@ -26,6 +28,15 @@ def store(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHTILE_TUNE", "1")  # (the suite runs the fixed rules: conftest)
     monkeypatch.setattr(routes, "_chosen", {})
     return tmp_path / routes.CACHE_FILE
+
+
+@pytest.fixture
+def walks(monkeypatch) -> list[str]:
+    """The walk of every decode kernel call the test makes, in order."""
+    seen = []
+    run = frontdoor.run_decode
+    monkeypatch.setattr(frontdoor, "run_decode", lambda plan: seen.append(plan.walk) or run(plan))
+    return seen
 
 
 def _layouts(rng, k, v, lengths):
@@ -134,6 +145,7 @@ def test_a_failed_measurement_gives_the_fixed_rule_not_an_error(store, monkeypat
 
     name = "decode.contiguous.one.d64.short"
     monkeypatch.setitem(routes._measures, name, failing)
+    monkeypatch.setattr(blas, "_choice", "openblas")  # (the BLAS route: not measured here)
     q, k, v = (rng.standard_normal((1, 2, t, 8)).astype(np.float32) for t in (1, 600, 600))
     for _ in range(2):  # measured once, then the answer kept
         out = flashtile.decode_attention(q, k, v, block_table=[[0]], cache_seqlens=[600])
@@ -227,26 +239,20 @@ def test_the_tune_command_measures_stores_and_reports(store, monkeypatch, capsys
     assert str(store) in text
 
 
-def test_the_measurements_time_every_candidate(monkeypatch):
+def test_the_measurements_time_every_candidate(monkeypatch, walks):
     # The real measurement (one route, one round): every candidate timed, and
     # run as itself, even under a variable that forces another walk.
     route = routes.ROUTES["decode.tokens.few.d64.short"]
     monkeypatch.setattr(tune, "ROUNDS", 1)
     monkeypatch.setenv("FLASHTILE_DECODE_WALK", "tiles")
-    walks = []
-    run = frontdoor.run_decode
-    monkeypatch.setattr(frontdoor, "run_decode", lambda plan: walks.append(plan.walk) or run(plan))
     times = tune.measure_decode(route, route.candidates)
     assert set(times) == set(route.candidates) and all(t > 0 for t in times.values())
     assert sorted(set(walks)) == sorted(route.candidates)  # (warm-up and timed calls)
 
 
-def test_a_prepared_call_is_planned_again_when_a_route_moves(rng, monkeypatch):
+def test_a_prepared_call_is_planned_again_when_a_route_moves(rng, walks):
     # decode_attention on a whole contiguous cache keeps its plan between
     # calls; forcing a route (or tuning) must reach it.
-    walks = []
-    run = frontdoor.run_decode
-    monkeypatch.setattr(frontdoor, "run_decode", lambda plan: walks.append(plan.walk) or run(plan))
     q, k, v = (rng.standard_normal((1, 3, t, 8)).astype(np.float32) for t in (1, 700, 700))
     name = routes.decode_route_name("contiguous", 1, 8, 700)
     for walk in ("tiles", "rows", "tiles"):
@@ -256,6 +262,49 @@ def test_a_prepared_call_is_planned_again_when_a_route_moves(rng, monkeypatch):
                     flashtile.decode_attention(q, k, v), reference_decode(q, k, v), **TOL32
                 )
     assert walks == ["tiles", "tiles", "rows", "rows", "tiles", "tiles"]
+
+
+def test_a_prepared_attention_call_is_planned_again_too(rng, walks):
+    q, k, v = (rng.standard_normal((1, 2, t, 8)).astype(np.float32) for t in (1, 600, 600))
+    name = routes.decode_route_name("contiguous", 1, 8, 600)
+    want = reference_decode(q, k, v)
+    for walk in ("tiles", "rows"):
+        with routes.force(name, walk):
+            for _ in range(2):
+                np.testing.assert_allclose(flashtile.attention(q, k, v), want, **TOL32)
+    assert walks == ["tiles", "tiles", "rows", "rows"]
+
+
+def test_an_explicit_split_count_too_small_for_the_threads_takes_per_head_items(rng, monkeypatch):
+    import flashtile.decode_planning as decode_planning
+
+    monkeypatch.setattr(decode_planning, "SERIAL_WORK", 0)  # threaded whatever the size
+    monkeypatch.setattr(decode_planning, "numba_threads", lambda: 2)
+    q = rng.standard_normal((1, 8, 1, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((64, 4, 1, 16)).astype(np.float32) for _ in range(2))
+    layout = check_cache(q, k, v, np.array([64]), np.arange(64)[None])[1]
+    name = routes.decode_route_name("tokens", 2, 16, 64)
+    for walk, per_head in (("head-rows", "rows"), ("head-tiles", "tiles")):
+        with routes.force(name, walk):
+            plans = [
+                plan_decode(q, layout, decode_variants(q, layout), 0.25, n) for n in (None, 2, 1)
+            ]
+            assert [p.walk for p in plans] == [walk, walk, per_head]  # 1 item for 2 threads
+            assert [len(p.items) for p in plans[1:]] == [2, 4]
+
+
+def test_the_blas_measurement_keeps_an_explicit_choice(monkeypatch):
+    monkeypatch.setattr(tune, "ROUNDS", 1)
+    route, usable = routes.ROUTES["blas"], blas.available()
+    try:
+        blas.set_backend("openblas")  # chosen by name: kept
+        assert set(tune.measure_blas(route, usable)) == set(usable)
+        assert blas.pinned() == "openblas" and blas.backend() == "openblas"
+        blas.set_backend("auto")  # the route's: resolved again afterwards
+        tune.measure_blas(route, usable)
+        assert blas.pinned() is None
+    finally:
+        blas.reset_backend()
 
 
 def test_head_walk_items_keep_the_threads_busy():

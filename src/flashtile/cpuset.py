@@ -6,15 +6,15 @@ a pod limited to 1 CPU on a 2-core node sees 2 cores, and a kernel that runs
 2 threads there is throttled every period, its join waiting for the partner
 thread the quota has descheduled (a 0.3 ms decoding step then takes a whole
 period). The kernels' thread count (:func:`flashtile.cpu.launch.numba_threads`)
-is capped at :func:`usable_cpus`, as Go's automaxprocs and the JVM's
-container support do.
+is capped at :func:`usable_cpus` (:func:`flashtile.cpu.launch._on_threads`
+sets Numba's count to the plan's for each call), as Go's automaxprocs does.
 
 The quota is read in both cgroup formats: v2's ``cpu.max`` (``"max 100000"``
 or ``"<quota> <period>"``) and v1's ``cpu.cfs_quota_us`` /
 ``cpu.cfs_period_us`` (quota ``-1``: none), in the process's own cgroup
 (``/proc/self/cgroup``) and each of its ancestors up to the mount's root
-(the tightest limit wins). Quotas round down to whole CPUs (at least 1):
-a fractional CPU would be throttled. ``NUMBA_NUM_THREADS``, when the user
+(the tightest limit wins). Quotas round down to whole CPUs (at least 1),
+as automaxprocs does: a fractional CPU would be throttled. ``NUMBA_NUM_THREADS``, when the user
 sets it, is their choice and is kept.
 """
 

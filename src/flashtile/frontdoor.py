@@ -317,7 +317,8 @@ def prepare_decode(key, plan: DecodePlan, va: Variants, q, num_splits) -> None:
 def run_prepared_decode(entry: Prepared, q, k_cache, v_cache, return_lse: bool):
     """The result of a :func:`flashtile.decode_attention` call whose key
     :func:`prepare_decode` stored (no check, no planning), or None when its
-    step no longer holds (the BLAS was switched: the caller plans the call)."""
+    step no longer holds (the BLAS was switched, or a route moved: the caller
+    plans the call)."""
     step = entry.steps[None]
     if (step.products is not None and _stale(step)) or step.routes != routes.GENERATION[0]:
         return None

@@ -220,8 +220,9 @@ def explain(name: str, measure: bool = True) -> tuple[str, str]:
     ``measure``: measure a route that has no stored choice (False: report the
     fixed rule without measuring or remembering it)."""
     route = ROUTES[name]
-    if name in _forced:  # the measurement, precompile and tests: over the variable too
-        return _forced[name], "forced in this process"
+    forced_here = _forced.get(name)  # (no lock: a force may be leaving in another thread)
+    if forced_here is not None:  # the measurement, precompile and tests: over the variable too
+        return forced_here, "forced in this process"
     forced = _env_choice(route)
     if forced is not None:
         return forced, f"forced by {route.env}"
@@ -232,9 +233,11 @@ def explain(name: str, measure: bool = True) -> tuple[str, str]:
         usable = candidates(name)
         if _valid_entry(entry, usable):
             answer = (entry["choice"], f"measured ({_times_text(entry['times'])})")
-        elif measure and name in _measures and name not in _measuring and _lazy_tuning():
+        elif measure and name in _measures and not _measuring and _lazy_tuning():
             answer = _measure_and_store(route)
-        elif not measure:
+        elif _measuring or (not measure and _lazy_tuning()):
+            # Not remembered: measured on its own first use (a measurement of
+            # another route runs meanwhile, or a report was asked for).
             return _fixed(route), "fixed rule (not measured yet)"
         else:
             answer = (_fixed(route), "fixed rule (not measured)")
@@ -242,13 +245,22 @@ def explain(name: str, measure: bool = True) -> tuple[str, str]:
         return answer
 
 
+def provisional(name: str) -> bool:
+    """Whether route ``name``'s answer is not settled in this process: not
+    forced, not remembered (the fixed rule given while another route is
+    measured, or by a report). A caller that keeps answers keeps none then."""
+    return name not in _chosen and name not in _forced
+
+
 def _valid_entry(entry, usable) -> bool:
     """Whether a cache entry is a choice this process can run and its times."""
     if not (isinstance(entry, dict) and entry.get("choice") in usable):
         return False
     times = entry.get("times")
-    return isinstance(times, dict) and all(
-        isinstance(t, (int, float)) and not isinstance(t, bool) for t in times.values()
+    return (
+        isinstance(times, dict)
+        and bool(times)
+        and all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in times.values())
     )
 
 
@@ -288,6 +300,8 @@ def _measure_and_store(route: Route) -> tuple[str, str]:
         return _fixed(route), f"fixed rule (the measurement failed: {error!r})"
     finally:
         _measuring.discard(route.name)
+    if not times:
+        return _fixed(route), "fixed rule (the measurement timed nothing)"
     best = min(times, key=times.get)
     _write_entry(route.name, {"choice": best, "times": times})
     return best, f"measured now ({_times_text(times)})"
@@ -300,8 +314,9 @@ def _times_text(times: dict) -> str:
 
 @contextlib.contextmanager
 def force(name: str, value: str | None) -> Iterator[None]:
-    """Within the block, route ``name`` takes ``value`` (None: no forcing);
-    the environment variable still wins. For the measurement and tests."""
+    """Within the block, route ``name`` takes ``value`` (None: no forcing),
+    over its environment variable too, in every thread of the process. For
+    the measurement, precompile's compilations and tests."""
     if value is not None and value not in ROUTES[name].candidates:
         raise ValueError(f"route {name!r} has no candidate {value!r}: {ROUTES[name].candidates}")
     with _lock:

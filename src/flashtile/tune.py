@@ -9,11 +9,11 @@ asked for with nothing stored is measured on first use.
 - ``blas``: the forward and backward of ``(1, 8, 1024, 64)`` float32, causal,
   with each BLAS library.
 - ``decode.<layout>.<rows>.<d>.<keys>``: one decode step, float32, 8 kv
-  heads of d 64 or 128, one query row per item (8 query heads) or four (32
-  query heads), against 2048 keys ("short") or 64 MiB of keys and values
-  ("long": 16384 or 8192 keys, more than most L2 and L3 caches hold per
-  core), the cache contiguous, in shuffled 16-key pages, or in one-token
-  pages (flash-attn's layout) -- one buffer viewed three ways.
+  heads of d 64 or 128, 1, 4 or 16 query rows per item (8, 32 or 128 query
+  heads), against 2048 keys ("short") or 64 MiB of keys and values ("long":
+  16384 or 8192 keys, more than most L2 and L3 caches hold per core), the
+  cache contiguous, in shuffled 16-key pages, or in one-token pages
+  (flash-attn's layout).
 
 A whole ``flashtile tune`` takes a few seconds once the kernels are compiled
 (``flashtile precompile`` compiles them, then tunes).

@@ -30,8 +30,9 @@ DECODE_TILE = 256
 #: (GQA 32/8, d 128, float32: 512-key tiles took 2x the time), and smaller
 #: pages too (a longer tile would gather pages that a 256-key one reads in place).
 DECODE_ROW_TILE = 1024
-#: A decode chunk is never shorter than this (unless the sequence is): below
-#: it the per-chunk work (loading the queries, writing a partial) stops being small.
+#: A decode chunk is never shorter than this (unless the sequence is), or
+#: than this divided by the kv heads of an item of every head: below it the
+#: per-chunk work (loading the queries, writing a partial) stops being small.
 MIN_SPLIT_KEYS = 512
 #: Automatic splitting aims at this many chunks per thread, so that the
 #: static schedule can balance sequences of different lengths.
@@ -187,8 +188,8 @@ def decode_tile(rows: int, page: int, walk: str = TILES, head_bytes: int = 0) ->
     pages of ``page`` keys (a contiguous cache: one page of all its keys).
     Items of the :data:`HEAD_WALKS` read ``head_bytes`` (every kv head's K
     and V row) per key: tiles of at most HEADS_TILE_BYTES, a power
-    of two from 16 to DECODE_TILE keys (so they divide the chunks, multiples
-    of DECODE_TILE)."""
+    of two from 16 to DECODE_TILE keys (the head walks' chunks are multiples
+    of it)."""
     if walk in HEAD_WALKS:
         keys = max(1, HEADS_TILE_BYTES // head_bytes)
         return min(DECODE_TILE, max(16, 1 << (keys.bit_length() - 1)))

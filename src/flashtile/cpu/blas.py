@@ -93,6 +93,7 @@ _MKL_INTERFACE_LP64 = 0  # 32-bit integers, as gemm() passes them
 
 _lock = threading.Lock()
 _choice: str | None = None  # None: read FLASHTILE_BLAS on first use
+_explicit = False  # _choice came from set_backend with a library's name
 
 
 def _mkl_path() -> str | None:
@@ -186,6 +187,8 @@ def backend() -> str:
         resolved = _resolve(env)
     except ValueError as err:
         raise ValueError(f"FLASHTILE_BLAS={env!r}: {err}") from None
+    if env == "auto" and routes.provisional("blas"):
+        return resolved  # the fixed rule while another route is measured: not kept
     with _lock:
         if _choice is None:  # (a set_backend meanwhile wins)
             _choice = resolved
@@ -199,26 +202,27 @@ def set_backend(choice: str) -> str:
     name, or for ``"mkl"`` when oneMKL is not installed. Results of the two
     backends agree to float32 rounding, not bit for bit.
     """
-    global _choice
+    global _choice, _explicit
     resolved = _resolve(choice)
     with _lock:
-        _choice = resolved
+        _choice, _explicit = resolved, choice != "auto"
     return resolved
 
 
 def pinned() -> str | None:
-    """The backend this process settled on so far (:func:`set_backend`, or a
-    resolved ``auto``), without resolving one: None if none yet."""
-    return _choice
+    """The library :func:`set_backend` chose by name in this process, or None
+    (nothing chosen yet, or ``auto``: the route's, resolved again after a
+    measurement)."""
+    return _choice if _explicit else None
 
 
 def reset_backend(choice: str | None = None) -> None:
     """Put back the backend in force (the ``backend()`` of an earlier moment,
     or None: the next :func:`backend` resolves ``FLASHTILE_BLAS``, or the
     route, again)."""
-    global _choice
+    global _choice, _explicit
     with _lock:
-        _choice = choice
+        _choice, _explicit = choice, choice is not None
 
 
 #: CPU features (LLVM's names) with bf16 dot-product instructions.

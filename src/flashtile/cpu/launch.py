@@ -78,7 +78,8 @@ def _call(threads, entry, kernel, *args):
     several kernel threads it must not start its own, and with one it keeps
     the products bit-identical from call to call (a threaded MKL's result
     depends on its thread count). With one thread, Numba's count is set to 1
-    for the call, so the pool is never woken.
+    for the call, so the pool is never woken; with a pool larger than the
+    CPUs the process may use, to the plan's count.
     """
     if not entry.pinned:
         return _on_threads(threads, kernel, *args, entry.address)
@@ -87,9 +88,12 @@ def _call(threads, entry, kernel, *args):
 
 
 def _on_threads(threads, kernel, *args):
-    if threads > 1:
+    """``kernel(*args)`` with Numba's count set to ``threads`` for the call,
+    unless it already is: a plan of several threads on an uncapped pool
+    (``numba_threads()`` is then the calling thread's own count)."""
+    if threads > 1 and _USABLE >= numba.config.NUMBA_NUM_THREADS:
         return kernel(*args)
-    saved = _swap_threads(1)
+    saved = _swap_threads(threads)
     try:
         return kernel(*args)
     finally:
