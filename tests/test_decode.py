@@ -178,25 +178,25 @@ def test_single_row_items_read_the_cache_in_place(rng, variants, page):
 
 
 def test_the_walk_is_the_route_of_the_layout_and_rows_class(rng):
-    # (rows, page, pages per sequence, kv heads, tile keys, head dim, keys) -> the route
+    # (rows, page, pages per sequence, kv heads, head dim, keys) -> the route
     cases = {
-        (1, 16, 8, 2, 256, 64, 128): "decode.paged.one.d64.short",
-        (4, 16, 8, 2, 256, 96, 4096): "decode.paged.few.d64.short",
-        (1, 16, 1, 2, 256, 97, 4097): "decode.contiguous.one.d128.long",  # one page: contiguous
-        (4, 256, 8, 2, 256, 128, 2048): "decode.contiguous.few.d128.short",  # large pages
-        (1, 1, 64, 8, 256, 64, 9000): "decode.tokens.one.d64.long",  # one-token pages, heads
-        (16, 1, 64, 8, 256, 256, 64): "decode.tokens.many.d128.short",
-        (9, 1, 64, 8, 256, 64, 64): "decode.tokens.many.d64.short",
-        (8, 1, 64, 8, 256, 64, 64): "decode.tokens.few.d64.short",
-        (1, 1, 64, 1, 256, 64, 64): "decode.paged.one.d64.short",  # one head: small pages
+        (1, 16, 8, 2, 64, 128): "decode.paged.one.d64.short",
+        (4, 16, 8, 2, 96, 4096): "decode.paged.few.d64.short",
+        (1, 16, 1, 2, 97, 4097): "decode.contiguous.one.d128.long",  # one page: contiguous
+        (4, 256, 8, 2, 128, 2048): "decode.contiguous.few.d128.short",  # large pages
+        (1, 1, 64, 8, 64, 9000): "decode.tokens.one.d64.long",  # one-token pages, heads
+        (16, 1, 64, 8, 256, 64): "decode.tokens.many.d128.short",
+        (9, 1, 64, 8, 64, 64): "decode.tokens.many.d64.short",
+        (8, 1, 64, 8, 64, 64): "decode.tokens.few.d64.short",
+        (1, 1, 64, 1, 64, 64): "decode.paged.one.d64.short",  # one head: small pages
     }
     for args, name in cases.items():
         for walk in routes.ROUTES[name].candidates:
             with routes.force(name, walk):
                 assert decode_walk(*args) == walk, (args, walk)
     # More rows than the routes measure keep BLAS tiles (heads for one-token pages).
-    assert decode_walk(17, 16, 8, 2, 256, 64, 64) == "tiles"
-    assert decode_walk(17, 1, 64, 8, 256, 64, 64) == "head-tiles"
+    assert decode_walk(17, 16, 8, 2, 64, 64) == "tiles"
+    assert decode_walk(17, 1, 64, 8, 64, 64) == "head-tiles"
     # Tile lengths: one-row items in long pages take longer tiles; the heads
     # walk's tiles hold every head's rows in HEADS_TILE_BYTES.
     assert decode_tile(1, 1300) == 1024 and decode_tile(4, 1300) == decode_tile(1, 300) == 256

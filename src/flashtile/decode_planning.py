@@ -116,9 +116,7 @@ def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> Deco
         variants = kernel_variants(va, work, hq)
     rows = (hq // layout.heads) * tq
     longest = max(lengths, default=0)
-    walk = decode_walk(
-        rows, layout.page, layout.table.shape[1], layout.heads, DECODE_TILE, d, longest
-    )
+    walk = decode_walk(rows, layout.page, layout.table.shape[1], layout.heads, d, longest)
     if walk in HEAD_WALKS and num_splits is not None and len(lengths) * num_splits < threads:
         # One item per sequence and split would leave threads idle: per-head items.
         walk = ROWS if walk == HEAD_ROWS else TILES

@@ -67,8 +67,8 @@ def _backward(dtype):
     flashtile.attention_backward(q, k, v, out, lse, np.ones_like(out), causal=True)
 
 
-def _decode(q_dtype, cache_dtype, layout):
-    """One decode step, its walk forced (:mod:`flashtile.routes`: the kernel
+def _decode(q_dtype, cache_dtype, case):
+    """One decode step of ``case``, its walk forced (:mod:`flashtile.routes`: the kernel
     compiled is the same whatever was measured): GQA (2 query heads per kv
     head) against a contiguous cache in BLAS tiles; MHA against 16-key pages
     read row by row (:mod:`flashtile.cpu.cache_rows`); or GQA against
@@ -77,22 +77,21 @@ def _decode(q_dtype, cache_dtype, layout):
     import flashtile
     from flashtile import routes
 
-    if layout == "paged":  # one query row per item, pages smaller than a tile: rows read in place
+    if case == "paged":  # one query row per item, pages smaller than a tile: rows read in place
         q = _array((1, 1, 1, 16), q_dtype)
         k, v = (_array((4, 1, 16, 16), cache_dtype, s) for s in (1, 2))
         extra = {"block_table": np.arange(4).reshape(1, 4), "cache_seqlens": np.array([64])}
-        route = ("paged", 1, "rows")
-    elif layout in ("head-tiles", "head-rows"):  # one-token pages
+        layout, rows, walk = "paged", 1, "rows"
+    elif case in ("head-tiles", "head-rows"):  # one-token pages; rows: 2 query heads per kv head
         q = _array((1, 4, 1, 16), q_dtype)
         k, v = (_array((64, 2, 1, 16), cache_dtype, s) for s in (1, 2))
         extra = {"block_table": np.arange(64).reshape(1, 64), "cache_seqlens": np.array([64])}
-        route = ("tokens", 2, layout)  # rows per item: 2 query heads per kv head
+        layout, rows, walk = "tokens", 2, case
     else:
         q = _array((1, 2, 1, 16), q_dtype)
         k, v = (_array((1, 1, 64, 16), cache_dtype, s) for s in (1, 2))
         extra = {"block_table": np.zeros((1, 1), dtype=np.int64), "cache_seqlens": np.array([64])}
-        route = ("contiguous", 2, "tiles")
-    layout, rows, walk = route
+        layout, rows, walk = "contiguous", 2, "tiles"
     with routes.force(routes.decode_route_name(layout, rows, 16, 64), walk):
         flashtile.decode_attention(q, k, v, **extra)
 

@@ -129,9 +129,9 @@ def backward_items(seqs, n_kv, block_q, threads) -> tuple[np.ndarray, int]:
 #: route (:func:`decode_walk`): the decode-shaped calls' limit
 #: (:data:`flashtile.decode_planning.DECODE_MAX_ROWS`).
 DECODE_ROUTED_ROWS = 16
-#: The gathered tiles of an item that walks every kv head at once (a cache
-#: of one-token pages, :func:`decode_walk`) hold about this many bytes:
-#: every head's K and V rows of the tile stay in L2 while each head's
+#: A tile of an item that walks every kv head at once (a cache of one-token
+#: pages, :func:`decode_walk`) spans at most this many bytes of K and V rows
+#: of all heads: gathered (head-tiles), they stay in L2 while each head's
 #: products read them.
 HEADS_TILE_BYTES = 256 * 1024
 
@@ -145,14 +145,11 @@ TILES, ROWS, HEAD_TILES, HEAD_ROWS = "tiles", "rows", "head-tiles", "head-rows"
 HEAD_WALKS = (HEAD_TILES, HEAD_ROWS)
 
 
-def decode_walk(
-    rows: int, page: int, pages: int, kv_heads: int, tile_keys: int, head_dim: int, keys: int
-) -> str:
+def decode_walk(rows: int, page: int, pages: int, kv_heads: int, head_dim: int, keys: int) -> str:
     """How decode items of ``rows`` query rows walk a cache of ``pages``
     pages per sequence of ``page`` keys each, ``kv_heads`` kv heads of head
-    dim ``head_dim``, the longest sequence ``keys`` keys, in tiles of
-    ``tile_keys`` (:data:`TILES`, :data:`ROWS`, :data:`HEAD_TILES` or
-    :data:`HEAD_ROWS`).
+    dim ``head_dim``, the longest sequence ``keys`` keys (:data:`TILES`,
+    :data:`ROWS`, :data:`HEAD_TILES` or :data:`HEAD_ROWS`).
 
     The walks compute the same; which is fastest depends on the CPU and the
     shape, so it is a measured route (:mod:`flashtile.routes`,
@@ -162,7 +159,7 @@ def decode_walk(
 
     - ``contiguous``: one page per sequence or pages of at least a tile,
       whose tiles BLAS reads in place;
-    - ``paged``: pages smaller than a tile (gathered for BLAS);
+    - ``paged``: pages smaller than a DECODE_TILE tile (gathered for BLAS);
     - ``tokens``: one-token pages of several kv heads (flash-attn's ``(B, T,
       Hkv, d)`` cache read in place, :mod:`flashtile.flash_attn`): one head's
       keys lie ``Hkv * d`` elements apart, a separate stream per key that the
@@ -174,7 +171,7 @@ def decode_walk(
     """
     if page == 1 and kv_heads > 1 and pages > 1:
         layout = "tokens"
-    elif pages > 1 and page < tile_keys:
+    elif pages > 1 and page < DECODE_TILE:
         layout = "paged"
     else:
         layout = "contiguous"

@@ -352,7 +352,7 @@ def walk_head_rows(
     Every head's query rows and state are touched per key (16 KiB each at
     GQA 32/8, d 128), more than L1 holds beside the stream: there this walk
     reads 14-15 GB/s where the row walk of a ``(B, Hkv, T, d)`` cache reads
-    23 (AVX2 AMD EPYC, Tk=65536). Tried and not kept: two keys per pass in
+    18-23 (AVX2 AMD EPYC, Tk=65536). Tried and not kept: two keys per pass in
     the scores (no change), and each head's tile in turn
     (:func:`fold_cache_tile`, its rows and state in L1) while the next
     tile's rows of every head were prefetched in memory order, a slice per
