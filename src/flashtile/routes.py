@@ -46,6 +46,7 @@ route without an import cycle.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -383,9 +384,11 @@ def _version(dist: str) -> str:
         return "-"
 
 
+@functools.cache
 def machine_key() -> str:
     """The cache key of this machine and software: measurements made under
-    another key are not used."""
+    another key are not used. Computed once per process (the version
+    lookups take about 5 ms, and every route's first answer reads the cache)."""
     model, flags = cpu_model()
     versions = ",".join(f"{lib}={_version(lib)}" for lib in LIBRARIES)
     threads = numba.config.NUMBA_NUM_THREADS  # the kernels' pool
