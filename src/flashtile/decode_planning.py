@@ -186,7 +186,7 @@ def decode_shaped(call: Call, block_q=None, block_k=None) -> bool:
         return False
     if va.mask_bool is not None or va.mask_add is not None or 0 in shapes.batch:
         return False
-    if va.dropout_p > 0.0:  # dropout is the forward kernel's (decoding is inference)
+    if va.dropout_p > 0.0 or va.mods is not None:  # the forward kernel's variants
         return False
     if not (shapes.tq <= DECODE_MAX_QUERIES and shapes.tk >= DECODE_MIN_KEYS):
         return False

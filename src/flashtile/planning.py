@@ -156,7 +156,13 @@ def _plan(call, block_q, block_k, backward):
     shapes, va = call.shapes, call.variants
     work = compute_dtype(q4.dtype)  # the state's dtype (float32 for bf16 arrays)
     threads = call_threads(shapes)
-    if call.cu_seqlens is None and va.mask_bool is None:
+    if backward and va.mods is not None and not va.mods.differentiable:
+        raise ValueError(
+            f"{va.mods.label} has no derivative here: mods written for the NumPy API run "
+            f"the forward only; for gradients write them with torch and call "
+            f"flashtile.torch.flex_attention"
+        )
+    if call.cu_seqlens is None and va.mask_bool is None and va.mods is None:
         lengths = None if va.kv_lengths is None else tuple(va.kv_lengths.tolist())
         key = ScheduleKey(
             *q4.shape[:2], k4.shape[1], shapes.tq, shapes.tk, lengths, va.causal, va.left,
@@ -225,6 +231,8 @@ def _schedule(seqs, va, heads, extent, work, block_q, block_k, backward, threads
     if va.mask_bool is not None:
         states = block_states(va, variants.mask_bool, block_q, block_k, *extent)
         variants = variants._replace(states=states)
+    elif va.mods is not None and va.mods.has_mask:
+        variants = variants._replace(states=va.mods.kernel_states(block_q, block_k, *extent))
     if backward:
         items, parts = backward_items(seqs, n_kv, block_q, threads)
     else:
@@ -377,8 +385,22 @@ def kernel_variants(va: Variants, work, heads: int) -> KernelVariants:
     return KernelVariants(
         va.causal, va.left, va.right, softcap, alibi, mask_add, mask_bool, states,
         keep_threshold(va.dropout_p), seed & 0xFFFFFFFF, seed >> 32, va.dropout_offset,
-        1.0 / (1.0 - va.dropout_p),
+        1.0 / (1.0 - va.dropout_p), *_mod_fields(va.mods, work),
     )  # fmt: skip
+
+
+#: The mod fields of a call without mods (shared: the kernels only read them).
+_NO_MODS = (0, 0, 0, 0, np.zeros(1), np.zeros(1, dtype=np.int64), np.zeros((0, 0)))
+
+
+def _mod_fields(mods, work) -> tuple:
+    """:class:`KernelVariants`' mod fields: the row functions' addresses for
+    the work dtype, the captured tables, and an empty gradient buffer (the
+    backward's caller sizes it, :mod:`flashtile.torch.flex`)."""
+    if mods is None:
+        return _NO_MODS
+    rows = mods.rows(work)
+    return (*rows, mods.floats, mods.ints, np.zeros((0, 0)))
 
 
 def _mask4(mask, work=None):

@@ -6,13 +6,18 @@ semantics cannot drift apart. The score of query ``i`` and key ``j`` is built
 in this order (``p = i + Tk - Tq`` is the query's position)::
 
     s = scale * q_i . k_j
+    s = score_mod(s, b, h, i, j)             if score_mod (never with softcap)
     s = softcap * tanh(s / softcap)          if softcap
     s = s - slope[h] * |p - j|               if alibi_slopes (ALiBi)
     s = s + mask[i, j]                       if mask is a float array
-    s = -inf where hidden                    causal, window, padding, bool mask
+    s = -inf where hidden                    causal, window, padding, bool mask, mask_mod
 
 and a row whose every score is ``-inf`` gives zeros and ``lse = -inf``.
 Visibility by position (causal, window, padding) is :mod:`flashtile.masks`.
+
+``score_mod``/``mask_mod`` are a user's functions (FlexAttention's
+convention), compiled into the kernels (:mod:`flashtile.mods`); a mask_mod
+is summarised per tile, so empty tiles are skipped and full ones unmasked.
 
 Two variants act after the scores:
 
@@ -28,6 +33,8 @@ Two variants act after the scores:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +42,7 @@ import numpy as np
 from ._validate import AttentionShapes, as_numpy, check_flag, check_softcap
 from .dropout import check_counter_range, check_dropout
 from .masks import BlockMask, normalize_window
+from .mods import Mods, mask_block_states, numpy_mods
 from .units import LOG2E
 
 #: Float mask values below ``-MASK_LIMIT`` count as ``-inf`` (hidden), and
@@ -62,6 +70,8 @@ class Variants:
         sinks: ``(Hq,)`` float64 sink logits, or None.
         dropout_p, dropout_seed, dropout_offset: dropout's probability (0 =
             off), the generator's seed and counter offset (0 when off).
+        mods: the compiled score/mask functions (:class:`flashtile.mods.Mods`,
+            with the mask's block map), or None.
     """
 
     causal: bool = False
@@ -77,6 +87,7 @@ class Variants:
     dropout_p: float = 0.0
     dropout_seed: int = 0
     dropout_offset: int = 0
+    mods: Mods | None = None
 
 
 def _heads_and_batch(shapes: AttentionShapes, what: str) -> tuple[int, int]:
@@ -202,8 +213,16 @@ def resolve_variants(
     dropout_p=0.0,
     dropout_seed=None,
     dropout_offset=0,
+    score_mod=None,
+    mask_mod=None,
+    mods=None,
 ) -> Variants:
-    """Validate the variant keywords against ``shapes`` and normalise them."""
+    """Validate the variant keywords against ``shapes`` and normalise them.
+
+    ``score_mod``/``mask_mod`` are plain Python functions (compiled with
+    Numba, :func:`flashtile.mods.numpy_mods`); ``mods`` a compiled
+    :class:`~flashtile.mods.Mods` (how :mod:`flashtile.torch.flex` passes
+    its traced mods)."""
     causal = check_flag(causal, "causal")
     left, right = normalize_window(window, causal)
     alibi = None if alibi_slopes is None else _check_alibi(alibi_slopes, shapes)
@@ -212,6 +231,7 @@ def resolve_variants(
     if padding is not None:
         mask_bool = padding if mask_bool is None else (mask_bool & padding)
         blocks = None  # the summary no longer describes the combined mask
+    mods = _check_mods(shapes, score_mod, mask_mod, mods, softcap, mask_bool, mask_add)
     return Variants(
         causal=causal,
         left=left,
@@ -224,7 +244,52 @@ def resolve_variants(
         block_mask=blocks,
         sinks=None if sinks is None else check_sinks(sinks, shapes),
         **_dropout_fields(dropout_p, dropout_seed, dropout_offset, shapes),
+        mods=mods,
     )
+
+
+def _check_mods(shapes, score_mod, mask_mod, mods, softcap, mask_bool, mask_add) -> Mods | None:
+    """The call's compiled mods, or None; refuses combinations with two
+    meanings (a score_mod with softcap, a mask_mod with a mask)."""
+    if mods is not None and not isinstance(mods, Mods):
+        raise TypeError(f"mods must be a flashtile.mods.Mods record, got {type(mods).__name__}")
+    if mods is None and (score_mod is not None or mask_mod is not None):
+        mods = _numpy_mods(score_mod, mask_mod)
+    elif mods is not None and (score_mod is not None or mask_mod is not None):
+        raise ValueError("pass score_mod/mask_mod or mods, not both")
+    if mods is None:
+        return None
+    if mods.has_score and softcap is not None:
+        raise ValueError(
+            "softcap and score_mod both change the scores: write the cap inside score_mod "
+            "(score = cap * tanh(score / cap))"
+        )
+    if mods.has_mask and (mask_bool is not None or mask_add is not None):
+        raise ValueError(
+            "mask_mod and a mask (mask=, key_padding_mask=) both hide keys: combine them "
+            "into one mask_mod (kv_lengths may go with a mask_mod)"
+        )
+    if mods.has_mask and mods.states is None:
+        batch, heads = _heads_and_batch(shapes, "mask_mod")
+        mods = _with_states(mods, batch, heads, shapes.tq, shapes.tk)
+    return mods
+
+
+@functools.lru_cache(maxsize=32)
+def _numpy_mods(score_mod, mask_mod) -> Mods:
+    """:func:`flashtile.mods.numpy_mods`, compiled once per pair of functions."""
+    return numpy_mods(score_mod, mask_mod)
+
+
+def _with_states(mods: Mods, batch: int, heads: int, tq: int, tk: int) -> Mods:
+    """A copy of ``mods`` carrying its mask's block map for these sizes (the
+    map is kept in ``mods`` per size: computing it reads every entry)."""
+    key = (batch, heads, tq, tk)
+    states = mods._maps.get(key)
+    if states is None:
+        states = mask_block_states(mods, batch, heads, tq, tk, mods.block)
+        mods._maps[key] = states
+    return dataclasses.replace(mods, states=states)
 
 
 def check_sinks(sinks, shapes: AttentionShapes) -> np.ndarray:

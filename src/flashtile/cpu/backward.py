@@ -10,7 +10,7 @@ query block ``i`` and each key block ``j`` it can see::
     dV_j += P^T dO_i            dP = dO_i V_j^T
     dS   = P * (dP - D_i)       dQ_i += scale * dS K_j     dK_j += scale * dS^T Q_i
 
-with ``D = rowsum(dO * O)`` (softcap multiplies ``dS`` by ``1 - tanh**2``;
+with ``D = rowsum(dO * O)`` (softcap and a score function multiply ``dS`` by their derivative;
 dropout regenerates the forward's mask, :func:`grad_rows`).
 Five BLAS products per tile (three accumulate straight into the gradients),
 one recomputed exponential; a tile across the causal diagonal runs them as
@@ -31,6 +31,7 @@ from . import FASTMATH
 from .blas import gemm, gemm_scaled
 from .dropout import mark_rows
 from .half import narrow, narrow_operand, prob_buffer, prob_tile, split_scale, widen
+from .mod_calls import call_row, pointer
 from .rowops import exp2_into, zero_outside
 from .tile_step import score_product
 from .tiles import (
@@ -52,7 +53,7 @@ from .vectors import wide_vectors
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def probs_tile(s, p, lse2, tanh_buf, tile, j0, variants, full, read_bool):
+def probs_tile(s, p, lse2, chain_buf, raw_buf, tile, j0, variants, full, read_bool):
     """``p = 2**(s - lse2[row])`` with every variant, exact zeros where hidden.
 
     ``p`` is ``s`` (in place) or, for bf16 operands, a ``uint16`` tile that
@@ -61,8 +62,11 @@ def probs_tile(s, p, lse2, tanh_buf, tile, j0, variants, full, read_bool):
     ``s (rows, bc)`` holds the scores of the tile's rows (a
     :class:`.tiles.QueryTile`) against keys ``[j0, j0 + bc)``. ``lse2`` is
     the natural-log lse times ``log2(e)`` per stacked row; ``-inf`` rows
-    (queries that saw no key) become all zeros. With softcap, ``tanh_buf``
-    (shaped like ``s``) receives ``tanh(s / cap)`` for the chain rule.
+    (queries that saw no key) become all zeros. With softcap or a score
+    function, ``chain_buf`` (shaped like ``s``) receives the derivative of
+    the new scores by the raw ones (:func:`.tiles.transform_row`); with
+    captured gradients ``raw_buf`` (shaped like ``s``) keeps the raw scores.
+    Both are zero outside a row's visible columns.
     """
     wide_vectors()
     rows, bc = s.shape
@@ -72,16 +76,19 @@ def probs_tile(s, p, lse2, tanh_buf, tile, j0, variants, full, read_bool):
         lo, hi = 0, bc
         if not full:
             lo, hi = row_bounds(tile, i, j0, j0 + bc, variants)
-        if tanh_buf.size > 0:  # outside [lo, hi) the chain factor must be finite
-            zero_outside(tanh_buf, r, lo, hi)
         if hi <= lo or lse2[r] == -np.inf:
+            lo, hi = 0, 0
+        for extra in (chain_buf, raw_buf):  # outside [lo, hi) the factors must be finite
+            if extra.size > 0:
+                zero_outside(extra, r, lo, hi)
+        if hi <= lo:
             zero_outside(p, r, 0, 0)
-            if tanh_buf.size > 0:
-                zero_outside(tanh_buf, r, 0, 0)
             continue
+        if raw_buf.size > 0:
+            raw_buf[r, lo:hi] = s[r, lo:hi]
         if transform:
-            tanh_row = tanh_buf[r, lo:hi] if tanh_buf.size > 0 else tanh_buf[0:0, 0]
-            transform_row(s[r, lo:hi], j0 + lo, tile, i, h, variants, read_bool, tanh_row)
+            chain_row = chain_buf[r, lo:hi] if chain_buf.size > 0 else chain_buf[0:0, 0]
+            transform_row(s[r, lo:hi], j0 + lo, tile, i, h, variants, read_bool, chain_row)
         exp2_into(s, p, r, lo, hi, lse2[r])
         zero_outside(p, r, lo, hi)
 
@@ -103,16 +110,58 @@ def row_terms(lse, out, dout, h0, i_first, br, lse2, delta):
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
+def chained(g, chain, row, c):
+    """``g`` times the chain factor ``chain[row, c]`` (``g`` without one). A
+    hidden entry (``g = 0``) stays 0 whatever its factor (a score function's
+    derivative may be inf where a mask hides the score)."""
+    if chain.size == 0:
+        return g
+    return g * chain[row, c] if g != 0.0 else g * 0.0
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def captured_rows(p, dp, ds, chain, raw, mod_grad, delta, r0, r1, cw, tile, j0, variants):
+    """:func:`grad_rows`' ``dS`` loop with captured gradients: per row, the
+    gradient of the new scores into ``dp``, the row function
+    ``variants.capture_fn`` adds the captured tables' share to ``mod_grad``,
+    then ``dS`` through the chain factor (the slow path: one call per row)."""
+    keep_scale, zero = dp.dtype.type(variants.drop_scale), dp.dtype.type(0.0)
+    fp, ip = pointer(variants.mod_floats), pointer(variants.mod_ints)
+    for r in range(r0, r1):
+        row, dr = np.uintp(r), delta[r]
+        for c in range(cw):
+            x = widen(p[row, c])
+            if variants.drop_threshold > 0:
+                factor = keep_scale if x > zero else zero
+                dp[row, c] = abs(x) * (dp[row, c] * factor - dr)
+                p[row, c] = narrow(max(x, zero), p)
+            else:
+                dp[row, c] = x * (dp[row, c] - dr)
+        i, h = row_query(tile, r)
+        call_row(
+            variants.capture_fn, raw[r:].ctypes.data, dp[r:].ctypes.data, cw, tile.b, h, i, j0,
+            fp, ip, pointer(mod_grad),
+        )  # fmt: skip
+        for c in range(cw):
+            ds[row, c] = narrow_operand(chained(dp[row, c], chain, row, c), ds)
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
 def grad_rows(
-    gemm_fn, p, dp, ds, tanh, do_tile, q_raw, k_tile, v_tile, dq_tile, dk_tile, dv_tile, delta,
-    r0, r1, cw, tile, j0, variants,
+    gemm_fn, p, dp, ds, chain, raw, mod_grad, do_tile, q_raw, k_tile, v_tile, dq_tile, dk_tile,
+    dv_tile, delta, r0, r1, cw, tile, j0, variants,
 ):  # fmt: skip
     """The four gradient products of rows ``[r0, r1)`` over a tile's first ``cw`` keys.
 
     ``p`` holds the tile's probabilities, ``dp`` (float) receives ``dP``,
     ``ds`` receives ``dS``: ``dp`` itself, or for bf16 operands a ``uint16``
     tile where it is rounded (:func:`.half.prob_tile`); all C-contiguous
-    ``(rows, bc)``. ``tanh`` is softcap's factor (or empty).
+    ``(rows, bc)``. ``chain`` holds softcap's or a score function's
+    derivative (or is empty): ``dS`` is the gradient of the raw scores.
+    With captured gradients (:mod:`flashtile.mods`), ``raw`` holds the raw
+    scores and the row function ``variants.capture_fn`` adds each row's
+    contribution to ``mod_grad`` (the item's buffer) from the gradient of
+    the new scores, before the chain factor.
     ``dk_tile``/``dv_tile`` are the gradient rows of the tile's keys, which
     are keys ``j0, j0 + 1, ...`` of the ``tile``'s sequence.
 
@@ -128,38 +177,46 @@ def grad_rows(
     if dropping:
         mark_rows(p, r0, r1, cw, j0, tile, variants)
     keep_scale, zero = dp.dtype.type(variants.drop_scale), dp.dtype.type(0.0)
-    # Rows of the C-contiguous tiles (unit stride known: vectorised).
-    # Indexed, not row views: each view costs two atomic reference counts.
-    for r in range(r0, r1):
-        row, dr = np.uintp(r), delta[r]
-        if dropping:  # dS = P * (c Z * dP - D); then P * Z for dV
-            for c in range(cw):
-                x = widen(p[row, c])
-                factor = keep_scale if x > zero else zero  # (a multiply vectorises, a select not)
-                g = abs(x) * (dp[row, c] * factor - dr)
-                if tanh.size:
-                    t = tanh[row, c]
-                    g *= 1.0 - t * t
-                ds[row, c] = narrow_operand(g, ds)
-                p[row, c] = narrow(max(x, zero), p)
-        elif tanh.size:  # dS = P * (dP - D), through softcap's tanh
-            for c in range(cw):
-                t = tanh[row, c]
-                g = widen(p[row, c]) * (dp[row, c] - dr) * (1.0 - t * t)
-                ds[row, c] = narrow_operand(g, ds)
-        else:
-            for c in range(cw):
-                ds[row, c] = narrow_operand(widen(p[row, c]) * (dp[row, c] - dr), ds)
+    if variants.capture_fn != 0:
+        captured_rows(p, dp, ds, chain, raw, mod_grad, delta, r0, r1, cw, tile, j0, variants)
+    else:
+        # Rows of the C-contiguous tiles (unit stride known: vectorised).
+        # Indexed, not row views: each view costs two atomic reference counts.
+        for r in range(r0, r1):
+            row, dr = np.uintp(r), delta[r]
+            if dropping:  # dS = P * (c Z * dP - D); then P * Z for dV
+                for c in range(cw):
+                    x = widen(p[row, c])
+                    factor = keep_scale if x > zero else zero  # (a multiply vectorises, a select not)
+                    g = abs(x) * (dp[row, c] * factor - dr)
+                    ds[row, c] = narrow_operand(chained(g, chain, row, c), ds)
+                    p[row, c] = narrow(max(x, zero), p)
+            elif chain.size:  # dS = P * (dP - D), through softcap's or a score function's derivative
+                for c in range(cw):
+                    g = widen(p[row, c]) * (dp[row, c] - dr)
+                    ds[row, c] = narrow_operand(chained(g, chain, row, c), ds)
+            else:
+                for c in range(cw):
+                    ds[row, c] = narrow_operand(widen(p[row, c]) * (dp[row, c] - dr), ds)
     # dV_j += c P^T dO_i (after the loop, which cleared dropout's marks)
     gemm_scaled(gemm_fn, pg, dog, dv_tile[:cw], True, False, keep_scale, 1.0)
     gemm(gemm_fn, dsg, k_tile[:cw], dq_tile[r0:r1], False, False, 1.0)  # dQ_i += dS K_j
     gemm(gemm_fn, dsg, q_raw[r0:r1], dk_tile[:cw], True, False, 1.0)  # dK_j += dS^T Q_i
 
 
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def tile_view(buf, rows, bc):
+    """The C-contiguous ``(rows, bc)`` tile at the start of a flat buffer, or
+    ``(0, bc)`` when the buffer is empty (its variant is off)."""
+    on = 1 if buf.size else 0
+    return buf[: rows * bc * on].reshape((rows * on, bc))
+
+
 @njit(fastmath=FASTMATH, cache=True)
 def grad_query_block(
     gemm_fn, q_tile, q_raw, do_tile, dq_tile, k_rows, v_rows, dk_rows, dv_rows, p_buf, ds_buf,
-    tanh_buf, half_bufs, s_mult, lse2, delta, tile, group, variants, block_q, block_k,
+    chain_buf, raw_buf, mod_grad, half_bufs, s_mult, lse2, delta, tile, group, variants, block_q,
+    block_k,
 ):  # fmt: skip
     """Accumulate one query block's ``dq_tile`` and its share of ``dk_rows``
     and ``dv_rows`` (the sequence's rows of one kv head) over the key blocks
@@ -183,23 +240,24 @@ def grad_query_block(
         # C-contiguous tiles: contiguous rows let LLVM vectorise.
         p = p_buf[: rows * bc].reshape((rows, bc))
         ds = ds_buf[: rows * bc].reshape((rows, bc))
-        has_tanh = 1 if tanh_buf.size else 0
-        tanh = tanh_buf[: rows * bc * has_tanh].reshape((rows * has_tanh, bc))
+        chain, raw = tile_view(chain_buf, rows, bc), tile_view(raw_buf, rows, bc)
         full = tile_sees_all(tile, j0, j1, variants)
         # Across the diagonal the top half of the rows sees only its first
         # top_w keys, and every product skips the rest.
         top, top_w = diagonal_split(tile, group, full, j0, j1, variants)
         score_product(gemm_fn, q_tile, k_tile, p, top, top_w, s_mult)
         p_out, ds_out = prob_tile(p, half_bufs[0]), prob_tile(ds, half_bufs[1])
-        probs_tile(p, p_out, lse2, tanh, tile, j0, variants, full, state == TILE_PARTIAL)
+        probs_tile(p, p_out, lse2, chain, raw, tile, j0, variants, full, state == TILE_PARTIAL)
         dk_tile, dv_tile = dk_rows[j0:j1], dv_rows[j0:j1]
         if top > 0 and top_w > 0:
             grad_rows(
-                gemm_fn, p_out, ds, ds_out, tanh, do_tile, q_raw, k_tile, v_tile, dq_tile,
+                gemm_fn, p_out, ds, ds_out, chain, raw, mod_grad, do_tile, q_raw, k_tile, v_tile,
+                dq_tile,
                 dk_tile, dv_tile, delta, 0, top, top_w, tile, j0, variants,
             )  # fmt: skip
         grad_rows(
-            gemm_fn, p_out, ds, ds_out, tanh, do_tile, q_raw, k_tile, v_tile, dq_tile, dk_tile,
+            gemm_fn, p_out, ds, ds_out, chain, raw, mod_grad, do_tile, q_raw, k_tile, v_tile,
+            dq_tile, dk_tile,
             dv_tile, delta, top, rows, bc, tile, j0, variants,
         )  # fmt: skip
 
@@ -257,7 +315,11 @@ def backward_kernel(
         ds_buf = np.empty(rows_max * block_k, dtype=work)
         n_probs = rows_max * block_k
         half_bufs = (prob_buffer(q, n_probs, p_buf), prob_buffer(q, n_probs, ds_buf))
-        tanh_buf = np.empty(rows_max * block_k if variants.softcap > 0.0 else 0, dtype=work)
+        chained_scores = variants.softcap > 0.0 or variants.score_fn != 0
+        chain_buf = np.empty(rows_max * block_k if chained_scores else 0, dtype=work)
+        raw_buf = np.empty(rows_max * block_k if variants.capture_fn != 0 else 0, dtype=work)
+        grads = variants.mod_grads
+        mod_grad = grads[n] if grads.shape[0] > 0 else grads.ravel()
         k_rows, v_rows = k[b, hk, ks0 : ks0 + tk], v[b, hk, ks0 : ks0 + tk]
         dk_rows, dv_rows = dk[part, b, hk, ks0 : ks0 + tk], dv[part, b, hk, ks0 : ks0 + tk]
         dk_rows[:] = 0.0
@@ -279,7 +341,8 @@ def backward_kernel(
             dqt[:] = 0.0
             grad_query_block(
                 gemm_fn, qt, qr, dot, dqt, k_rows, v_rows, dk_rows, dv_rows, p_buf, ds_buf,
-                tanh_buf, half_bufs, s_mult, lse2[:rows], delta[:rows], tile, group, variants,
+                chain_buf, raw_buf, mod_grad, half_bufs, s_mult, lse2[:rows], delta[:rows], tile,
+                group, variants,
                 block_q, block_k,
             )  # fmt: skip
             store_rows(dqt, dq[b], tile.h0, qs0 + i0, tile.br, scale)

@@ -41,6 +41,7 @@ from ..masks import (
 )
 from . import FASTMATH
 from .half import narrow, widen
+from .mod_calls import call_row, pointer
 from .vectors import wide_vectors
 
 #: Columns of the ``seqs (S, SEQ_COLUMNS)`` int64 table: sequence ``s`` is
@@ -87,7 +88,14 @@ class KernelVariants(NamedTuple):
     ``mask_bool`` is. Dropout (:mod:`flashtile.dropout`): ``drop_threshold``
     the 16-bit threshold (0 = off), ``drop_key0``/``drop_key1`` the seed's
     halves, ``drop_offset`` the counter's offset word, ``drop_scale`` the
-    kept entries' ``1 / (1 - p)`` (1 when off).
+    kept entries' ``1 / (1 - p)`` (1 when off). A user's score and mask
+    functions (:mod:`flashtile.mods`, called through
+    :func:`.mod_calls.call_row`): ``score_fn``, ``score_grad_fn`` (the score
+    and its derivative, for the backward), ``capture_fn`` (the gradients of
+    captured float tables) and ``mask_fn`` are addresses of row functions for
+    the work dtype (0 = off); ``mod_floats``/``mod_ints`` the captured tables,
+    flat; ``mod_grads (items, mod_floats.size)`` one gradient buffer per
+    backward work item (empty when no captured table takes a gradient).
     """
 
     causal: bool
@@ -103,6 +111,13 @@ class KernelVariants(NamedTuple):
     drop_key1: int
     drop_offset: int
     drop_scale: float
+    score_fn: int
+    score_grad_fn: int
+    capture_fn: int
+    mask_fn: int
+    mod_floats: np.ndarray
+    mod_ints: np.ndarray
+    mod_grads: np.ndarray
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -192,38 +207,49 @@ def diagonal_split(tile, group, full, j0, j1, variants):
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def changes_scores(variants):
-    """Whether a variant changes visible scores (softcap, ALiBi, additive mask)."""
+    """Whether a variant changes visible scores (softcap, ALiBi, additive
+    mask, a score function)."""
     va = variants
-    return va.softcap > 0.0 or va.alibi.size > 0 or va.mask_add.size > 0
+    return va.softcap > 0.0 or va.alibi.size > 0 or va.mask_add.size > 0 or va.score_fn != 0
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def needs_transform(variants):
-    """Whether :func:`transform_row` has anything to do (a bool mask too)."""
-    return changes_scores(variants) or variants.mask_bool.size > 0
+    """Whether :func:`transform_row` has anything to do (a bool mask or a
+    mask function too)."""
+    return changes_scores(variants) or variants.mask_bool.size > 0 or variants.mask_fn != 0
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def transform_row(seg, col0, tile, i, h, variants, read_bool, tanh_out):
-    """Apply softcap, ALiBi, the additive and the boolean mask to ``seg`` in place.
+def transform_row(seg, col0, tile, i, h, variants, read_bool, chain_out):
+    """Apply the score function or softcap, ALiBi, the additive and the
+    boolean mask (or mask function) to ``seg`` in place.
 
     ``seg`` holds the scores of query ``i`` of head ``h`` (a row of ``tile``,
     see :func:`row_query`) against keys ``col0, col0 + 1, ...``.
     ``read_bool`` is False when the block map says the keys' block is fully
-    kept. With softcap, ``tanh_out`` (same length) receives ``tanh(s /
-    cap)`` for the backward's chain rule (pass an empty array to skip).
+    kept. With softcap or a score function, ``chain_out`` (same length)
+    receives the derivative of the new score by the raw one for the
+    backward's chain rule (pass an empty array to skip).
     """
     wide_vectors()
     va = variants
     n = seg.shape[0]
     b = tile.b
+    if va.score_fn != 0:  # (never with softcap: flashtile.mods)
+        fp, ip = pointer(va.mod_floats), pointer(va.mod_ints)
+        if chain_out.size > 0:
+            aux = chain_out.ctypes.data
+            call_row(va.score_grad_fn, seg.ctypes.data, aux, n, b, h, i, col0, fp, ip, 0)
+        else:
+            call_row(va.score_fn, seg.ctypes.data, 0, n, b, h, i, col0, fp, ip, 0)
     if va.softcap > 0.0:
         inv = 1.0 / va.softcap
         for c in range(n):
             t = math.tanh(seg[c] * inv)
             seg[c] = va.softcap * t
-            if tanh_out.size > 0:
-                tanh_out[c] = t
+            if chain_out.size > 0:
+                chain_out[c] = 1.0 - t * t
     if va.alibi.size > 0:
         slope = va.alibi[b % va.alibi.shape[0], h]
         p = i + tile.tk - tile.tq
@@ -240,6 +266,9 @@ def transform_row(seg, col0, tile, i, h, variants, read_bool, tanh_out):
         for c in range(n):
             if not row[(col0 + c) % mb.shape[3]]:
                 seg[c] = -np.inf
+    if read_bool and va.mask_fn != 0:
+        fp, ip = pointer(va.mod_floats), pointer(va.mod_ints)
+        call_row(va.mask_fn, seg.ctypes.data, 0, n, b, h, i, col0, fp, ip, 0)
 
 
 @njit(fastmath=FASTMATH, cache=True)

@@ -1,0 +1,301 @@
+"""A user's own score and mask functions, compiled into the kernels.
+
+FlexAttention's convention (PyTorch): ``score_mod(score, b, h, q_idx,
+kv_idx) -> score`` changes each score (``score = scale * q . k``, before the
+softmax) and ``mask_mod(b, h, q_idx, kv_idx) -> bool`` keeps a key (True) or
+hides it. ``b`` is the batch entry, ``h`` the query head, ``q_idx``/``kv_idx``
+the query's and the key's positions.
+
+A pair of mods becomes a :class:`Mods` record: the row functions the
+kernels call through :func:`flashtile.cpu.mod_calls.call_row` (their
+addresses, for float32 and float64 work), the captured tables the mods read
+(flattened into one float64 and one int64 buffer), and, with a mask, the
+block map (``TILE_*`` states per tile) that lets the kernels skip empty
+tiles and leave full ones unmasked. The kernels are compiled once for every
+mod; a mod compiles only its row functions.
+
+Mods come from two places:
+
+- :func:`numpy_mods`: plain Python functions on scalars (``math``, NumPy
+  scalar functions, NumPy arrays read by index), compiled with Numba as
+  they are. The NumPy API's forward (``flashtile.attention(...,
+  score_mod=, mask_mod=)``). They have no derivative.
+- :mod:`flashtile.torch.flex_trace`: torch mods, traced and translated into
+  the same scalar functions, with their derivatives (taken by
+  ``torch.func``), and cached on disk by their source
+  (:func:`compiled_module`).
+
+Either way the scalar functions are ``_score(x, b, h, qi, kv, F, I)``,
+``_score_grad(...) -> (value, d value / d x)``, ``_score_capture(x, g, b,
+h, qi, kv, F, I, G)`` (adds ``g`` times the derivative by each captured
+float entry it read to ``G``, laid out like ``F``) and ``_mask(b, h, qi,
+kv, F, I)``, and :data:`ROW_TEMPLATE` wraps them into row functions. Scores
+are computed in float64. ``I[0]`` is an error flag: a captured table
+indexed out of range sets it (and reads entry 0); the caller raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from .masks import TILE_EMPTY, TILE_FULL, TILE_PARTIAL
+
+#: The row functions around the scalar functions; ``{T}`` is 32 or 64 (the
+#: work dtype of the scores), ``{CACHE}`` whether Numba caches them on disk.
+#: Units: the kernels hold scores in log2 units (``s = x * log2(e)``).
+ROW_TEMPLATE = """
+@cfunc(row_signature(float{T}), cache={CACHE}, error_model="numpy")
+def score_row_{T}(s_p, aux_p, n, b, h, qi, col0, f_p, i_p, g_p):
+    s, F, I = carray(s_p, n), carray(f_p, NF), carray(i_p, NI)
+    for c in range(n):
+        s[c] = _score(s[c] * LN2, b, h, qi, col0 + c, F, I) * LOG2E
+
+
+@cfunc(row_signature(float{T}), cache={CACHE}, error_model="numpy")
+def score_grad_row_{T}(s_p, aux_p, n, b, h, qi, col0, f_p, i_p, g_p):
+    s, chain = carray(s_p, n), carray(aux_p, n)
+    F, I = carray(f_p, NF), carray(i_p, NI)
+    for c in range(n):
+        y, dy = _score_grad(s[c] * LN2, b, h, qi, col0 + c, F, I)
+        s[c] = y * LOG2E
+        chain[c] = dy
+
+
+@cfunc(row_signature(float{T}), cache={CACHE}, error_model="numpy")
+def capture_row_{T}(s_p, aux_p, n, b, h, qi, col0, f_p, i_p, g_p):
+    raw, grad = carray(s_p, n), carray(aux_p, n)
+    F, I, G = carray(f_p, NF), carray(i_p, NI), carray(g_p, NF)
+    for c in range(n):
+        if grad[c] != 0.0:
+            _score_capture(raw[c] * LN2, grad[c], b, h, qi, col0 + c, F, I, G)
+
+
+@cfunc(row_signature(float{T}), cache={CACHE}, error_model="numpy")
+def mask_row_{T}(s_p, aux_p, n, b, h, qi, col0, f_p, i_p, g_p):
+    s, F, I = carray(s_p, n), carray(f_p, NF), carray(i_p, NI)
+    for c in range(n):
+        if not _mask(b, h, qi, col0 + c, F, I):
+            s[c] = -math.inf
+"""
+
+#: What a generated module imports (before its scalar functions).
+PRELUDE = """
+import math
+
+import numpy as np
+from numba import carray, cfunc, njit
+from numba.types import float32, float64
+
+from flashtile.mods import row_signature
+from flashtile.units import LN2, LOG2E
+"""
+
+#: The kinds of row functions, in :class:`RowFunctions` order.
+KINDS = ("score", "score_grad", "capture", "mask")
+
+
+def row_signature(dtype):
+    """The C signature of every row function for scores of Numba ``dtype``
+    (see :mod:`flashtile.cpu.mod_calls`)."""
+    from numba import types
+
+    word, floats = types.int64, types.CPointer(types.float64)
+    row = types.CPointer(dtype)
+    return types.void(
+        row, row, word, word, word, word, word, floats, types.CPointer(types.int64), floats
+    )
+
+
+class RowFunctions(NamedTuple):
+    """Addresses of the row functions for one work dtype (0 = none)."""
+
+    score: int
+    score_grad: int
+    capture: int
+    mask: int
+
+
+@dataclass(eq=False)
+class Mods:
+    """A compiled score and/or mask function with what it reads.
+
+    Attributes:
+        kinds: which scalar functions exist (names of :data:`KINDS`).
+        floats: float64 flat buffer of the captured float tables (at least
+            one element); ints: int64 flat buffer of the integer and bool
+            tables, ``ints[0]`` the out-of-range flag.
+        namespace: the generated module's names (its row functions).
+        states, block: the mask's block map ``(Bm, Hm, nQ, nK)`` int8 at
+            tiles of ``block = (block_q, block_k)``, or None without a mask.
+        label: how errors name the mods.
+    """
+
+    kinds: tuple[str, ...]
+    floats: np.ndarray
+    ints: np.ndarray
+    namespace: dict
+    states: np.ndarray | None = None
+    block: tuple[int, int] = (128, 128)
+    label: str = "score_mod/mask_mod"
+    _rows: dict = field(default_factory=dict, repr=False)
+    _maps: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def has_score(self) -> bool:
+        return "score" in self.kinds
+
+    @property
+    def has_mask(self) -> bool:
+        return "mask" in self.kinds
+
+    @property
+    def differentiable(self) -> bool:
+        """Whether the backward can run: a score function needs its derivative."""
+        return not self.has_score or "score_grad" in self.kinds
+
+    @property
+    def has_capture(self) -> bool:
+        return "capture" in self.kinds
+
+    def rows(self, dtype) -> RowFunctions:
+        """The row functions for work ``dtype`` (float32 or float64), compiled
+        on first use (a cached module loads them from disk)."""
+        bits = np.dtype(dtype).itemsize * 8
+        found = self._rows.get(bits)
+        if found is None:
+            found = RowFunctions(
+                *(
+                    self.namespace[f"{kind}_row_{bits}"].address if kind in self.kinds else 0
+                    for kind in KINDS
+                )
+            )
+            self._rows[bits] = found
+        return found
+
+    def clear_flag(self) -> None:
+        self.ints[0] = 0
+
+    def check_flag(self) -> None:
+        """Raise if a mod indexed a captured table out of range during the call."""
+        if self.ints[0]:
+            self.ints[0] = 0
+            raise IndexError(
+                f"{self.label} indexed a captured tensor out of its range (b, h, q_idx or "
+                f"kv_idx reached past a table's size): size the table for every index the "
+                f"call passes"
+            )
+
+    def kernel_states(self, block_q: int, block_k: int, tq: int, tk: int) -> np.ndarray:
+        """The block map at the kernel's tiles: a kernel tile is empty (full)
+        only when every map block it overlaps is, else partial."""
+        return restate(self.states, self.block, (block_q, block_k), (tq, tk))
+
+
+def restate(states, block, tiles, extent) -> np.ndarray:
+    """``(Bm, Hm, ceil(Tq/tiles[0]), ceil(Tk/tiles[1]))`` int8 states of
+    ``tiles`` from ``states`` summarised at ``block``: the min and max over
+    the map blocks a tile overlaps (both empty: empty; both full: full)."""
+    out = states
+    for axis, (size, tile, length) in enumerate(zip(block, tiles, extent, strict=True), start=2):
+        n = -(-length // tile)
+        first = (np.arange(n) * tile) // size
+        last = (np.minimum(np.arange(1, n + 1) * tile, length) - 1) // size
+        last = np.clip(last, 0, out.shape[axis] - 1)
+        lo = np.take(out, first, axis=axis)
+        hi = lo.copy()
+        for step in range(1, int((last - first).max(initial=0)) + 1):
+            idx = np.minimum(first + step, last)
+            part = np.take(out, idx, axis=axis)
+            lo, hi = np.minimum(lo, part), np.maximum(hi, part)
+        merged = np.where(lo == hi, lo, TILE_PARTIAL)
+        out = np.where((lo == TILE_FULL) & (hi == TILE_FULL), TILE_FULL, merged)
+        out = np.where((lo == TILE_EMPTY) & (hi == TILE_EMPTY), TILE_EMPTY, out)
+    return np.ascontiguousarray(out, dtype=np.int8)
+
+
+def mask_block_states(mods: Mods, batch: int, heads: int, tq: int, tk: int, block) -> np.ndarray:
+    """``(batch, heads, nQ, nK)`` int8 states of the mods' mask function at
+    tiles of ``block``, evaluated by a compiled pass (memory: one row per
+    thread). ``batch``/``heads`` of 1 evaluate the mask at ``b``/``h`` = 0
+    (broadcast)."""
+    from .cpu.mod_calls import mask_states
+
+    mods.clear_flag()
+    states = mask_states(
+        mods.rows(np.float64).mask, batch, heads, tq, tk, block[0], block[1], mods.floats,
+        mods.ints,
+    )  # fmt: skip
+    mods.check_flag()
+    return states
+
+
+def module_source(scalar_source: str, kinds, n_floats: int, n_ints: int, cache: bool) -> str:
+    """The full source of a mods module: prelude, sizes, the scalar
+    functions, and the row functions of ``kinds`` for both work dtypes."""
+    rows = []
+    for bits in (32, 64):
+        blocks = ROW_TEMPLATE.format(T=bits, CACHE=cache).split("\n\n\n")
+        rows += [b for b, kind in zip(blocks, KINDS, strict=True) if kind in kinds]
+    sizes = f"NF, NI = {n_floats}, {n_ints}\n"
+    return "\n".join([PRELUDE, sizes, textwrap.dedent(scalar_source), *rows])
+
+
+def compiled_module(source: str, directory: Path) -> dict:
+    """Import ``source`` from ``directory/mods_<hash>.py`` (written once), so
+    that Numba caches its compiled functions beside it across processes."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:24]
+    name = f"flashtile_mods_{digest}"
+    if name in sys.modules:
+        return vars(sys.modules[name])
+    path = directory / f"mods_{digest}.py"
+    if not path.is_file() or path.read_text() != source:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{id(source)}.tmp")
+        tmp.write_text(source)
+        tmp.replace(path)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return vars(module)
+
+
+#: Scalar functions around a user's NumPy mods (``_user_score``/``_user_mask``).
+_NUMPY_SCALARS = {
+    "score": "@njit(inline='always', error_model='numpy')\ndef _score(x, b, h, qi, kv, F, I):\n"
+    "    return float(_user_score(x, b, h, qi, kv))\n",
+    "mask": "@njit(inline='always', error_model='numpy')\ndef _mask(b, h, qi, kv, F, I):\n"
+    "    return bool(_user_mask(b, h, qi, kv))\n",
+}
+
+
+def numpy_mods(score_mod=None, mask_mod=None) -> Mods:
+    """:class:`Mods` of plain Python mods, compiled by Numba as written
+    (forward only: no derivative). Not cached on disk: a closure's captured
+    arrays are constants of its compiled code."""
+    from numba import njit
+
+    kinds, namespace = [], {}
+    for kind, fn in (("score", score_mod), ("mask", mask_mod)):
+        if fn is None:
+            continue
+        if not callable(fn):
+            raise TypeError(f"{kind}_mod must be a function, got {type(fn).__name__}")
+        kinds.append(kind)
+        namespace[f"_user_{kind}"] = njit(error_model="numpy")(fn)
+    source = module_source(
+        "".join(_NUMPY_SCALARS[k] for k in kinds), kinds, 1, 1, cache=False
+    )
+    exec(compile(source, "<flashtile mods>", "exec"), namespace)  # noqa: S102
+    return Mods(
+        tuple(kinds), np.zeros(1), np.zeros(1, dtype=np.int64), namespace,
+        label=" and ".join(f"{k}_mod" for k in kinds),
+    )  # fmt: skip
