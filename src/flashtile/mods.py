@@ -80,7 +80,14 @@ def capture_row_{T}(s_p, aux_p, n, b, h, qi, col0, f_p, i_p, g_p):
 
 @cfunc(row_signature(float{T}), cache={CACHE}, error_model="numpy")
 def mask_row_{T}(s_p, aux_p, n, b, h, qi, col0, f_p, i_p, g_p):
-    s, F, I = carray(s_p, n), carray(f_p, NF), carray(i_p, NI)
+    F, I = carray(f_p, NF), carray(i_p, NI)
+    if n < 0:  # counting (block maps): how many of the row's -n keys are kept
+        kept = 0  # (an integer sum: a float one waits on each add's latency)
+        for c in range(-n):
+            kept += _mask(b, h, qi, col0 + c, F, I)
+        carray(aux_p, 1)[0] = kept
+        return
+    s = carray(s_p, n)
     for c in range(n):
         if not _mask(b, h, qi, col0 + c, F, I):
             s[c] = -math.inf
@@ -136,6 +143,10 @@ class Mods:
         states, block: the mask's block map ``(Bm, Hm, nQ, nK)`` int8 at
             tiles of ``block = (block_q, block_k)``, or None without a mask.
         label: how errors name the mods.
+        limits: ``(input, size)`` pairs: a captured table's dim of ``size``
+            is indexed by the input itself (``"b"``, ``"h"``, ``"qi"`` or
+            ``"kv"``), unchecked per element: :meth:`check_extent` checks
+            the call's sizes against it once.
     """
 
     kinds: tuple[str, ...]
@@ -145,6 +156,7 @@ class Mods:
     states: np.ndarray | None = None
     block: tuple[int, int] = (128, 128)
     label: str = "score_mod/mask_mod"
+    limits: tuple[tuple[str, int], ...] = ()
     _rows: dict = field(default_factory=dict, repr=False)
     _maps: dict = field(default_factory=dict, repr=False)
 
@@ -179,6 +191,19 @@ class Mods:
             )
             self._rows[bits] = found
         return found
+
+    def check_extent(self, batch: int, heads: int, tq: int, tk: int) -> None:
+        """Raise IndexError when a table indexed directly by ``b``, ``h``,
+        ``q_idx`` or ``kv_idx`` is shorter than the call's extent of it."""
+        extent = {"b": batch, "h": heads, "qi": tq, "kv": tk}
+        names = {"b": "b", "h": "h", "qi": "q_idx", "kv": "kv_idx"}
+        for name, size in self.limits:
+            if extent[name] > size:
+                raise IndexError(
+                    f"{self.label} indexes a captured tensor's dim of size {size} by "
+                    f"{names[name]}, which runs to {extent[name] - 1} in this call: size the "
+                    f"table for every index the call passes"
+                )
 
     def clear_flag(self) -> None:
         self.ints[0] = 0
@@ -228,6 +253,7 @@ def mask_block_states(mods: Mods, batch: int, heads: int, tq: int, tk: int, bloc
     (broadcast)."""
     from .cpu.mod_calls import mask_states
 
+    mods.check_extent(batch, heads, tq, tk)
     mods.clear_flag()
     states = mask_states(
         mods.rows(np.float64).mask, batch, heads, tq, tk, block[0], block[1], mods.floats,

@@ -269,8 +269,9 @@ def _check_mods(shapes, score_mod, mask_mod, mods, softcap, mask_bool, mask_add)
             "mask_mod and a mask (mask=, key_padding_mask=) both hide keys: combine them "
             "into one mask_mod (kv_lengths may go with a mask_mod)"
         )
+    batch, heads = _heads_and_batch(shapes, "score_mod/mask_mod")
+    mods.check_extent(batch, heads, shapes.tq, shapes.tk)
     if mods.has_mask and mods.states is None:
-        batch, heads = _heads_and_batch(shapes, "mask_mod")
         mods = _with_states(mods, batch, heads, shapes.tq, shapes.tk)
     return mods
 

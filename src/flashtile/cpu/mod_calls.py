@@ -61,26 +61,28 @@ def pointer(a):
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def mask_states(mask_fn, batch, heads, tq, tk, block_q, block_k, floats, ints):
     """``(batch, heads, ceil(tq/block_q), ceil(tk/block_k))`` int8 tile states
-    (``TILE_*``) of a compiled mask function, evaluated row by row: memory
-    of one row per thread, never ``tq x tk``. ``mask_fn`` is the float64
-    mask row function's address."""
+    (``TILE_*``) of a compiled mask function, counted row by row (the
+    function's counting mode: ``n < 0`` counts ``-n`` keys into ``aux[0]``); a tile stops being read
+    once it has shown kept and hidden keys (partial). Memory: the states.
+    ``mask_fn`` is the float64 mask row function's address."""
     nq, nk = -(-tq // block_q), -(-tk // block_k)
     states = np.empty((batch, heads, nq, nk), dtype=np.int8)
     fp, ip = pointer(floats), pointer(ints)
     for job in prange(batch * heads * nq):
         b, rest = job // (heads * nq), job % (heads * nq)
         h, qb = rest // nq, rest % nq
-        row = np.empty(block_k, dtype=np.float64)
+        count = np.zeros(1, dtype=np.float64)
+        i0, i1 = qb * block_q, min(qb * block_q + block_q, tq)
         for kb in range(nk):
             j0 = kb * block_k
             n = min(block_k, tk - j0)
-            kept = 0
-            for i in range(qb * block_q, min(qb * block_q + block_q, tq)):
-                row[:n] = 0.0
-                call_row(mask_fn, row.ctypes.data, 0, n, b, h, i, j0, fp, ip, 0)
-                for c in range(n):
-                    kept += row[c] == 0.0
-            rows = min(block_q, tq - qb * block_q)
-            full = kept == rows * n
+            kept, seen = 0, 0
+            for i in range(i0, i1):
+                call_row(mask_fn, 0, count.ctypes.data, -n, b, h, i, j0, fp, ip, 0)
+                kept += int(count[0])
+                seen += n
+                if 0 < kept < seen:
+                    break  # partial: the rest cannot change that
+            full = kept == (i1 - i0) * n
             states[b, h, qb, kb] = TILE_FULL if full else (TILE_PARTIAL if kept else TILE_EMPTY)
     return states

@@ -162,6 +162,9 @@ class Translator:
         self.lines: list[str] = []
         self.reads: list[tuple[str, int, str]] = []  # (value name, table, offset name)
         self.read_nodes: list = []  # the graph node of each read, in the same order
+        # (input name, dim size): dims indexed by an input itself, whose
+        # range is checked once per call instead of per element
+        self.direct: set[tuple[str, int]] = set()
         self._count = 0
 
     def _name(self, prefix: str) -> str:
@@ -313,6 +316,10 @@ class Translator:
         self.lines.append(f"{offset} = 0")
         strides = _c_strides(tensor.shape)
         for dim, (text, size) in enumerate(zip(index, tensor.shape, strict=True)):
+            if text in SCORE_INPUTS[1:]:  # b, h, q_idx or kv_idx: never negative
+                self.direct.add((text, size))
+                self.lines.append(f"{offset} += {text} * {strides[dim]}")
+                continue
             t = self._name("t")
             self.lines += [
                 f"{t} = {text}",
@@ -326,7 +333,7 @@ class Translator:
         name = self._name("r")
         table = self.tables[view.table]
         where = "F" if table.kind == "f" else "I"
-        value = f"{where}[T{view.table} + {offset}]"
+        value = f"{where}[np.uintp(T{view.table} + {offset})]"  # unsigned: no wraparound test
         kind = _kind(tensor.dtype)
         self.lines.append(f"{name} = {_CAST[kind].format(value)}")
         self.reads.append((name, view.table, offset))
@@ -401,6 +408,7 @@ class TracedMods:
     tables: list[Table]
     n_floats: int
     n_ints: int
+    limits: tuple[tuple[str, int], ...]
 
 
 def trace_mods(score_mod, mask_mod) -> TracedMods:
@@ -422,8 +430,9 @@ def trace_mods(score_mod, mask_mod) -> TracedMods:
     n_floats, n_ints = _layout(translator.tables)
     offsets = "".join(f"T{n} = {t.offset}\n" for n, t in enumerate(translator.tables))
     traced = TracedMods(
-        offsets + "\n".join(functions), tuple(kinds), translator.tables, n_floats, n_ints
-    )
+        offsets + "\n".join(functions), tuple(kinds), translator.tables, n_floats, n_ints,
+        tuple(sorted(translator.direct)),
+    )  # fmt: skip
     _store(key, traced)
     return traced
 
@@ -543,4 +552,6 @@ def compile_mods(traced: TracedMods) -> Mods:
             floats[t.offset : t.offset + flat.numel()] = flat.double().numpy()
         else:
             ints[t.offset : t.offset + flat.numel()] = flat.long().numpy()
-    return Mods(traced.kinds, floats, ints, namespace, label="score_mod/mask_mod")
+    return Mods(
+        traced.kinds, floats, ints, namespace, label="score_mod/mask_mod", limits=traced.limits
+    )
