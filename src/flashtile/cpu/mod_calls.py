@@ -59,12 +59,11 @@ def pointer(a):
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def mask_states(mask_fn, batch, heads, tq, tk, block_q, block_k, floats, ints):
+def mask_states(count_fn, batch, heads, tq, tk, block_q, block_k, floats, ints):
     """``(batch, heads, ceil(tq/block_q), ceil(tk/block_k))`` int8 tile states
-    (``TILE_*``) of a compiled mask function, counted row by row (the
-    function's counting mode: ``n < 0`` counts ``-n`` keys into ``aux[0]``); a tile stops being read
-    once it has shown kept and hidden keys (partial). Memory: the states.
-    ``mask_fn`` is the float64 mask row function's address."""
+    (``TILE_*``) of a compiled mask, counted row by row by ``count_fn`` (the
+    float64 ``mask_count`` row function's address: ``aux[0]`` = kept keys); a tile stops being read
+    once it has shown kept and hidden keys (partial). Memory: the states."""
     nq, nk = -(-tq // block_q), -(-tk // block_k)
     states = np.empty((batch, heads, nq, nk), dtype=np.int8)
     fp, ip = pointer(floats), pointer(ints)
@@ -78,7 +77,7 @@ def mask_states(mask_fn, batch, heads, tq, tk, block_q, block_k, floats, ints):
             n = min(block_k, tk - j0)
             kept, seen = 0, 0
             for i in range(i0, i1):
-                call_row(mask_fn, 0, count.ctypes.data, -n, b, h, i, j0, fp, ip, 0)
+                call_row(count_fn, 0, count.ctypes.data, n, b, h, i, j0, fp, ip, 0)
                 kept += int(count[0])
                 seen += n
                 if 0 < kept < seen:
