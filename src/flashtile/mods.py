@@ -289,9 +289,7 @@ def mask_block_states(mods: Mods, batch: int, heads: int, tq: int, tk: int, bloc
     mods.check_extent(batch, heads, tq, tk)
     mods.clear_flag()
     counter = mods.namespace["mask_count_row_64"].address
-    states = mask_states(
-        counter, batch, heads, tq, tk, block[0], block[1], mods.floats, mods.ints
-    )
+    states = mask_states(counter, batch, heads, tq, tk, block[0], block[1], mods.floats, mods.ints)
     mods.check_flag()
     return states
 
@@ -351,10 +349,8 @@ def numpy_mods(score_mod=None, mask_mod=None) -> Mods:
             raise TypeError(f"{kind}_mod must be a function, got {type(fn).__name__}")
         kinds.append(kind)
         namespace[f"_user_{kind}"] = njit(error_model="numpy")(fn)
-    source = module_source(
-        "".join(_NUMPY_SCALARS[k] for k in kinds), kinds, 1, 1, cache=False
-    )
-    exec(compile(source, "<flashtile mods>", "exec"), namespace)  # noqa: S102
+    source = module_source("".join(_NUMPY_SCALARS[k] for k in kinds), kinds, 1, 1, cache=False)
+    exec(compile(source, "<flashtile mods>", "exec"), namespace)
     return Mods(
         tuple(kinds), np.zeros(1), np.zeros(1, dtype=np.int64), namespace,
         label=" and ".join(f"{k}_mod" for k in kinds),

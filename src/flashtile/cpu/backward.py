@@ -187,11 +187,15 @@ def grad_rows(
             if dropping:  # dS = P * (c Z * dP - D); then P * Z for dV
                 for c in range(cw):
                     x = widen(p[row, c])
-                    factor = keep_scale if x > zero else zero  # (a multiply vectorises, a select not)
+                    factor = (
+                        keep_scale if x > zero else zero
+                    )  # (a multiply vectorises, a select not)
                     g = abs(x) * (dp[row, c] * factor - dr)
                     ds[row, c] = narrow_operand(chained(g, chain, row, c), ds)
                     p[row, c] = narrow(max(x, zero), p)
-            elif chain.size:  # dS = P * (dP - D), through softcap's or a score function's derivative
+            elif (
+                chain.size
+            ):  # dS = P * (dP - D), through softcap's or a score function's derivative
                 for c in range(cw):
                     g = widen(p[row, c]) * (dp[row, c] - dr)
                     ds[row, c] = narrow_operand(chained(g, chain, row, c), ds)

@@ -171,7 +171,10 @@ class _FlexFunction(torch.autograd.Function):
             mods.clear_flag()
         dout_n = as_numpy(dout.contiguous().to(q.dtype))
         dq, dk, dv = run_backward(plan, as_numpy(out), as_numpy(lse), dout_n)
-        grads = [as_tensor(np.ascontiguousarray(g)).to(t.dtype) for g, t in zip((dq, dk, dv), (q, k, v), strict=True)]
+        grads = [
+            as_tensor(np.ascontiguousarray(g)).to(t.dtype)
+            for g, t in zip((dq, dk, dv), (q, k, v), strict=True)
+        ]
         table_grads = [None] * len(ctx.tables)
         if grads_buf is not None:
             mods.check_flag()
@@ -179,7 +182,9 @@ class _FlexFunction(torch.autograd.Function):
             for n, t in enumerate(ctx.tables):
                 if t.kind == "f" and t.tensor.requires_grad:
                     part = total[t.offset : t.offset + t.tensor.numel()]
-                    table_grads[n] = torch.from_numpy(part.copy()).reshape(t.tensor.shape).to(t.tensor.dtype)
+                    table_grads[n] = (
+                        torch.from_numpy(part.copy()).reshape(t.tensor.shape).to(t.tensor.dtype)
+                    )
         return (*grads, None, None, None, *table_grads)
 
 
@@ -211,7 +216,9 @@ def flex_attention(
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor (B, H, T, E), got {_describe(t)}")
         if t.device.type != "cpu":
-            raise ValueError(f"flashtile's flex_attention runs on CPU tensors, {name} is on {t.device}")
+            raise ValueError(
+                f"flashtile's flex_attention runs on CPU tensors, {name} is on {t.device}"
+            )
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(
             f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True "

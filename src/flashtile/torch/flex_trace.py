@@ -206,7 +206,9 @@ class Translator:
             return env[a]
         if isinstance(a, list | tuple):
             return [self._arg(x, env) for x in a]
-        if a is None or isinstance(a, torch.dtype | torch.device | torch.layout | torch.memory_format):
+        if a is None or isinstance(
+            a, torch.dtype | torch.device | torch.layout | torch.memory_format
+        ):
             return a
         return _literal(a)
 
@@ -326,7 +328,7 @@ class Translator:
                 f"if {t} < 0:",
                 f"    {t} += {size}",
                 f"if {t} < 0 or {t} >= {size}:",
-                f"    I[0] = 1",
+                "    I[0] = 1",
                 f"    {t} = 0",
                 f"{offset} += {t} * {strides[dim]}",
             ]
@@ -457,7 +459,7 @@ def _score_functions(score_mod, tr: Translator) -> list[str]:
     """``_score``, ``_score_grad`` and ``_score_capture`` (see :mod:`flashtile.mods`)."""
     gm = _trace(torch.vmap(score_mod), (_one(0.0, torch.float32), *_indices()), "score_mod")
     tr.lines = []
-    (value,) = tr.translate(gm, SCORE_INPUTS)
+    value = _one_output(tr.translate(gm, SCORE_INPUTS), "f", "score_mod")
     forward_lines, reads, nodes = tr.lines, list(tr.reads), list(tr.read_nodes)
     # The derivative by x and by the reads of captured float tensors that require grad.
     wanted = [
@@ -514,10 +516,24 @@ def _derivative(gm, read_nodes, reads, wanted, tr: Translator):
     return lines, outputs[:-1], outputs[-1]
 
 
+def _one_output(outputs, kind: str, what: str) -> Expr:
+    """The mod's one scalar result, of the kind it must have."""
+    wanted = {"f": "a float score", "b": "a bool (True = keep)"}[kind]
+    if len(outputs) != 1 or not isinstance(outputs[0], Expr):
+        raise Unsupported(
+            f"{what} must return one value per (b, h, q_idx, kv_idx), {wanted}; it returned "
+            f"{len(outputs)} values or a whole tensor"
+        )
+    if outputs[0].kind != kind:
+        got = {"f": "a float", "i": "an integer", "b": "a bool"}[outputs[0].kind]
+        raise Unsupported(f"{what} must return {wanted}, it returned {got}")
+    return outputs[0]
+
+
 def _mask_function(mask_mod, tr: Translator) -> str:
     gm = _trace(torch.vmap(mask_mod), _indices(), "mask_mod")
     tr.lines = []
-    (value,) = tr.translate(gm, MASK_INPUTS)
+    value = _one_output(tr.translate(gm, MASK_INPUTS), "b", "mask_mod")
     lines, tr.lines = tr.lines, []
     return _function("_mask(b, h, qi, kv, F, I)", lines, f"return {value.text}")
 
