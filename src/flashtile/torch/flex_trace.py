@@ -17,6 +17,7 @@ The backward scatters ``dS`` times the latter into the tables' gradients.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from dataclasses import dataclass
@@ -549,10 +550,8 @@ def _lookup(key):
 
 def _store(key, traced):
     holder = key[0] if key[0] is not None else key[1]
-    try:
+    with contextlib.suppress(TypeError):  # not weak-referenceable: traced again next time
         _TRACED.setdefault(holder, {})[key] = traced
-    except TypeError:  # not weak-referenceable: traced again next time
-        pass
 
 
 def compile_mods(traced: TracedMods) -> Mods:
