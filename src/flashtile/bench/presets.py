@@ -3,7 +3,8 @@
 A preset names what it measures, builds its cases from ``(B, H)``, and says
 which target lines its results are judged by. Two presets build and time
 their own cases instead: ``decode`` (:mod:`.decode`, KV-cache decoding in
-GB/s against a read ceiling) and ``generate`` (:mod:`.generate`, greedy
+GB/s against a read ceiling), ``flex`` (:mod:`.flex`, FlexAttention's mods)
+and ``generate`` (:mod:`.generate`, greedy
 decoding of transformers models in tokens/s).
 Adding a benchmark is one entry in :data:`PRESETS`. Only the command line
 (:mod:`.cli`) reads this module; nothing in the bench imports it back.
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from . import decode, generate, torch_op, variant_cases, variant_providers
+from . import decode, flex, generate, torch_op, variant_cases, variant_providers
 from .cases import Case, sweep
 
 
@@ -94,6 +95,11 @@ PRESETS: dict[str, Preset] = {
         "KV-cache decoding in GB/s vs torch SDPA and a measured memory-read ceiling",
         reps=9,
         run=partial(decode.run_decode_bench, lengths=(8192, 65536)),
+    ),
+    "flex": Preset(
+        "FlexAttention mods (score_mod/mask_mod) vs torch.compile(flex_attention), the "
+        "built-in flags and SDPA; block masks, memory, a new mod's compile time",
+        run=flex.run_flex_bench,
     ),
     "generate": Preset(
         "greedy decoding of transformers models (GPT-2 small shape, a GQA Llama shape at a "

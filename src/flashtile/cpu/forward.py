@@ -111,7 +111,8 @@ def walk_gathered(
     block_q, bk,
 ):  # fmt: skip
     """Fold the kept key blocks of a block map, up to GATHER_KEYS keys per
-    tile gathered into scratch tiles (arguments as in :func:`walk_band`).
+    tile: read in place where they follow each other in the keys, else
+    gathered into scratch tiles (arguments as in :func:`walk_band`).
     Returns the number of key blocks computed."""
     wide_vectors()
     rows = q_tile.shape[0]
@@ -125,17 +126,26 @@ def walk_gathered(
         segs = kept[g0 : min(g0 + per_tile, n_kept)]
         width = 0
         full = True  # every row sees every gathered column
+        first = segs[0, SEG_KEY]
         for g in range(segs.shape[0]):
             j0, nk = segs[g, SEG_KEY], segs[g, SEG_LENGTH]
             segs[g, SEG_OFFSET] = width
-            k_buf[width : width + nk] = k_rows[j0 : j0 + nk]
-            v_buf[width : width + nk] = v_rows[j0 : j0 + nk]
             width += nk
             full = full and segs[g, SEG_STATE] == TILE_FULL and tile_sees_all(tile, j0, j0 + nk, va)
+        # Kept blocks that follow each other in the keys are read in place
+        # (a causal or banded map keeps runs of them); others are gathered.
+        adjacent = segs[-1, SEG_KEY] + segs[-1, SEG_LENGTH] - first == width
+        k_tile, v_tile = k_rows[first : first + width], v_rows[first : first + width]
+        if not adjacent:
+            for g in range(segs.shape[0]):
+                off, j0, nk = segs[g, SEG_OFFSET], segs[g, SEG_KEY], segs[g, SEG_LENGTH]
+                k_buf[off : off + nk] = k_rows[j0 : j0 + nk]
+                v_buf[off : off + nk] = v_rows[j0 : j0 + nk]
+            k_tile, v_tile = k_buf[:width], v_buf[:width]
         s = s_buf[: rows * width].reshape((rows, width))
         fold_key_tile(
-            gemm_fn, q_tile, k_buf[:width], v_buf[:width], s, m, ell, alpha, acc, segs, tile, va,
-            full, 0, 0, k_buf[:0], v_buf[:0], p_buf, s_mult, no_flag,
+            gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, va, full, 0, 0,
+            k_buf[:0], v_buf[:0], p_buf, s_mult, no_flag,
         )  # fmt: skip
     return n_kept
 
