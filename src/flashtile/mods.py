@@ -25,13 +25,15 @@ Mods come from two places:
   ``torch.func``), and cached on disk by their source
   (:func:`compiled_module`).
 
-Either way the scalar functions are ``_score(x, b, h, qi, kv, F, I)``,
-``_score_grad(...) -> (value, d value / d x)``, ``_score_capture(x, g, b,
-h, qi, kv, F, I, G)`` (adds ``g`` times the derivative by each captured
-float entry it read to ``G``, laid out like ``F``) and ``_mask(b, h, qi,
-kv, F, I)``, and :data:`ROW_TEMPLATE` wraps them into row functions. Scores
-are computed in float64. ``I[0]`` is an error flag: a captured table
-indexed out of range sets it (and reads entry 0); the caller raises.
+Either way the scalar functions are ``_score(x, b, h, qi, kv, F, I) ->
+(value, bad)``, ``_score_grad(...) -> (value, d value / d x, bad)``,
+``_score_capture(x, g, b, h, qi, kv, F, I, G) -> (0, bad)`` (adds ``g``
+times the derivative by each captured float entry it read to ``G``, laid
+out like ``F``) and ``_mask(b, h, qi, kv, F, I) -> (keep, bad)``;
+:data:`LOOPS` and :data:`ROW_TEMPLATE` wrap them into row functions. Scores
+are computed in float64. ``bad`` says a captured table was indexed out of
+range (the read was clamped to the table); a row that saw one sets
+``I[0]``, an error flag the caller checks after the call and raises on.
 """
 
 from __future__ import annotations
@@ -89,37 +91,59 @@ LOOPS = {
     "score": """
 @njit(cache={CACHE}, error_model="numpy")
 def _score_loop(s, b, h, qi, col0, F, I):
+    bad = False
     for c in range(s.shape[0]):
-        s[c] = _score(s[c] * LN2, b, h, qi, col0 + c, F, I) * LOG2E
+        y, out = _score(s[c] * LN2, b, h, qi, col0 + c, F, I)
+        s[c] = y * LOG2E
+        bad = bad or out
+    if bad:
+        I[0] = 1
 """,
     "score_grad": """
 @njit(cache={CACHE}, error_model="numpy")
 def _score_grad_loop(s, chain, b, h, qi, col0, F, I):
+    bad = False
     for c in range(s.shape[0]):
-        y, dy = _score_grad(s[c] * LN2, b, h, qi, col0 + c, F, I)
+        y, dy, out = _score_grad(s[c] * LN2, b, h, qi, col0 + c, F, I)
         s[c] = y * LOG2E
         chain[c] = dy
+        bad = bad or out
+    if bad:
+        I[0] = 1
 """,
     "capture": """
 @njit(cache={CACHE}, error_model="numpy")
 def _capture_loop(raw, grad, b, h, qi, col0, F, I, G):
+    bad = False
     for c in range(raw.shape[0]):
         if grad[c] != 0.0:
-            _score_capture(raw[c] * LN2, grad[c], b, h, qi, col0 + c, F, I, G)
+            _, out = _score_capture(raw[c] * LN2, grad[c], b, h, qi, col0 + c, F, I, G)
+            bad = bad or out
+    if bad:
+        I[0] = 1
 """,
     "mask": """
 @njit(cache={CACHE}, error_model="numpy")
 def _mask_loop(s, b, h, qi, col0, F, I):
+    bad = False
     for c in range(s.shape[0]):
-        if not _mask(b, h, qi, col0 + c, F, I):
+        keep, out = _mask(b, h, qi, col0 + c, F, I)
+        if not keep:
             s[c] = -math.inf
+        bad = bad or out
+    if bad:
+        I[0] = 1
 """,
     "mask_count": """
 @njit(cache={CACHE}, error_model="numpy")
 def _count_loop(n, b, h, qi, col0, F, I):
-    kept = 0  # (an integer sum: a float one waits on each add's latency)
+    kept, bad = 0, False  # (an integer sum: a float one waits on each add's latency)
     for c in range(n):
-        kept += _mask(b, h, qi, col0 + c, F, I)
+        keep, out = _mask(b, h, qi, col0 + c, F, I)
+        kept += keep
+        bad = bad or out
+    if bad:
+        I[0] = 1
     return kept
 """,
 }
@@ -329,9 +353,9 @@ def compiled_module(source: str, directory: Path) -> dict:
 #: Scalar functions around a user's NumPy mods (``_user_score``/``_user_mask``).
 _NUMPY_SCALARS = {
     "score": "@njit(inline='always', error_model='numpy')\ndef _score(x, b, h, qi, kv, F, I):\n"
-    "    return float(_user_score(x, b, h, qi, kv))\n",
+    "    return float(_user_score(x, b, h, qi, kv)), False\n",
     "mask": "@njit(inline='always', error_model='numpy')\ndef _mask(b, h, qi, kv, F, I):\n"
-    "    return bool(_user_mask(b, h, qi, kv))\n",
+    "    return bool(_user_mask(b, h, qi, kv)), False\n",
 }
 
 

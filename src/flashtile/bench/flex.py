@@ -88,7 +88,7 @@ def _flag_call(flashtile, q, k, v, keywords):
     qn, kn, vn = q.numpy(), k.numpy(), v.numpy()
     cu = keywords.get("varlen")
     if cu is not None:  # the built-in for packed documents: varlen_attention
-        pack = [a[0].transpose(1, 0, 2).copy() for a in (qn, kn, vn)]
+        pack = [a[0] for a in (qn, kn, vn)]  # (H, total, d)
         return lambda: flashtile.varlen_attention(*pack, cu, cu, causal=True)
     return lambda: flashtile.attention(qn, kn, vn, **keywords)
 

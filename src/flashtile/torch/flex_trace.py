@@ -324,13 +324,14 @@ class Translator:
                 self.lines.append(f"{offset} += {text} * {strides[dim]}")
                 continue
             t = self._name("t")
+            # No branch that stores: a flag store inside the row loop made
+            # it 10-20x slower. Out of range is noted in ``bad`` (the loop
+            # sets the flag once) and the index clamped to a safe read.
             self.lines += [
                 f"{t} = {text}",
-                f"if {t} < 0:",
-                f"    {t} += {size}",
-                f"if {t} < 0 or {t} >= {size}:",
-                "    I[0] = 1",
-                f"    {t} = 0",
+                f"{t} = {t} + {size} if {t} < 0 else {t}",
+                f"bad = bad or {t} < 0 or {t} >= {size}",
+                f"{t} = min(max({t}, 0), {size - 1})",
                 f"{offset} += {t} * {strides[dim]}",
             ]
         name = self._name("r")
@@ -452,8 +453,13 @@ def _layout(tables) -> tuple[int, int]:
 
 
 def _function(header: str, lines, result: str) -> str:
-    body = "".join(f"    {line}\n" for line in lines)
-    return f"@njit(inline='always', error_model='numpy')\ndef {header}:\n{body}    {result}\n"
+    """A scalar function of :mod:`flashtile.mods`: ``lines``, then ``return
+    result, bad`` (``bad``: a captured table was indexed out of range)."""
+    body = "".join(f"    {line}\n" for line in ["bad = False", *lines])
+    return (
+        f"@njit(inline='always', error_model='numpy')\ndef {header}:\n{body}"
+        f"    return {result}, bad\n"
+    )
 
 
 def _score_functions(score_mod, tr: Translator) -> list[str]:
@@ -469,10 +475,10 @@ def _score_functions(score_mod, tr: Translator) -> list[str]:
     ]  # fmt: skip
     grad_lines, grads, gvalue = _derivative(gm, nodes, reads, wanted, tr)
     tr.lines = []
-    score = _function("_score(x, b, h, qi, kv, F, I)", forward_lines, f"return {value.text}")
+    score = _function("_score(x, b, h, qi, kv, F, I)", forward_lines, value.text)
     both = _function(
         "_score_grad(x, b, h, qi, kv, F, I)", forward_lines + grad_lines,
-        f"return {gvalue.text}, {grads[0].text}",
+        f"{gvalue.text}, {grads[0].text}",
     )  # fmt: skip
     scatter = [
         f"G[T{reads[n][1]} + {reads[n][2]}] += g * {grads[1 + m].text}"
@@ -480,7 +486,7 @@ def _score_functions(score_mod, tr: Translator) -> list[str]:
     ]
     capture = _function(
         "_score_capture(x, g, b, h, qi, kv, F, I, G)", forward_lines + grad_lines + scatter,
-        "return 0",
+        "0",
     )  # fmt: skip
     return [score, both, capture]
 
@@ -536,7 +542,7 @@ def _mask_function(mask_mod, tr: Translator) -> str:
     tr.lines = []
     value = _one_output(tr.translate(gm, MASK_INPUTS), "b", "mask_mod")
     lines, tr.lines = tr.lines, []
-    return _function("_mask(b, h, qi, kv, F, I)", lines, f"return {value.text}")
+    return _function("_mask(b, h, qi, kv, F, I)", lines, value.text)
 
 
 def _lookup(key):
