@@ -16,11 +16,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from matplotlib.colors import ListedColormap  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
+from matplotlib.colors import ListedColormap
 
-from flashtile.torch.flex import block_states, create_block_mask  # noqa: E402
+from flashtile.torch.flex import block_states, create_block_mask
 
 
 def catalogue(T: int) -> dict:
