@@ -95,7 +95,7 @@ def _score_loop(s, b, h, qi, col0, F, I):
     for c in range(s.shape[0]):
         y, out = _score(s[c] * LN2, b, h, qi, col0 + c, F, I)
         s[c] = y * LOG2E
-        bad = bad or out
+        bad |= out
     if bad:
         I[0] = 1
 """,
@@ -107,7 +107,7 @@ def _score_grad_loop(s, chain, b, h, qi, col0, F, I):
         y, dy, out = _score_grad(s[c] * LN2, b, h, qi, col0 + c, F, I)
         s[c] = y * LOG2E
         chain[c] = dy
-        bad = bad or out
+        bad |= out
     if bad:
         I[0] = 1
 """,
@@ -118,7 +118,7 @@ def _capture_loop(raw, grad, b, h, qi, col0, F, I, G):
     for c in range(raw.shape[0]):
         if grad[c] != 0.0:
             _, out = _score_capture(raw[c] * LN2, grad[c], b, h, qi, col0 + c, F, I, G)
-            bad = bad or out
+            bad |= out
     if bad:
         I[0] = 1
 """,
@@ -130,7 +130,7 @@ def _mask_loop(s, b, h, qi, col0, F, I):
         keep, out = _mask(b, h, qi, col0 + c, F, I)
         if not keep:
             s[c] = -math.inf
-        bad = bad or out
+        bad |= out
     if bad:
         I[0] = 1
 """,
@@ -141,7 +141,7 @@ def _count_loop(n, b, h, qi, col0, F, I):
     for c in range(n):
         keep, out = _mask(b, h, qi, col0 + c, F, I)
         kept += keep
-        bad = bad or out
+        bad |= out
     if bad:
         I[0] = 1
     return kept

@@ -323,17 +323,21 @@ def tile_sizes(
     """``(block_q, block_k)`` for a call: the tile-size policy, all of it.
 
     Explicit sizes are kept (only cut to the data). Defaults: FWD_BLOCKS or
-    BWD_BLOCKS; a boolean mask's MASK_BLOCKS, or a BlockMask's own tiles
-    (kept whole, so its summary is reused rather than rebuilt); with a
+    BWD_BLOCKS; a boolean mask's MASK_BLOCKS, or a BlockMask's (or a
+    mask_mod's block map's) own tiles (kept whole, so its summary is reused
+    rather than rebuilt; partial tiles stay as small as the map's); with a
     two-sided window, rows shrink toward the band (MIN_WINDOW_BLOCK_Q). A
     default block_q is shared by a GQA group's heads (divided by ``group``)
     and, in the forward, halved until each of ``threads`` gets ITEMS_PER_THREAD
     items (never below MIN_BLOCK_Q).
     """
     bm = va.block_mask
-    keep_q = block_q is not None or bm is not None
+    mapped = va.mods is not None and va.mods.has_mask
+    keep_q = block_q is not None or bm is not None or mapped
     if bm is not None:
         defaults = (bm.block_q, bm.block_k)
+    elif mapped:  # a mask_mod's block map, at its own tiles
+        defaults = va.mods.block
     elif va.mask_bool is not None:
         defaults = MASK_BLOCKS
     else:

@@ -330,7 +330,7 @@ class Translator:
             self.lines += [
                 f"{t} = {text}",
                 f"{t} = {t} + {size} if {t} < 0 else {t}",
-                f"bad = bad or {t} < 0 or {t} >= {size}",
+                f"bad = bad | ({t} < 0) | ({t} >= {size})",
                 f"{t} = min(max({t}, 0), {size - 1})",
                 f"{offset} += {t} * {strides[dim]}",
             ]
