@@ -369,3 +369,22 @@ def test_numpy_mods_forward():
         flashtile.attention(q, k, k, score_mod=score_mod, softcap=5.0)
     with pytest.raises(ValueError, match="one mask_mod"):
         flashtile.attention(q, k, k, mask_mod=mask_mod, mask=np.ones((40, 300), bool))
+
+
+def test_a_replaced_captured_tensor_is_seen():
+    q = torch.randn(1, 2, 10, 8)
+    shift = {"bias": torch.zeros(2, 19)}
+    bias = shift["bias"]
+
+    def mod(s, b, h, q_idx, kv_idx):
+        return s + bias[h, q_idx - kv_idx + 9]
+
+    first = flex_attention(q, q, q, score_mod=mod)
+    bias = torch.arange(38.0).reshape(2, 19) * 0.1  # the closure now holds another tensor
+    second = flex_attention(q, q, q, score_mod=mod)
+    ref, _ = dense_flex(q.double(), q.double(), q.double(), mod)
+    assert rel(second.double(), ref) < 1e-5 and not torch.allclose(first, second)
+    bias.requires_grad_()  # a gradient asked for later is given
+    qq = q.clone().requires_grad_()
+    flex_attention(qq, qq, qq, score_mod=mod).sum().backward()
+    assert bias.grad is not None and bool(bias.grad.abs().sum() > 0)
