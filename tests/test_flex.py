@@ -373,8 +373,7 @@ def test_numpy_mods_forward():
 
 def test_a_replaced_captured_tensor_is_seen():
     q = torch.randn(1, 2, 10, 8)
-    shift = {"bias": torch.zeros(2, 19)}
-    bias = shift["bias"]
+    bias = torch.zeros(2, 19)
 
     def mod(s, b, h, q_idx, kv_idx):
         return s + bias[h, q_idx - kv_idx + 9]
