@@ -38,6 +38,7 @@ range (the read was clamped to the table); a row that saw one sets
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import sys
@@ -327,7 +328,18 @@ def module_source(scalar_source: str, kinds, n_floats: int, n_ints: int, cache: 
         blocks = ROW_TEMPLATE.format(T=bits, CACHE=cache).split("\n\n\n")
         rows += [b for b, kind in zip(blocks, _TEMPLATE_KINDS, strict=True) if kind in wanted]
     sizes = f"NF, NI = {n_floats}, {n_ints}\n"
-    return "\n".join([PRELUDE, sizes, textwrap.dedent(scalar_source), *rows])
+    # The flashtile sources it imports are part of its identity: Numba's
+    # cache knows only this file, so a change to them must give another file.
+    stamp = f"# helpers: {_helpers_digest()}\n"
+    return "\n".join([stamp + PRELUDE, sizes, textwrap.dedent(scalar_source), *rows])
+
+
+@functools.cache
+def _helpers_digest() -> str:
+    """A digest of the flashtile sources a generated module imports."""
+    here = Path(__file__).resolve().parent
+    sources = b"".join((here / f).read_bytes() for f in ("mods.py", "units.py"))
+    return hashlib.sha256(sources).hexdigest()[:16]
 
 
 def compiled_module(source: str, directory: Path) -> dict:
