@@ -67,9 +67,16 @@ def walk_band(
     segs = one_segment()
     no_flag = np.zeros(0, dtype=np.uint8)  # the range was checked before the call
     lo, hi = tile_key_range(tile, va)
-    for j0 in range(lo, hi, bk):
+    n_tiles = max(-(-(hi - lo) // bk), 0)
+    # Right to left: the keys nearest the query first. Where scores fall
+    # with distance (ALiBi, a relative bias) the first tile then sets the
+    # reference of the online softmax at the row's max, and later tiles
+    # never raise it; left to right, every tile raised it (a row recomputed
+    # per tile: ALiBi ran 4x slower than plain causal attention).
+    for t in range(n_tiles):
+        j0 = lo + (n_tiles - 1 - t) * bk
         j1 = min(j0 + bk, hi)
-        j2 = min(j1 + bk, hi)  # the next tile, prefetched while this one is finished
+        j2 = max(j0 - bk, lo)  # the next tile, prefetched while this one is finished
         # A C-contiguous (rows, bc) view: contiguous rows let LLVM vectorise.
         s = s_buf[: rows * (j1 - j0)].reshape((rows, j1 - j0))
         full = tile_sees_all(tile, j0, j1, va)
@@ -78,12 +85,12 @@ def walk_band(
         top, top_w = diagonal_split(tile, group, full, j0, j1, va)
         segs[0, SEG_KEY], segs[0, SEG_LENGTH] = j0, j1 - j0
         k_tile, v_tile = k_rows[j0:j1], v_rows[j0:j1]
-        k_next, v_next = k_rows[j1:j2], v_rows[j1:j2]
+        k_next, v_next = k_rows[j2:j0], v_rows[j2:j0]
         fold_key_tile(
             gemm_fn, q_tile, k_tile, v_tile, s, m, ell, alpha, acc, segs, tile, va, full, top,
             top_w, k_next, v_next, p_buf, s_mult, no_flag,
         )  # fmt: skip
-    return -(-(hi - lo) // bk)
+    return n_tiles
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -122,7 +129,9 @@ def walk_gathered(
     per_tile = max(1, GATHER_KEYS // bk)
     k_buf = np.empty((per_tile * bk, k_rows.shape[1]), dtype=q_tile.dtype)
     v_buf = np.empty((per_tile * bk, v_rows.shape[1]), dtype=q_tile.dtype)
-    for g0 in range(0, n_kept, per_tile):
+    n_groups = -(-n_kept // per_tile)
+    for t in range(n_groups):  # right to left, as walk_band
+        g0 = (n_groups - 1 - t) * per_tile
         segs = kept[g0 : min(g0 + per_tile, n_kept)]
         width = 0
         full = True  # every row sees every gathered column
