@@ -387,3 +387,108 @@ def test_a_replaced_captured_tensor_is_seen():
     qq = q.clone().requires_grad_()
     flex_attention(qq, qq, qq, score_mod=mod).sum().backward()
     assert bias.grad is not None and bool(bias.grad.abs().sum() > 0)
+
+
+TRANSLATED = {
+    "bool times float": lambda s, b, h, qi, kv: s + (qi > kv) * 1.5,
+    "bool as float": lambda s, b, h, qi, kv: s + (qi > kv).float(),
+    "floor division": lambda s, b, h, qi, kv: s + ((qi - kv) // 3) * 0.1,
+    "trunc division": lambda s, b, h, qi, kv: s + torch.div(qi - kv, 3, rounding_mode="trunc"),
+    "fmod": lambda s, b, h, qi, kv: s + torch.fmod(qi - kv, 5) * 0.1,
+    "maximum": lambda s, b, h, qi, kv: torch.maximum(s, torch.zeros_like(s)),
+    "clamp": lambda s, b, h, qi, kv: s.clamp(-0.5, 0.5),
+    "round decimals": lambda s, b, h, qi, kv: torch.round(s, decimals=1),
+}
+
+
+@pytest.mark.parametrize("name", list(TRANSLATED))
+def test_translated_operations(name):
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=torch.Generator().manual_seed(5)) for _ in "qkv")
+    out = flex_attention(q, k, v, score_mod=TRANSLATED[name])
+    ref, _ = dense_flex(q.double(), k.double(), v.double(), TRANSLATED[name])
+    assert rel(out.double(), ref) < 1e-5
+
+
+def test_scalar_tables_scalars_and_per_head_blocks():
+    q = torch.randn(1, 2, 40, 8, requires_grad=True)
+    temp = torch.tensor(2.0, requires_grad=True)  # a 0-d table: a learned temperature
+    flex_attention(q, q, q, score_mod=lambda s, b, h, qi, kv: s / temp).sum().backward()
+    ref = dense_flex(*(q.double(),) * 3, lambda s, b, h, qi, kv: s / temp.double())[0]
+    (want,) = torch.autograd.grad(ref.sum(), temp)
+    assert torch.allclose(temp.grad.double(), want.double(), rtol=1e-4)
+    width = 4
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() <= width
+
+    narrow = block_states(create_block_mask(window, None, None, 40, 40, BLOCK_SIZE=8))
+    width = 10  # a Python value the mod reads: traced again
+    assert not np.array_equal(
+        narrow, block_states(create_block_mask(window, None, None, 40, 40, BLOCK_SIZE=8))
+    )
+    # A hand-built map whose heads keep different blocks, GQA (both heads on one kv head)
+    from torch.nn.attention.flex_attention import BlockMask
+
+    num = torch.tensor([[[1], [2]]], dtype=torch.int32)
+    idx = torch.tensor([[[[0, 1]], [[0, 1]]]], dtype=torch.int32)
+    blocks = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=(16, 16), seq_lengths=(16, 32))
+    q2, k2 = torch.randn(1, 2, 16, 8), torch.randn(1, 1, 32, 8)
+    got = flex_attention(q2, k2, k2, block_mask=blocks, enable_gqa=True)
+    ref, _ = dense_flex(q2.double(), k2.double(), k2.double(), None,
+                        lambda b, h, qi, kv: (kv < 16) | (h == 1))  # fmt: skip
+    assert rel(got.double(), ref) < 1e-5
+
+
+def test_traced_mods_are_freed_and_threads_share_them():
+    import gc
+    import threading
+    import weakref
+
+    q = torch.randn(1, 2, 24, 8)
+
+    def make(c):
+        return lambda s, b, h, qi, kv: s * c + 0.25
+
+    mod = make(0.5)
+    flex_attention(q, q, q, score_mod=mod)
+    ref = weakref.ref(mod)
+    del mod
+    gc.collect()
+    assert ref() is None
+    shared, errors = make(0.75), []
+
+    def run():
+        try:
+            flex_attention(q, q, q, score_mod=shared)
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_numpy_mods_see_new_values_and_report_bad_indices():
+    import flashtile
+
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 30, 8))
+    table = {"bias": rng.standard_normal(30)}
+
+    def score_mod(s, b, h, q_idx, kv_idx):
+        return s + bias[kv_idx]
+
+    bias = table["bias"]
+    first = flashtile.attention(q, q, q, score_mod=score_mod)
+    bias = 5 * table["bias"]
+    second = flashtile.attention(q, q, q, score_mod=score_mod)
+    assert not np.allclose(first, second)
+    bias = bias[:10]
+    with pytest.raises(IndexError, match="out of its range"):
+        flashtile.attention(q, q, q, score_mod=score_mod)
+    with pytest.raises(ValueError, match="varlen_attention"):
+        cu = np.array([0, 30])
+        flashtile.varlen_attention(q, q, q, cu, cu, score_mod=score_mod)

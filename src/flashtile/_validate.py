@@ -306,7 +306,7 @@ def check_packed(q, k, v, variants: dict) -> None:
                 f"{name} has shape {np.shape(arr)}; varlen_attention takes packed "
                 f"(H, total, d) arrays"
             )
-    for key in ("mask", "key_padding_mask", "kv_lengths"):
+    for key in ("mask", "key_padding_mask", "kv_lengths", "score_mod", "mask_mod", "mods"):
         if variants.get(key) is not None:
             raise ValueError(
                 f"{key} is not supported by varlen_attention: sequence boundaries already "

@@ -112,10 +112,15 @@ def run_plan(call: Call, plan, return_lse: bool):
     """Run ``plan`` (:func:`plan_call`); the results in the caller's layout and
     dtype (``lse`` in the compute dtype, also where float64 was needed), with
     the call's attention sinks merged in (:func:`flashtile.merge.add_sinks`)."""
+    mods = call.variants.mods
+    if mods is not None:
+        mods.clear_flag()
     if type(plan) is DecodePlan:
         out, lse = run_decode_checked(plan, call.variants, call.q, None)
     else:
         out, lse, _ = run_forward(plan)
+    if mods is not None:  # a captured table indexed out of range
+        mods.check_flag()
     if call.variants.sinks is not None:
         out, lse = add_sinks(np, out, lse, call.variants.sinks)
     return _shaped(out, lse, call.shapes, call.q.dtype, return_lse)

@@ -41,8 +41,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import os
 import sys
 import textwrap
+import threading
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -342,39 +345,119 @@ def _helpers_digest() -> str:
     return hashlib.sha256(sources).hexdigest()[:16]
 
 
+#: One compilation at a time: a module half executed by one thread must not
+#: be found by another (and tracing, :mod:`flashtile.torch.flex_trace`, is not
+#: re-entrant across threads either).
+LOCK = threading.RLock()
+
+
 def compiled_module(source: str, directory: Path) -> dict:
     """Import ``source`` from ``directory/mods_<hash>.py`` (written once), so
-    that Numba caches its compiled functions beside it across processes."""
+    that Numba caches its compiled functions beside it across processes.
+    A module that fails to compile is not kept (TypeError naming the cause)."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:24]
     name = f"flashtile_mods_{digest}"
-    if name in sys.modules:
-        return vars(sys.modules[name])
-    path = directory / f"mods_{digest}.py"
-    if not path.is_file() or path.read_text() != source:
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{id(source)}.tmp")
-        tmp.write_text(source)
-        tmp.replace(path)
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return vars(module)
+    with LOCK:
+        if name in sys.modules:
+            return vars(sys.modules[name])
+        path = directory / f"mods_{digest}.py"
+        if not path.is_file() or path.read_text() != source:
+            directory.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_text(source)
+            tmp.replace(path)
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # (Numba's cache looks the module up while compiling)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:  # Numba's typing errors: name them, keep nothing
+            sys.modules.pop(name, None)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise TypeError(
+                f"a mod's generated code ({path}) does not compile: {first}. The mod uses "
+                f"something flashtile translates but Numba cannot run; write it with the "
+                f"operations docs/flex.md lists"
+            ) from exc
+        return vars(module)
+
+
+def snapshot(functions, leaf) -> list | None:
+    """Checks that the values ``functions`` capture are still what they were.
+
+    Tracing or compiling a mod bakes in what it reads besides its arguments:
+    closure cells and the globals its code names, looked into through the
+    functions it holds (``and_masks``' closures). Returns one zero-argument
+    check per value (True while unchanged: numbers and strings equal, functions
+    and modules the same objects, other values as ``leaf(value)`` says: a
+    check, or None when it cannot tell), or None when some value cannot be
+    checked (the caller then does not reuse its work)."""
+    checks: list = []
+    seen: set[int] = set()
+
+    def place(holder, name):
+        if isinstance(holder, dict):
+            return lambda: holder.get(name, _MISSING)
+        return lambda: getattr(holder, "cell_contents", _MISSING)
+
+    def visit(fn, depth) -> bool:
+        code = getattr(fn, "__code__", None)
+        if code is None or depth > 6 or id(fn) in seen:
+            return code is not None
+        seen.add(id(fn))
+        cells = [(cell, None) for cell in fn.__closure__ or ()]
+        names = [(fn.__globals__, n) for n in code.co_names if n in fn.__globals__]
+        for holder, name in cells + names:
+            get = place(holder, name)
+            value = get()
+            if value is _MISSING:
+                continue
+            if isinstance(value, types.ModuleType | types.BuiltinFunctionType | type):
+                checks.append(lambda get=get, value=value: get() is value)
+            elif isinstance(value, types.FunctionType):
+                checks.append(lambda get=get, value=value: get() is value)
+                if not visit(value, depth + 1):
+                    return False
+            elif isinstance(value, int | float | complex | str | bytes | bool | None.__class__):
+                checks.append(lambda get=get, value=value: get() == value)
+            else:
+                check = leaf(value)
+                if check is None:
+                    return False
+                checks.append(lambda get=get, check=check: check(get()))
+        return True
+
+    for fn in functions:
+        if fn is not None and not visit(fn, 0):
+            return None
+    return checks
+
+
+_MISSING = object()
 
 
 #: Scalar functions around a user's NumPy mods (``_user_score``/``_user_mask``).
 _NUMPY_SCALARS = {
     "score": "@njit(inline='always', error_model='numpy')\ndef _score(x, b, h, qi, kv, F, I):\n"
-    "    return float(_user_score(x, b, h, qi, kv)), False\n",
+    "    try:\n"
+    "        return float(_user_score(x, b, h, qi, kv)), False\n"
+    "    except Exception:  # an index out of range (bounds checked)\n"
+    "        return 0.0, True\n",
     "mask": "@njit(inline='always', error_model='numpy')\ndef _mask(b, h, qi, kv, F, I):\n"
-    "    return bool(_user_mask(b, h, qi, kv)), False\n",
+    "    try:\n"
+    "        return bool(_user_mask(b, h, qi, kv)), False\n"
+    "    except Exception:\n"
+    "        return False, True\n",
 }
 
 
 def numpy_mods(score_mod=None, mask_mod=None) -> Mods:
     """:class:`Mods` of plain Python mods, compiled by Numba as written
-    (forward only: no derivative). Not cached on disk: a closure's captured
-    arrays are constants of its compiled code."""
+    (forward only: no derivative), indexing bounds-checked (an index out of
+    range is reported as the torch mods' are). Not cached on disk: the
+    arrays and values a mod captures are constants of its compiled code
+    (Numba's rule for globals); :func:`cached_numpy_mods` compiles again
+    when they change."""
     from numba import njit
 
     kinds, namespace = [], {}
@@ -384,10 +467,39 @@ def numpy_mods(score_mod=None, mask_mod=None) -> Mods:
         if not callable(fn):
             raise TypeError(f"{kind}_mod must be a function, got {type(fn).__name__}")
         kinds.append(kind)
-        namespace[f"_user_{kind}"] = njit(error_model="numpy")(fn)
+        namespace[f"_user_{kind}"] = njit(error_model="numpy", boundscheck=True)(fn)
     source = module_source("".join(_NUMPY_SCALARS[k] for k in kinds), kinds, 1, 1, cache=False)
     exec(compile(source, "<flashtile mods>", "exec"), namespace)
     return Mods(
         tuple(kinds), np.zeros(1), np.zeros(1, dtype=np.int64), namespace,
         label=" and ".join(f"{k}_mod" for k in kinds),
     )  # fmt: skip
+
+
+#: NumPy mods compiled per pair of functions, with the checks of what they
+#: captured (:func:`snapshot`).
+_NUMPY_MODS: dict = {}
+
+
+def cached_numpy_mods(score_mod, mask_mod) -> Mods:
+    """:func:`numpy_mods`, compiled again when a value the functions
+    captured has changed (an array's contents included: Numba froze them)."""
+    key = (score_mod, mask_mod)
+    found = _NUMPY_MODS.get(key)
+    if found is not None and all(check() for check in found[1]):
+        return found[0]
+    mods = numpy_mods(score_mod, mask_mod)
+    checks = snapshot(key, _array_check)
+    if checks is not None:
+        if len(_NUMPY_MODS) >= 32:
+            _NUMPY_MODS.pop(next(iter(_NUMPY_MODS)))
+        _NUMPY_MODS[key] = (mods, checks)
+    return mods
+
+
+def _array_check(value):
+    """A check that an array still holds what it holds now (None for other values)."""
+    if not isinstance(value, np.ndarray):
+        return None
+    kept = value.copy()
+    return lambda now: now is value and now.shape == kept.shape and np.array_equal(now, kept)

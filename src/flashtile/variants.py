@@ -34,7 +34,6 @@ Two variants act after the scores:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,7 +41,7 @@ import numpy as np
 from ._validate import AttentionShapes, as_numpy, check_flag, check_softcap
 from .dropout import check_counter_range, check_dropout
 from .masks import BlockMask, normalize_window
-from .mods import Mods, mask_block_states, numpy_mods
+from .mods import Mods, cached_numpy_mods, mask_block_states
 from .units import LOG2E
 
 #: Float mask values below ``-MASK_LIMIT`` count as ``-inf`` (hidden), and
@@ -254,7 +253,7 @@ def _check_mods(shapes, score_mod, mask_mod, mods, softcap, mask_bool, mask_add)
     if mods is not None and not isinstance(mods, Mods):
         raise TypeError(f"mods must be a flashtile.mods.Mods record, got {type(mods).__name__}")
     if mods is None and (score_mod is not None or mask_mod is not None):
-        mods = _numpy_mods(score_mod, mask_mod)
+        mods = cached_numpy_mods(score_mod, mask_mod)
     elif mods is not None and (score_mod is not None or mask_mod is not None):
         raise ValueError("pass score_mod/mask_mod or mods, not both")
     if mods is None:
@@ -274,12 +273,6 @@ def _check_mods(shapes, score_mod, mask_mod, mods, softcap, mask_bool, mask_add)
     if mods.has_mask and mods.states is None:
         mods = _with_states(mods, batch, heads, shapes.tq, shapes.tk)
     return mods
-
-
-@functools.lru_cache(maxsize=32)
-def _numpy_mods(score_mod, mask_mod) -> Mods:
-    """:func:`flashtile.mods.numpy_mods`, compiled once per pair of functions."""
-    return numpy_mods(score_mod, mask_mod)
 
 
 def _with_states(mods: Mods, batch: int, heads: int, tq: int, tk: int) -> Mods:

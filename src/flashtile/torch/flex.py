@@ -129,12 +129,17 @@ def _call_mods(score_mod, block_mask, tq: int, tk: int):
         mask_mod = block_mask.mask_mod or noop_mask
     if score_mod is None and mask_mod is None:
         return None, []
-    traced = trace_mods(score_mod, mask_mod)
-    mods = compile_mods(traced)
-    if block_mask is not None:
-        block = tuple(block_mask.BLOCK_SIZE)
-        mods = dataclasses.replace(mods, states=block_states(block_mask), block=block)
-    return mods, traced.tables
+    if block_mask is None:
+        traced = trace_mods(score_mod, None)
+        return compile_mods(traced), traced.tables
+    # The mask function also reads the map: a key in a block it leaves out is
+    # hidden whatever mask_mod says (FlexAttention's rule; a kernel tile can
+    # stack GQA heads or span map blocks whose states differ).
+    states = block_states(block_mask)
+    block = tuple(block_mask.BLOCK_SIZE)
+    traced = trace_mods(score_mod, mask_mod, (*states.shape, *block))
+    mods = compile_mods(traced, states)
+    return dataclasses.replace(mods, states=states, block=block), traced.tables
 
 
 class _FlexFunction(torch.autograd.Function):

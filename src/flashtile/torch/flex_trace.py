@@ -18,7 +18,6 @@ The backward scatters ``dS`` times the latter into the tables' gradients.
 from __future__ import annotations
 
 import contextlib
-import types
 import weakref
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..mods import Mods, compiled_module, module_source
+from ..mods import LOCK, Mods, compiled_module, module_source, snapshot
 from ..routes import cache_dir
 from .fx_translate import (
     MASK_INPUTS,
@@ -96,14 +95,29 @@ class TracedMods:
     n_floats: int
     n_ints: int
     limits: tuple[tuple[str, int], ...]
+    map_offset: int
 
 
-def trace_mods(score_mod, mask_mod) -> TracedMods:
-    """Trace and translate a pair of torch mods (either may be None)."""
-    key = (score_mod, mask_mod)
-    cached = _lookup(key)
-    if cached is not None:
-        return cached
+def trace_mods(score_mod, mask_mod, block_map=None) -> TracedMods:
+    """Trace and translate a pair of torch mods (either may be None).
+
+    ``block_map = (Bm, Hm, nQ, nK, BQ, BK)``: the shape and blocks of a
+    BlockMask's tile states, which the mask function then also reads (a key
+    in a block the map leaves out is hidden, whatever ``mask_mod`` says:
+    FlexAttention's rule); :func:`compile_mods` copies the states in."""
+    key = (score_mod, mask_mod, block_map)
+    with LOCK:  # make_fx is not re-entrant across threads
+        cached = _lookup(key)
+        if cached is not None:
+            return cached
+        traced = _trace_all(score_mod, mask_mod, block_map)
+        checks = snapshot((score_mod, mask_mod), _tensor_check)
+        if checks is not None:  # else traced again on every call
+            _store(key, (traced, checks))
+        return traced
+
+
+def _trace_all(score_mod, mask_mod, block_map) -> TracedMods:
     translator = Translator("score_mod/mask_mod")
     functions, kinds = [], []
     if score_mod is not None:
@@ -112,76 +126,40 @@ def trace_mods(score_mod, mask_mod) -> TracedMods:
         if any(translator.tables[t].tensor.requires_grad for _, t, _ in translator.reads):
             kinds.append("capture")
     if mask_mod is not None:
-        functions.append(_mask_function(mask_mod, translator))
+        functions.append(_mask_function(mask_mod, translator, block_map))
         kinds.append("mask")
-    n_floats, n_ints = _layout(translator.tables)
+    map_size = 0 if block_map is None else int(np.prod(block_map[:4]))
+    n_floats, n_ints = _layout(translator.tables, map_size)
     offsets = "".join(f"T{n} = {t.offset}\n" for n, t in enumerate(translator.tables))
-    traced = TracedMods(
+    offsets += f"MAP = {n_ints - map_size}\n"
+    return TracedMods(
         offsets + "\n".join(functions), tuple(kinds), translator.tables, n_floats, n_ints,
-        tuple(sorted(translator.direct)),
+        tuple(sorted(translator.direct)), n_ints - map_size,
     )  # fmt: skip
-    mods = [m for m in key if m is not None]
-    checks = [_check_of(mods, t.tensor) for t in translator.tables]
-    if all(c is not None for c in checks):  # else traced again on every call
-        _store(key, (traced, checks))
-    return traced
 
 
-def _check_of(functions, tensor):
-    """A function telling whether ``functions`` still capture ``tensor`` as
-    traced (the same object, shape and ``requires_grad``: the generated code
-    bakes in its layout, and whether it takes a gradient), or None when the
-    tensor is not found in their closures or the globals they name."""
-    for fn in functions:
-        where = _locate(fn, tensor, 0)
-        if where is not None:
-            shape, grad = tensor.shape, tensor.requires_grad
-
-            def check(where=where, tensor=tensor, shape=shape, grad=grad):
-                now = where()
-                return now is tensor and now.shape == shape and now.requires_grad == grad
-
-            return check
-    return None
-
-
-def _locate(fn, tensor, depth):
-    """A function reading where ``fn`` holds ``tensor`` now (a closure cell or
-    a global it names, looking into the functions it holds, like
-    ``and_masks``' closures, a few levels deep), or None."""
-    code = getattr(fn, "__code__", None)
-    if code is None or depth > 4:
+def _tensor_check(value):
+    """A check that a captured tensor is still the one traced, of the same
+    shape, dtype and ``requires_grad`` (the generated code bakes in its
+    layout, and whether it takes a gradient); None for other values."""
+    if not isinstance(value, torch.Tensor):
         return None
-    places = [(cell, "cell_contents") for cell in fn.__closure__ or ()]
-    globs = getattr(fn, "__globals__", {})
-    for name in code.co_names:
-        if name in globs:
-            places.append((globs, name))
-    for holder, name in places:
-        try:
-            value = getattr(holder, name) if name == "cell_contents" else holder[name]
-        except (ValueError, KeyError):  # an empty cell
-            continue
-        if value is tensor:
-            if name == "cell_contents":
-                return lambda cell=holder: getattr(cell, "cell_contents", None)
-            return lambda g=holder, n=name: g.get(n)
-        if isinstance(value, types.FunctionType):
-            found = _locate(value, tensor, depth + 1)
-            if found is not None:
-                return found
-    return None
+    shape, dtype, grad = value.shape, value.dtype, value.requires_grad
+    return lambda now: (
+        now is value and now.shape == shape and now.dtype == dtype and now.requires_grad == grad
+    )
 
 
-def _layout(tables) -> tuple[int, int]:
-    """Place the tables in the float and int buffers (int slot 0 is the flag)."""
+def _layout(tables, map_size: int) -> tuple[int, int]:
+    """Place the tables in the float and int buffers (int slot 0 is the
+    flag, the block map's states last)."""
     n_floats, n_ints = 0, 1
     for t in tables:
         if t.kind == "f":
             t.offset, n_floats = n_floats, n_floats + t.tensor.numel()
         else:
             t.offset, n_ints = n_ints, n_ints + t.tensor.numel()
-    return max(n_floats, 1), n_ints
+    return max(n_floats, 1), n_ints + map_size
 
 
 def _function(header: str, lines, result: str) -> str:
@@ -269,37 +247,53 @@ def _one_output(outputs, kind: str, what: str) -> Expr:
     return outputs[0]
 
 
-def _mask_function(mask_mod, tr: Translator) -> str:
+def _mask_function(mask_mod, tr: Translator, block_map) -> str:
+    """``_mask``: the mod's answer, and with a block map, its tile's state."""
     gm = _trace(torch.vmap(mask_mod), _indices(), "mask_mod")
     tr.lines = []
     value = _one_output(tr.translate(gm, MASK_INPUTS), "b", "mask_mod")
     lines, tr.lines = tr.lines, []
-    return _function("_mask(b, h, qi, kv, F, I)", lines, value.text)
+    if block_map is None:
+        return _function("_mask(b, h, qi, kv, F, I)", lines, value.text)
+    bm, hm, nq, nk, bq, bk = block_map
+    tile = f"((b % {bm}) * {hm} + h % {hm}) * {nq * nk} + (qi // {bq}) * {nk} + kv // {bk}"
+    lines.append(f"listed = I[np.uintp(MAP + {tile})] != 0")
+    return _function("_mask(b, h, qi, kv, F, I)", lines, f"{value.text} and listed")
+
+
+def _split(key):
+    """``(holder, rest)``: the mod the weak cache is keyed by, and the rest of
+    the key (which must not hold the holder: it would never be freed)."""
+    score_mod, mask_mod, block_map = key
+    if score_mod is not None:
+        return score_mod, (mask_mod, block_map)
+    return mask_mod, (None, block_map)
 
 
 def _lookup(key):
     """The traced mods of ``key`` if still valid for what the mods capture now."""
-    score_mod, mask_mod = key
+    holder, rest = _split(key)
     try:
-        entry = _TRACED.get(score_mod if score_mod is not None else mask_mod)
+        entry = _TRACED.get(holder)
     except TypeError:
         return None
-    found = entry.get(key) if entry else None
+    found = entry.get(rest) if entry else None
     if found is None:
         return None
     traced, checks = found
     return traced if all(check() for check in checks) else None
 
 
-def _store(key, traced):
-    holder = key[0] if key[0] is not None else key[1]
+def _store(key, value):
+    holder, rest = _split(key)
     with contextlib.suppress(TypeError):  # not weak-referenceable: traced again next time
-        _TRACED.setdefault(holder, {})[key] = traced
+        _TRACED.setdefault(holder, {})[rest] = value
 
 
-def compile_mods(traced: TracedMods) -> Mods:
+def compile_mods(traced: TracedMods, states=None) -> Mods:
     """The :class:`Mods` of traced mods: the module compiled (or loaded from
-    the disk cache) and the tables' current values copied into its buffers."""
+    the disk cache) and the tables' current values copied into its buffers
+    (and a block map's ``states``, when traced with one)."""
     source = module_source(traced.source, traced.kinds, traced.n_floats, traced.n_ints, True)
     namespace = compiled_module(source, cache_dir() / "mods")
     floats = np.zeros(traced.n_floats)
@@ -310,6 +304,8 @@ def compile_mods(traced: TracedMods) -> Mods:
             floats[t.offset : t.offset + flat.numel()] = flat.double().numpy()
         else:
             ints[t.offset : t.offset + flat.numel()] = flat.long().numpy()
+    if states is not None:
+        ints[traced.map_offset :] = states.reshape(-1)
     return Mods(
         traced.kinds, floats, ints, namespace, label="score_mod/mask_mod", limits=traced.limits
     )

@@ -55,7 +55,6 @@ _BINARY = {
     "true_divide": "({0} / {1})",
     "floor_divide": "({0} // {1})",
     "remainder": "({0} % {1})",
-    "fmod": "math.fmod({0}, {1})",
     "pow": "({0} ** {1})",
     "eq": "({0} == {1})",
     "ne": "({0} != {1})",
@@ -135,6 +134,33 @@ def _literal(value) -> Expr:
 
 
 _CAST = {"f": "float({0})", "i": "int({0})", "b": "bool({0})"}
+#: Operations whose result is a bool whatever their arguments.
+_PREDICATES = {
+    "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor",
+    "logical_not", "isnan",
+}  # fmt: skip
+_ORDER = {"b": 0, "i": 1, "f": 2}
+
+
+def _natural_kind(op, args) -> str:
+    """The kind the generated expression of ``op`` has before its cast."""
+    if op in _PREDICATES:
+        return "b"
+    if op in _UNARY and op not in ("neg", "abs", "sign", "sgn"):
+        return "f"
+    kinds = [a.kind for a in args if isinstance(a, Expr)]
+    if op in ("copy",) and len(kinds) > 1:
+        kinds = kinds[1:]
+    if op in ("where", "masked_fill") and kinds:
+        kinds = kinds[1:] if op == "where" else [kinds[0], *kinds[2:]]
+    return max(kinds, key=_ORDER.get) if kinds else "f"
+
+
+def _cast(text: str, natural: str, kind: str) -> str:
+    """``text`` (of kind ``natural``) as ``kind``: Numba has no float(bool)."""
+    if natural == "b" and kind != "b":
+        return f"({'1.0' if kind == 'f' else '1'} if {text} else {'0.0' if kind == 'f' else '0'})"
+    return _CAST[kind].format(text)
 
 
 class Translator:
@@ -178,7 +204,10 @@ class Translator:
             env[node] = value if isinstance(value, Expr) else Expr(value, _kind_of(node))
         for node in gm.graph.nodes:
             if node.op == "get_attr":
-                env[node] = View(self.table(getattr(gm, node.target)), (), False)
+                tensor = getattr(gm, node.target)
+                view = View(self.table(tensor), (), False)
+                # a 0-d tensor (a learned temperature) is one element already
+                env[node] = self._extend(view, [], node) if tensor.dim() == 0 else view
             elif node.op == "call_function":
                 env[node] = self._call(node, env)
             elif node.op == "output":
@@ -192,13 +221,15 @@ class Translator:
         if isinstance(a, list | tuple):
             return [self._arg(x, env) for x in a]
         if a is None or isinstance(
-            a, torch.dtype | torch.device | torch.layout | torch.memory_format
+            a, str | torch.dtype | torch.device | torch.layout | torch.memory_format
         ):
-            return a
+            return a  # (a string: div's rounding_mode)
         return _literal(a)
 
     def _call(self, node, env):
         op = node.target.__name__.split(".")[0]
+        if op.endswith("_") and not op.endswith("__"):  # in place (derivative graphs): the same
+            op = op[:-1]
         args = [self._arg(a, env) for a in node.args]
         kwargs = {k: self._arg(a, env) for k, a in node.kwargs.items()}
         if op == "arange":
@@ -213,7 +244,7 @@ class Translator:
         kind = _kind_of(node)
         text = self._expression(op, args, kwargs, node)
         name = self._name("v")
-        self.lines.append(f"{name} = {_CAST[kind].format(text)}")
+        self.lines.append(f"{name} = {_cast(text, _natural_kind(op, args), kind)}")
         return Expr(name, kind)
 
     def _expression(self, op, args, kwargs, node) -> str:
@@ -225,6 +256,9 @@ class Translator:
             if op in ("ones_like", "zeros_like", "new_ones", "new_zeros"):
                 value = _literal(1 if "ones" in op else 0)
             return value.text
+        if op == "round" and "decimals" in kwargs:  # torch: round(x * 10**d) / 10**d
+            scale = f"(10.0 ** {kwargs['decimals'].text})"
+            return f"(round({texts[0]} * {scale}) / {scale})"
         if op in _UNARY:
             return _UNARY[op].format(texts[0])
         if op in ("add", "sub", "rsub"):
@@ -239,6 +273,10 @@ class Translator:
                 return f"({texts[0]} // {texts[1]})"
             if mode == "trunc":
                 return f"math.trunc({texts[0]} / {texts[1]})"
+        if op == "fmod":  # C's remainder (the dividend's sign); Numba's np.fmod of ints is not
+            if all(isinstance(a, Expr) and a.kind != "f" for a in args[:2]):
+                return f"({texts[0]} - {texts[1]} * math.trunc({texts[0]} / {texts[1]}))"
+            return f"np.fmod({texts[0]}, {texts[1]})"
         if op in _BINARY:
             return _BINARY[op].format(*texts[:2])
         if op in _BITWISE or op == "bitwise_not":
