@@ -239,7 +239,7 @@ SCORE_PARTS = [
 MASK_PARTS = [causal, sliding_window, prefix_lm, document, dilated]
 
 
-@settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     scores=st.lists(st.sampled_from(range(len(SCORE_PARTS))), min_size=1, max_size=3),
     masks=st.lists(st.sampled_from(range(len(MASK_PARTS))), max_size=2),
