@@ -492,3 +492,29 @@ def test_numpy_mods_see_new_values_and_report_bad_indices():
     with pytest.raises(ValueError, match="varlen_attention"):
         cu = np.array([0, 30])
         flashtile.varlen_attention(q, q, q, cu, cu, score_mod=score_mod)
+
+
+def test_second_review_cases():
+    q = torch.randn(1, 1, 6, 4, dtype=torch.float64)
+    for mod in (
+        lambda s, b, h, qi, kv: torch.floor(torch.where(kv > qi, -math.inf, s * 1e30)),
+        lambda s, b, h, qi, kv: s + torch.where(qi == kv, 0.0, (qi - kv).double() ** -2),
+    ):
+        ref, _ = dense_flex(q, q, q, mod)
+        assert rel(flex_attention(q, q, q, score_mod=mod), ref) < 1e-12
+
+    def with_default(s, b, h, qi, kv, c=2.0):
+        return s * c
+
+    ref, _ = dense_flex(q, q, q, with_default)
+    assert rel(flex_attention(q, q, q, score_mod=with_default), ref) < 1e-12
+    scale = [2.0]  # read through a nested lambda: a change is seen
+    factor = scale[0]
+
+    def nested(s, b, h, qi, kv):
+        return (lambda x: x * factor)(s)
+
+    flex_attention(q, q, q, score_mod=nested)
+    factor = 5.0
+    ref, _ = dense_flex(q, q, q, nested)
+    assert rel(flex_attention(q, q, q, score_mod=nested), ref) < 1e-12

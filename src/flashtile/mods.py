@@ -275,8 +275,8 @@ class Mods:
             self.ints[0] = 0
             raise IndexError(
                 f"{self.label} indexed a captured tensor out of its range (b, h, q_idx or "
-                f"kv_idx reached past a table's size): size the table for every index the "
-                f"call passes"
+                f"kv_idx reached past a table's size; a NumPy mod may also have raised "
+                f"another error): size the table for every index the call passes"
             )
 
     def kernel_states(self, block_q: int, block_k: int, tq: int, tk: int) -> np.ndarray:
@@ -400,31 +400,60 @@ def snapshot(functions, leaf) -> list | None:
             return lambda: holder.get(name, _MISSING)
         return lambda: getattr(holder, "cell_contents", _MISSING)
 
+    def names(code) -> set[str]:
+        """The names ``code`` reads, nested code (lambdas, comprehensions) too."""
+        found = set(code.co_names)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                found |= names(const)
+        return found
+
+    def value_check(get, value, depth, read) -> bool:
+        """Add the checks of one captured value; False when it cannot be checked."""
+        if isinstance(value, int | float | complex | str | bytes | bool | None.__class__):
+            checks.append(lambda: (lambda now: type(now) is type(value) and now == value)(get()))
+        elif isinstance(value, types.FunctionType):
+            checks.append(lambda: get() is value)
+            return visit(value, depth + 1)
+        elif isinstance(value, types.ModuleType):
+            checks.append(lambda: get() is value)
+            for name in read:  # the module's attributes the code may read
+                attr = getattr(value, name, _MISSING)
+                if attr is not _MISSING and not isinstance(attr, types.ModuleType):
+                    fetch = functools.partial(getattr, value, name, _MISSING)
+                    plain = isinstance(attr, int | float | complex | str | bytes | bool)
+                    if plain:
+                        checks.append(lambda f=fetch, a=attr: type(f()) is type(a) and f() == a)
+                    else:
+                        checks.append(lambda f=fetch, a=attr: f() is a)
+        elif isinstance(value, types.BuiltinFunctionType | type):
+            checks.append(lambda: get() is value)
+        elif isinstance(value, tuple | frozenset):  # and_masks' closures hold their masks so
+            checks.append(lambda: get() is value)
+            for item in value:
+                if not value_check(lambda item=item: item, item, depth, read):
+                    return False
+        else:
+            check = leaf(value)
+            if check is None:
+                return False
+            checks.append(lambda: check(get()))
+        return True
+
     def visit(fn, depth) -> bool:
+        fn = getattr(fn, "py_func", fn)  # a Numba dispatcher: its Python function
         code = getattr(fn, "__code__", None)
         if code is None or depth > 6 or id(fn) in seen:
             return code is not None
         seen.add(id(fn))
-        cells = [(cell, None) for cell in fn.__closure__ or ()]
-        names = [(fn.__globals__, n) for n in code.co_names if n in fn.__globals__]
-        for holder, name in cells + names:
+        read = names(code)
+        cells = [(cell, None) for cell in getattr(fn, "__closure__", None) or ()]
+        places = cells + [(fn.__globals__, n) for n in read if n in fn.__globals__]
+        for holder, name in places:
             get = place(holder, name)
             value = get()
-            if value is _MISSING:
-                continue
-            if isinstance(value, types.ModuleType | types.BuiltinFunctionType | type):
-                checks.append(lambda get=get, value=value: get() is value)
-            elif isinstance(value, types.FunctionType):
-                checks.append(lambda get=get, value=value: get() is value)
-                if not visit(value, depth + 1):
-                    return False
-            elif isinstance(value, int | float | complex | str | bytes | bool | None.__class__):
-                checks.append(lambda get=get, value=value: get() == value)
-            else:
-                check = leaf(value)
-                if check is None:
-                    return False
-                checks.append(lambda get=get, check=check: check(get()))
+            if value is not _MISSING and not value_check(get, value, depth, read):
+                return False
         return True
 
     for fn in functions:
@@ -467,6 +496,7 @@ def numpy_mods(score_mod=None, mask_mod=None) -> Mods:
         if not callable(fn):
             raise TypeError(f"{kind}_mod must be a function, got {type(fn).__name__}")
         kinds.append(kind)
+        fn = getattr(fn, "py_func", fn)  # an @njit function: compiled again, bounds-checked
         namespace[f"_user_{kind}"] = njit(error_model="numpy", boundscheck=True)(fn)
     source = module_source("".join(_NUMPY_SCALARS[k] for k in kinds), kinds, 1, 1, cache=False)
     exec(compile(source, "<flashtile mods>", "exec"), namespace)
@@ -498,8 +528,14 @@ def cached_numpy_mods(score_mod, mask_mod) -> Mods:
 
 
 def _array_check(value):
-    """A check that an array still holds what it holds now (None for other values)."""
-    if not isinstance(value, np.ndarray):
-        return None
-    kept = value.copy()
-    return lambda now: now is value and now.shape == kept.shape and np.array_equal(now, kept)
+    """A check that a NumPy mod's captured value is what it is now: an array
+    with the same contents, a NumPy scalar equal, a compiled helper the same
+    object (None for other values)."""
+    if isinstance(value, np.ndarray):
+        kept = value.copy()
+        return lambda now: now is value and now.shape == kept.shape and np.array_equal(now, kept)
+    if isinstance(value, np.generic):
+        return lambda now: type(now) is type(value) and now == value
+    if hasattr(value, "py_func"):  # a Numba dispatcher: its code is its own
+        return lambda now: now is value
+    return None

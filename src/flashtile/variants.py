@@ -253,7 +253,9 @@ def _check_mods(shapes, score_mod, mask_mod, mods, softcap, mask_bool, mask_add)
     if mods is not None and not isinstance(mods, Mods):
         raise TypeError(f"mods must be a flashtile.mods.Mods record, got {type(mods).__name__}")
     if mods is None and (score_mod is not None or mask_mod is not None):
-        mods = cached_numpy_mods(score_mod, mask_mod)
+        # a flag of its own per call: threads may share the compiled mods
+        shared = cached_numpy_mods(score_mod, mask_mod)
+        mods = dataclasses.replace(shared, ints=shared.ints.copy())
     elif mods is not None and (score_mod is not None or mask_mod is not None):
         raise ValueError("pass score_mod/mask_mod or mods, not both")
     if mods is None:

@@ -174,7 +174,11 @@ def _function(header: str, lines, result: str) -> str:
 
 def _score_functions(score_mod, tr: Translator) -> list[str]:
     """``_score``, ``_score_grad`` and ``_score_capture`` (see :mod:`flashtile.mods`)."""
-    gm = _trace(torch.vmap(score_mod), (_one(0.0, torch.float32), *_indices()), "score_mod")
+
+    def positional(score, b, h, q_idx, kv_idx):  # (make_fx reads the signature it traces)
+        return score_mod(score, b, h, q_idx, kv_idx)
+
+    gm = _trace(torch.vmap(positional), (_one(0.0, torch.float32), *_indices()), "score_mod")
     tr.lines = []
     value = _one_output(tr.translate(gm, SCORE_INPUTS), "f", "score_mod")
     forward_lines, reads, nodes = tr.lines, list(tr.reads), list(tr.read_nodes)
@@ -249,7 +253,11 @@ def _one_output(outputs, kind: str, what: str) -> Expr:
 
 def _mask_function(mask_mod, tr: Translator, block_map) -> str:
     """``_mask``: the mod's answer, and with a block map, its tile's state."""
-    gm = _trace(torch.vmap(mask_mod), _indices(), "mask_mod")
+
+    def positional(b, h, q_idx, kv_idx):  # (default arguments, bound methods)
+        return mask_mod(b, h, q_idx, kv_idx)
+
+    gm = _trace(torch.vmap(positional), _indices(), "mask_mod")
     tr.lines = []
     value = _one_output(tr.translate(gm, MASK_INPUTS), "b", "mask_mod")
     lines, tr.lines = tr.lines, []
@@ -266,8 +274,8 @@ def _split(key):
     the key (which must not hold the holder: it would never be freed)."""
     score_mod, mask_mod, block_map = key
     if score_mod is not None:
-        return score_mod, (mask_mod, block_map)
-    return mask_mod, (None, block_map)
+        return score_mod, ("score", mask_mod, block_map)
+    return mask_mod, ("mask", None, block_map)
 
 
 def _lookup(key):

@@ -40,10 +40,10 @@ _UNARY = {
     "erf": "math.erf({0})",
     "erfc": "math.erfc({0})",
     "sigmoid": "(1.0 / (1.0 + math.exp(-{0})))",
-    "floor": "math.floor({0})",
-    "ceil": "math.ceil({0})",
-    "trunc": "math.trunc({0})",
-    "round": "round({0})",
+    "floor": "np.floor({0})",  # (math.floor gives an int64: wrong for inf, NaN, 1e30)
+    "ceil": "np.ceil({0})",
+    "trunc": "np.trunc({0})",
+    "round": "np.rint({0})",  # half to even, as torch
     "sign": "(({0} > 0) - ({0} < 0))",
     "sgn": "(({0} > 0) - ({0} < 0))",
     "isnan": "({0} != {0})",
@@ -258,7 +258,7 @@ class Translator:
             return value.text
         if op == "round" and "decimals" in kwargs:  # torch: round(x * 10**d) / 10**d
             scale = f"(10.0 ** {kwargs['decimals'].text})"
-            return f"(round({texts[0]} * {scale}) / {scale})"
+            return f"(np.rint({texts[0]} * {scale}) / {scale})"
         if op in _UNARY:
             return _UNARY[op].format(texts[0])
         if op in ("add", "sub", "rsub"):
@@ -272,7 +272,10 @@ class Translator:
             if mode == "floor":
                 return f"({texts[0]} // {texts[1]})"
             if mode == "trunc":
-                return f"math.trunc({texts[0]} / {texts[1]})"
+                return f"np.trunc({texts[0]} / {texts[1]})"
+        if op == "pow" and any(isinstance(a, Expr) and a.kind == "f" for a in args[:2]):
+            # (Numba's float ** int raises on 0 ** -n, numpy error model or not)
+            return f"np.power(float({texts[0]}), float({texts[1]}))"
         if op == "fmod":  # C's remainder (the dividend's sign); Numba's np.fmod of ints is not
             if all(isinstance(a, Expr) and a.kind != "f" for a in args[:2]):
                 return f"({texts[0]} - {texts[1]} * math.trunc({texts[0]} / {texts[1]}))"
