@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..mods import LOCK, Mods, compiled_module, module_source, snapshot
+from ..mod_snapshot import snapshot
+from ..mods import LOCK, Mods, compiled_module, module_source
 from ..routes import cache_dir
 from .fx_translate import (
     MASK_INPUTS,
