@@ -437,6 +437,14 @@ def test_scalar_tables_scalars_and_per_head_blocks():
     ref, _ = dense_flex(q2.double(), k2.double(), k2.double(), None,
                         lambda b, h, qi, kv: (kv < 16) | (h == 1))  # fmt: skip
     assert rel(got.double(), ref) < 1e-5
+    # Full blocks keep every key, whatever mask_mod says (FlexAttention's rule)
+    none = torch.zeros(1, 2, 1, dtype=torch.int32)
+    full = BlockMask.from_kv_blocks(
+        none, idx, num, idx, BLOCK_SIZE=(16, 16), seq_lengths=(16, 32),
+        mask_mod=lambda b, h, qi, kv: qi < 0,
+    )  # fmt: skip
+    got = flex_attention(q2, k2, k2, block_mask=full, enable_gqa=True)
+    assert rel(got.double(), ref) < 1e-5
 
 
 def test_traced_mods_are_freed_and_threads_share_them():

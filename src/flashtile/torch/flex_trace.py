@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ..masks import TILE_FULL, TILE_PARTIAL
 from ..mod_snapshot import snapshot
 from ..mods import LOCK, Mods, compiled_module, module_source
 from ..routes import cache_dir
@@ -266,8 +267,11 @@ def _mask_function(mask_mod, tr: Translator, block_map) -> str:
         return _function("_mask(b, h, qi, kv, F, I)", lines, value.text)
     bm, hm, nq, nk, bq, bk = block_map
     tile = f"((b % {bm}) * {hm} + h % {hm}) * {nq * nk} + (qi // {bq}) * {nk} + kv // {bk}"
-    lines.append(f"listed = I[np.uintp(MAP + {tile})] != 0")
-    return _function("_mask(b, h, qi, kv, F, I)", lines, f"{value.text} and listed")
+    # FlexAttention's rule: a full block keeps every key, a partial one asks
+    # mask_mod, an unlisted one hides its keys
+    lines.append(f"state = I[np.uintp(MAP + {tile})]")
+    keep = f"(state == {TILE_FULL}) or (state == {TILE_PARTIAL} and {value.text})"
+    return _function("_mask(b, h, qi, kv, F, I)", lines, keep)
 
 
 def _split(key):
