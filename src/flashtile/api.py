@@ -87,7 +87,10 @@ def attention(
         block_q, block_k: tile sizes (tuning knobs; any value is exact).
         **variants: ``window``, ``alibi_slopes``, ``softcap``, ``kv_lengths``,
             ``key_padding_mask``, ``mask``, ``sinks``, ``dropout_p`` with
-            ``dropout_seed`` and ``dropout_offset`` (see :mod:`flashtile.variants`).
+            ``dropout_seed`` and ``dropout_offset`` (see :mod:`flashtile.variants`),
+            and FlexAttention-style ``score_mod(score, b, h, q_idx, kv_idx)``
+            and ``mask_mod(b, h, q_idx, kv_idx)``: plain Python on scalars,
+            compiled with Numba, forward only (docs/flex.md).
 
     Returns:
         ``out (..., Tq, dv)`` in the input dtype, and ``lse`` if asked. A query
