@@ -90,7 +90,7 @@ def mask_count_row_{T}(s_p, aux_p, n, b, h, qi, col0, f_p, i_p, g_p):
 
 #: The loops of the row functions, compiled as ordinary Numba functions and
 #: called by the C-callable wrappers of :data:`ROW_TEMPLATE`: Numba does not
-#: vectorise a ``cfunc``'s own loops (measured: a mask counted 10x slower).
+#: vectorise a ``cfunc``'s own loops (docs/benchmarks.md, FlexAttention mods).
 LOOPS = {
     "score": """
 @njit(cache={CACHE}, error_model="numpy")

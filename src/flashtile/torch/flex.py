@@ -150,11 +150,7 @@ class _FlexFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, scale, mods, tables, *table_tensors):
         variants = {} if mods is None else {"mods": mods}
         call = check_call(as_numpy(q), as_numpy(k), as_numpy(v), False, scale, variants)
-        if mods is not None:
-            mods.clear_flag()
-        out, lse = run_call(call, return_lse=True)
-        if mods is not None:
-            mods.check_flag()
+        out, lse = run_call(call, return_lse=True)  # (checks the mods' index flag)
         out_t, lse_t = as_tensor(np.ascontiguousarray(out)), as_tensor(np.ascontiguousarray(lse))
         ctx.save_for_backward(q, k, v, out_t, lse_t)
         ctx.scale, ctx.mods, ctx.tables = scale, mods, tables

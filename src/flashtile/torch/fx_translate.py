@@ -349,8 +349,8 @@ class Translator:
                 self.lines.append(f"{offset} += {text} * {strides[dim]}")
                 continue
             t = self._name("t")
-            # No branch that stores: a flag store inside the row loop made
-            # it 10-20x slower. Out of range is noted in ``bad`` (the loop
+            # No branch that stores: a flag store inside the row loop kept
+            # it scalar (docs/benchmarks.md). Out of range is noted in ``bad`` (the loop
             # sets the flag once) and the index clamped to a safe read.
             self.lines += [
                 f"{t} = {text}",
