@@ -8,7 +8,8 @@ the query's and the key's positions.
 
 A pair of mods becomes a :class:`Mods` record: the row functions the
 kernels call through :func:`flashtile.cpu.mod_calls.call_row` (their
-addresses, for float32 and float64 work), the captured tables the mods read
+addresses, for float32 or float64 work, each compiled on its first use), the
+captured tables the mods read
 (flattened into one float64 and one int64 buffer), and, with a mask, the
 block map (``TILE_*`` states per tile) that lets the kernels skip empty
 tiles and leave full ones unmasked. The kernels are compiled once for every
@@ -45,6 +46,7 @@ import os
 import sys
 import textwrap
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -81,9 +83,10 @@ def mask_row_{T}(s_p, aux_p, n, b, h, qi, col0, f_p, i_p, g_p):
     _mask_loop(carray(s_p, n), b, h, qi, col0, carray(f_p, NF), carray(i_p, NI))
 
 
-@cfunc(row_signature(float{T}), cache={CACHE})
-def mask_count_row_{T}(s_p, aux_p, n, b, h, qi, col0, f_p, i_p, g_p):
-    # (block maps) aux[0] = how many of the row's n keys are kept
+@cfunc(row_signature(float64), cache={CACHE})
+def mask_count_row(s_p, aux_p, n, b, h, qi, col0, f_p, i_p, g_p):
+    # (block maps) aux[0] = how many of the row's n keys are kept (float64
+    # whatever the module's work dtype: the counter is the same in each)
     kept = _count_loop(n, b, h, qi, col0, carray(f_p, NF), carray(i_p, NI))
     carray(aux_p, 1)[0] = kept
 """
@@ -200,7 +203,9 @@ class Mods:
         floats: float64 flat buffer of the captured float tables (at least
             one element); ints: int64 flat buffer of the integer and bool
             tables, ``ints[0]`` the out-of-range flag.
-        namespace: the generated module's names (its row functions).
+        load: ``load(bits)`` compiles (or loads from the disk cache) the
+            row functions for work of ``bits`` (32 or 64) and returns the
+            generated module's names; called once per work dtype used.
         states, block: the mask's block map ``(Bm, Hm, nQ, nK)`` int8 at
             tiles of ``block = (block_q, block_k)``, or None without a mask.
         label: how errors name the mods.
@@ -213,12 +218,13 @@ class Mods:
     kinds: tuple[str, ...]
     floats: np.ndarray
     ints: np.ndarray
-    namespace: dict
+    load: Callable[[int], dict]
     states: np.ndarray | None = None
     block: tuple[int, int] = (128, 128)
     label: str = "score_mod/mask_mod"
     limits: tuple[tuple[str, int], ...] = ()
     _rows: dict = field(default_factory=dict, repr=False)
+    _modules: dict = field(default_factory=dict, repr=False)
     _maps: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -238,17 +244,22 @@ class Mods:
     def has_capture(self) -> bool:
         return "capture" in self.kinds
 
+    def module(self, bits: int) -> dict:
+        """The generated module's names for work of ``bits`` (32 or 64)."""
+        found = self._modules.get(bits)
+        if found is None:
+            found = self._modules[bits] = self.load(bits)
+        return found
+
     def rows(self, dtype) -> RowFunctions:
         """The row functions for work ``dtype`` (float32 or float64), compiled
         on first use (a cached module loads them from disk)."""
         bits = np.dtype(dtype).itemsize * 8
         found = self._rows.get(bits)
         if found is None:
+            names = self.module(bits)
             found = RowFunctions(
-                *(
-                    self.namespace[f"{kind}_row_{bits}"].address if kind in self.kinds else 0
-                    for kind in KINDS
-                )
+                *(names[f"{kind}_row_{bits}"].address if kind in self.kinds else 0 for kind in KINDS)
             )
             self._rows[bits] = found
         return found
@@ -311,25 +322,30 @@ def mask_block_states(mods: Mods, batch: int, heads: int, tq: int, tk: int, bloc
     """``(batch, heads, nQ, nK)`` int8 states of the mods' mask function at
     tiles of ``block``, evaluated by a compiled pass (memory: one row per
     thread). ``batch``/``heads`` of 1 evaluate the mask at ``b``/``h`` = 0
-    (broadcast)."""
+    (broadcast). The counter is in every work dtype's module: float32's is
+    loaded unless float64's already is (the one a float32, 16-bit or mixed
+    call compiles anyway)."""
     from .cpu.mod_calls import mask_states
 
     mods.check_extent(batch, heads, tq, tk)
     mods.clear_flag()
-    counter = mods.namespace["mask_count_row_64"].address
+    bits = 64 if 64 in mods._modules and 32 not in mods._modules else 32
+    counter = mods.module(bits)["mask_count_row"].address
     states = mask_states(counter, batch, heads, tq, tk, block[0], block[1], mods.floats, mods.ints)
     mods.check_flag()
     return states
 
 
-def module_source(scalar_source: str, kinds, n_floats: int, n_ints: int, cache: bool) -> str:
+def module_source(
+    scalar_source: str, kinds, n_floats: int, n_ints: int, cache: bool, bits: int
+) -> str:
     """The full source of a mods module: prelude, sizes, the scalar
-    functions, and the row functions of ``kinds`` for both work dtypes."""
+    functions, and the row functions of ``kinds`` for work of ``bits`` (32
+    or 64: one dtype per module, so a call compiles only the one it uses)."""
     wanted = set(kinds) | ({"mask_count"} if "mask" in kinds else set())
     rows = [LOOPS[k].format(CACHE=cache) for k in _TEMPLATE_KINDS if k in wanted]
-    for bits in (32, 64):
-        blocks = ROW_TEMPLATE.format(T=bits, CACHE=cache).split("\n\n\n")
-        rows += [b for b, kind in zip(blocks, _TEMPLATE_KINDS, strict=True) if kind in wanted]
+    blocks = ROW_TEMPLATE.format(T=bits, CACHE=cache).split("\n\n\n")
+    rows += [b for b, kind in zip(blocks, _TEMPLATE_KINDS, strict=True) if kind in wanted]
     sizes = f"NF, NI = {n_floats}, {n_ints}\n"
     # The flashtile sources it imports are part of its identity: Numba's
     # cache knows only this file, so a change to them must give another file.
@@ -406,7 +422,7 @@ def numpy_mods(score_mod=None, mask_mod=None) -> Mods:
     when they change."""
     from numba import njit
 
-    kinds, namespace = [], {}
+    kinds, users = [], {}
     for kind, fn in (("score", score_mod), ("mask", mask_mod)):
         if fn is None:
             continue
@@ -414,11 +430,17 @@ def numpy_mods(score_mod=None, mask_mod=None) -> Mods:
             raise TypeError(f"{kind}_mod must be a function, got {type(fn).__name__}")
         kinds.append(kind)
         fn = getattr(fn, "py_func", fn)  # an @njit function: compiled again, bounds-checked
-        namespace[f"_user_{kind}"] = njit(error_model="numpy", boundscheck=True)(fn)
-    source = module_source("".join(_NUMPY_SCALARS[k] for k in kinds), kinds, 1, 1, cache=False)
-    exec(compile(source, "<flashtile mods>", "exec"), namespace)
+        users[f"_user_{kind}"] = njit(error_model="numpy", boundscheck=True)(fn)
+    scalars = "".join(_NUMPY_SCALARS[k] for k in kinds)
+
+    def load(bits: int) -> dict:
+        namespace = dict(users)
+        source = module_source(scalars, kinds, 1, 1, cache=False, bits=bits)
+        exec(compile(source, "<flashtile mods>", "exec"), namespace)
+        return namespace
+
     return Mods(
-        tuple(kinds), np.zeros(1), np.zeros(1, dtype=np.int64), namespace,
+        tuple(kinds), np.zeros(1), np.zeros(1, dtype=np.int64), load,
         label=" and ".join(f"{k}_mod" for k in kinds),
     )  # fmt: skip
 

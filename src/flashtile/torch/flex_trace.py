@@ -307,8 +307,12 @@ def compile_mods(traced: TracedMods, states=None) -> Mods:
     """The :class:`Mods` of traced mods: the module compiled (or loaded from
     the disk cache) and the tables' current values copied into its buffers
     (and a block map's ``states``, when traced with one)."""
-    source = module_source(traced.source, traced.kinds, traced.n_floats, traced.n_ints, True)
-    namespace = compiled_module(source, cache_dir() / "mods")
+    directory = cache_dir() / "mods"
+
+    def load(bits: int) -> dict:
+        args = (traced.source, traced.kinds, traced.n_floats, traced.n_ints, True, bits)
+        return compiled_module(module_source(*args), directory)
+
     floats = np.zeros(traced.n_floats)
     ints = np.zeros(traced.n_ints, dtype=np.int64)
     for t in traced.tables:
@@ -320,5 +324,5 @@ def compile_mods(traced: TracedMods, states=None) -> Mods:
     if states is not None:
         ints[traced.map_offset :] = states.reshape(-1)
     return Mods(
-        traced.kinds, floats, ints, namespace, label="score_mod/mask_mod", limits=traced.limits
+        traced.kinds, floats, ints, load, label="score_mod/mask_mod", limits=traced.limits
     )
