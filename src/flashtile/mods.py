@@ -259,7 +259,7 @@ class Mods:
         if found is None:
             names = self.module(bits)
             found = RowFunctions(
-                *(names[f"{kind}_row_{bits}"].address if kind in self.kinds else 0 for kind in KINDS)
+                *(names[f"{k}_row_{bits}"].address if k in self.kinds else 0 for k in KINDS)
             )
             self._rows[bits] = found
         return found

@@ -323,6 +323,4 @@ def compile_mods(traced: TracedMods, states=None) -> Mods:
             ints[t.offset : t.offset + flat.numel()] = flat.long().numpy()
     if states is not None:
         ints[traced.map_offset :] = states.reshape(-1)
-    return Mods(
-        traced.kinds, floats, ints, load, label="score_mod/mask_mod", limits=traced.limits
-    )
+    return Mods(traced.kinds, floats, ints, load, label="score_mod/mask_mod", limits=traced.limits)
