@@ -100,27 +100,29 @@ class TracedMods:
     map_offset: int
 
 
-def trace_mods(score_mod, mask_mod, block_map=None) -> TracedMods:
+def trace_mods(score_mod, mask_mod, block_map=None, dialect=Translator) -> TracedMods:
     """Trace and translate a pair of torch mods (either may be None).
 
     ``block_map = (Bm, Hm, nQ, nK, BQ, BK)``: the shape and blocks of a
     BlockMask's tile states, which the mask function then also reads (a key
     in a block the map leaves out is hidden, whatever ``mask_mod`` says:
-    FlexAttention's rule); :func:`compile_mods` copies the states in."""
-    key = (score_mod, mask_mod, block_map)
+    FlexAttention's rule); :func:`compile_mods` copies the states in.
+    ``dialect``: the :class:`Translator` class that writes the functions
+    (Numba's for the CPU kernels; :mod:`flashtile.triton.mod_source`'s)."""
+    key = (score_mod, mask_mod, block_map, dialect)
     with LOCK:  # make_fx is not re-entrant across threads
         cached = _lookup(key)
         if cached is not None:
             return cached
-        traced = _trace_all(score_mod, mask_mod, block_map)
+        traced = _trace_all(score_mod, mask_mod, block_map, dialect)
         checks = snapshot((score_mod, mask_mod), _tensor_check)
         if checks is not None:  # else traced again on every call
             _store(key, (traced, checks))
         return traced
 
 
-def _trace_all(score_mod, mask_mod, block_map) -> TracedMods:
-    translator = Translator("score_mod/mask_mod")
+def _trace_all(score_mod, mask_mod, block_map, dialect) -> TracedMods:
+    translator = dialect("score_mod/mask_mod")
     functions, kinds = [], []
     if score_mod is not None:
         functions += _score_functions(score_mod, translator)
@@ -132,8 +134,10 @@ def _trace_all(score_mod, mask_mod, block_map) -> TracedMods:
         kinds.append("mask")
     map_size = 0 if block_map is None else int(np.prod(block_map[:4]))
     n_floats, n_ints = _layout(translator.tables, map_size)
-    offsets = "".join(f"T{n} = {t.offset}\n" for n, t in enumerate(translator.tables))
-    offsets += f"MAP = {n_ints - map_size}\n"
+    offsets = translator.constants(
+        [*(f"T{n}" for n in range(len(translator.tables))), "MAP"],
+        [*(t.offset for t in translator.tables), n_ints - map_size],
+    )
     return TracedMods(
         offsets + "\n".join(functions), tuple(kinds), translator.tables, n_floats, n_ints,
         tuple(sorted(translator.direct)), n_ints - map_size,
@@ -164,16 +168,6 @@ def _layout(tables, map_size: int) -> tuple[int, int]:
     return max(n_floats, 1), n_ints + map_size
 
 
-def _function(header: str, lines, result: str) -> str:
-    """A scalar function of :mod:`flashtile.mods`: ``lines``, then ``return
-    result, bad`` (``bad``: a captured table was indexed out of range)."""
-    body = "".join(f"    {line}\n" for line in ["bad = False", *lines])
-    return (
-        f"@njit(inline='always', error_model='numpy')\ndef {header}:\n{body}"
-        f"    return {result}, bad\n"
-    )
-
-
 def _score_functions(score_mod, tr: Translator) -> list[str]:
     """``_score``, ``_score_grad`` and ``_score_capture`` (see :mod:`flashtile.mods`)."""
 
@@ -191,19 +185,17 @@ def _score_functions(score_mod, tr: Translator) -> list[str]:
     ]  # fmt: skip
     grad_lines, grads, gvalue = _derivative(gm, nodes, reads, wanted, tr)
     tr.lines = []
-    score = _function("_score(x, b, h, qi, kv, F, I)", forward_lines, value.text)
-    both = _function(
-        "_score_grad(x, b, h, qi, kv, F, I)", forward_lines + grad_lines,
+    score = tr.function("_score", "x, b, h, qi, kv, F, I", forward_lines, value.text)
+    both = tr.function(
+        "_score_grad", "x, b, h, qi, kv, F, I", forward_lines + grad_lines,
         f"{gvalue.text}, {grads[0].text}",
     )  # fmt: skip
     scatter = [
-        f"G[T{reads[n][1]} + {reads[n][2]}] += g * {grads[1 + m].text}"
-        for m, n in enumerate(wanted)
+        tr.scatter(reads[n][1], reads[n][2], grads[1 + m].text) for m, n in enumerate(wanted)
     ]
-    capture = _function(
-        "_score_capture(x, g, b, h, qi, kv, F, I, G)", forward_lines + grad_lines + scatter,
-        "0",
-    )  # fmt: skip
+    capture = tr.function(
+        "_score_capture", tr.CAPTURE_PARAMS, forward_lines + grad_lines + scatter, "0"
+    )
     return [score, both, capture]
 
 
@@ -264,23 +256,23 @@ def _mask_function(mask_mod, tr: Translator, block_map) -> str:
     value = _one_output(tr.translate(gm, MASK_INPUTS), "b", "mask_mod")
     lines, tr.lines = tr.lines, []
     if block_map is None:
-        return _function("_mask(b, h, qi, kv, F, I)", lines, value.text)
+        return tr.function("_mask", "b, h, qi, kv, F, I", lines, value.text)
     bm, hm, nq, nk, bq, bk = block_map
     tile = f"((b % {bm}) * {hm} + h % {hm}) * {nq * nk} + (qi // {bq}) * {nk} + kv // {bk}"
     # FlexAttention's rule: a full block keeps every key, a partial one asks
     # mask_mod, an unlisted one hides its keys
     lines.append(f"state = I[np.uintp(MAP + {tile})]")
     keep = f"(state == {TILE_FULL}) or (state == {TILE_PARTIAL} and {value.text})"
-    return _function("_mask(b, h, qi, kv, F, I)", lines, keep)
+    return tr.function("_mask", "b, h, qi, kv, F, I", lines, keep)
 
 
 def _split(key):
     """``(holder, rest)``: the mod the weak cache is keyed by, and the rest of
     the key (which must not hold the holder: it would never be freed)."""
-    score_mod, mask_mod, block_map = key
+    score_mod, mask_mod, block_map, dialect = key
     if score_mod is not None:
-        return score_mod, ("score", mask_mod, block_map)
-    return mask_mod, ("mask", None, block_map)
+        return score_mod, ("score", mask_mod, block_map, dialect)
+    return mask_mod, ("mask", None, block_map, dialect)
 
 
 def _lookup(key):

@@ -165,7 +165,18 @@ def _cast(text: str, natural: str, kind: str) -> str:
 
 class Translator:
     """Translates traced graphs into lines of Python over scalars; the
-    captured tensors of every graph it translates share one table list."""
+    captured tensors of every graph it translates share one table list.
+
+    This class writes for Numba (scalars, ``math``, NumPy's scalar
+    functions); a subclass writes another dialect by replacing the op
+    tables and the few methods below that spell an operation
+    (:mod:`flashtile.triton.mod_source` writes Triton, over tiles).
+    """
+
+    UNARY = _UNARY
+    BINARY = _BINARY
+    #: Whether captured tensors must be on the CPU (the kernels read them there).
+    CPU_ONLY = True
 
     def __init__(self, what: str):
         self.what = what
@@ -186,7 +197,7 @@ class Translator:
         for n, t in enumerate(self.tables):
             if t.tensor is tensor:
                 return n
-        if tensor.device.type != "cpu":
+        if self.CPU_ONLY and tensor.device.type != "cpu":
             raise Unsupported(f"{self.what} captures a tensor on {tensor.device}: CPU only")
         kind = "f" if tensor.dtype.is_floating_point else "i"
         if tensor.is_complex():
@@ -212,7 +223,7 @@ class Translator:
                 env[node] = self._call(node, env)
             elif node.op == "output":
                 flat, _ = torch.utils._pytree.tree_flatten(node.args[0])
-                return [env[n] if isinstance(n, torch.fx.Node) else _literal(n) for n in flat]
+                return [env[n] if isinstance(n, torch.fx.Node) else self.literal(n) for n in flat]
         raise Unsupported(f"{self.what}: a traced graph without output")
 
     def _arg(self, a, env):
@@ -224,7 +235,7 @@ class Translator:
             a, str | torch.dtype | torch.device | torch.layout | torch.memory_format
         ):
             return a  # (a string: div's rounding_mode)
-        return _literal(a)
+        return self.literal(a)
 
     def _call(self, node, env):
         op = node.target.__name__.split(".")[0]
@@ -244,7 +255,7 @@ class Translator:
         kind = _kind_of(node)
         text = self._expression(op, args, kwargs, node)
         name = self._name("v")
-        self.lines.append(f"{name} = {_cast(text, _natural_kind(op, args), kind)}")
+        self.lines.append(f"{name} = {self.cast(text, _natural_kind(op, args), kind)}")
         return Expr(name, kind)
 
     def _expression(self, op, args, kwargs, node) -> str:
@@ -254,13 +265,13 @@ class Translator:
         if op in _CONSTANT:
             value = args[-1] if op in ("full_like", "full", "new_full") else args[0]
             if op in ("ones_like", "zeros_like", "new_ones", "new_zeros"):
-                value = _literal(1 if "ones" in op else 0)
+                value = self.literal(1 if "ones" in op else 0)
             return value.text
         if op == "round" and "decimals" in kwargs:  # torch: round(x * 10**d) / 10**d
-            scale = f"(10.0 ** {kwargs['decimals'].text})"
-            return f"(np.rint({texts[0]} * {scale}) / {scale})"
-        if op in _UNARY:
-            return _UNARY[op].format(texts[0])
+            scale = repr(10.0 ** node.kwargs["decimals"])
+            return f"({self.UNARY['round'].format(f'({texts[0]} * {scale})')} / {scale})"
+        if op in self.UNARY:
+            return self.unary(op, args[0])
         if op in ("add", "sub", "rsub"):
             alpha = kwargs.get("alpha")
             other = texts[1] if alpha is None else f"({alpha.text} * {texts[1]})"
@@ -270,29 +281,26 @@ class Translator:
         if op == "div" and "rounding_mode" in kwargs:
             mode = node.kwargs["rounding_mode"]
             if mode == "floor":
-                return f"({texts[0]} // {texts[1]})"
+                return self.binary("floor_divide", args[0], args[1])
             if mode == "trunc":
-                return f"np.trunc({texts[0]} / {texts[1]})"
-        if op == "pow" and any(isinstance(a, Expr) and a.kind == "f" for a in args[:2]):
-            # (Numba's float ** int raises on 0 ** -n, numpy error model or not)
-            return f"np.power(float({texts[0]}), float({texts[1]}))"
-        if op == "fmod":  # C's remainder (the dividend's sign); Numba's np.fmod of ints is not
-            if all(isinstance(a, Expr) and a.kind != "f" for a in args[:2]):
-                return f"({texts[0]} - {texts[1]} * math.trunc({texts[0]} / {texts[1]}))"
-            return f"np.fmod({texts[0]}, {texts[1]})"
-        if op in _BINARY:
-            return _BINARY[op].format(*texts[:2])
+                return self.UNARY["trunc"].format(f"({texts[0]} / {texts[1]})")
+        if op == "pow":
+            return self.power(args[0], args[1])
+        if op == "fmod":
+            return self.fmod(args[0], args[1])
+        if op in self.BINARY:
+            return self.binary(op, args[0], args[1])
         if op in _BITWISE or op == "bitwise_not":
             boolean = all(a.kind == "b" for a in args if isinstance(a, Expr))
             if op == "bitwise_not":
-                return f"(not {texts[0]})" if boolean else f"(~{texts[0]})"
+                return self.UNARY["logical_not"].format(texts[0]) if boolean else f"(~{texts[0]})"
             if boolean:
-                return _BINARY["logical_" + op.split("_")[1]].format(*texts)
+                return self.BINARY["logical_" + op.split("_")[1]].format(*texts)
             return f"({texts[0]} {_BITWISE[op]} {texts[1]})"
         if op == "where":
-            return f"({texts[1]} if {texts[0]} else {texts[2]})"
+            return self.where(texts[0], texts[1], texts[2])
         if op == "masked_fill":
-            return f"({texts[2]} if {texts[1]} else {texts[0]})"
+            return self.where(texts[1], texts[2], texts[0])
         if op in ("clamp", "clamp_min", "clamp_max"):
             lo = args[1] if op in ("clamp", "clamp_min") and len(args) > 1 else None
             hi = args[2] if op == "clamp" and len(args) > 2 else None
@@ -301,9 +309,9 @@ class Translator:
                 hi = args[1]
             text = texts[0]
             if lo is not None:
-                text = f"max({text}, {lo.text})"
+                text = self.BINARY["maximum"].format(text, lo.text)
             if hi is not None:
-                text = f"min({text}, {hi.text})"
+                text = self.BINARY["minimum"].format(text, hi.text)
             return text
         raise Unsupported(
             f"{self.what} uses torch's {node.target}, which flashtile cannot compile into "
@@ -311,6 +319,67 @@ class Translator:
             f"clamp, abs, exp/log, tanh/sigmoid/erf, floor/ceil/round, and captured tensors "
             f"indexed by b, h, q_idx, kv_idx"
         )
+
+    # The spelling of operations (the Numba dialect; subclasses replace them).
+
+    def literal(self, value) -> Expr:
+        """A Python constant as a value."""
+        return _literal(value)
+
+    def cast(self, text: str, natural: str, kind: str) -> str:
+        """``text`` (of kind ``natural``) as a value of ``kind``."""
+        return _cast(text, natural, kind)
+
+    def unary(self, op: str, a: Expr) -> str:
+        return self.UNARY[op].format(a.text)
+
+    def binary(self, op: str, a: Expr, b: Expr) -> str:
+        return self.BINARY[op].format(a.text, b.text)
+
+    def where(self, cond: str, a: str, b: str) -> str:
+        return f"({a} if {cond} else {b})"
+
+    def power(self, a: Expr, b: Expr) -> str:
+        if a.kind == "f" or b.kind == "f":
+            # (Numba's float ** int raises on 0 ** -n, numpy error model or not)
+            return f"np.power(float({a.text}), float({b.text}))"
+        return self.BINARY["pow"].format(a.text, b.text)
+
+    def fmod(self, a: Expr, b: Expr) -> str:
+        """C's remainder (the dividend's sign); Numba's np.fmod of ints is not."""
+        if a.kind != "f" and b.kind != "f":
+            return f"({a.text} - {b.text} * math.trunc({a.text} / {b.text}))"
+        return f"np.fmod({a.text}, {b.text})"
+
+    #: The parameters of the function that adds a captured table's gradient.
+    CAPTURE_PARAMS = "x, g, b, h, qi, kv, F, I, G"
+
+    def function(self, name: str, params: str, lines, result: str) -> str:
+        """A scalar function of :mod:`flashtile.mods`: ``lines``, then ``return
+        result, bad`` (``bad``: a captured table was indexed out of range)."""
+        body = "".join(f"    {line}\n" for line in ["bad = False", *lines])
+        return (
+            f"@njit(inline='always', error_model='numpy')\ndef {name}({params}):\n{body}"
+            f"    return {result}, bad\n"
+        )
+
+    def scatter(self, table: int, offset: str, grad: str) -> str:
+        """The line adding ``g * grad`` to the gradient of a captured element."""
+        return f"G[T{table} + {offset}] += g * {grad}"
+
+    def constants(self, names, values) -> str:
+        """Module-level integer constants (the tables' offsets)."""
+        return "".join(f"{n} = {v}\n" for n, v in zip(names, values, strict=True))
+
+    #: Whether a dim indexed by ``b``, ``h``, ``q_idx`` or ``kv_idx`` itself
+    #: skips the per-element check (the call's extent is checked once).
+    DIRECT = True
+
+    def load(self, buffer: str, table: int, offset: str, kind: str) -> str:
+        """Read element ``offset`` of table ``table`` from the float (``"f"``)
+        or int buffer, as a value of ``kind``."""
+        where = "F" if buffer == "f" else "I"
+        return _CAST[kind].format(f"{where}[np.uintp(T{table} + {offset})]")  # (no wraparound)
 
     def _index(self, op, args, node):
         src = args[0]
@@ -341,30 +410,29 @@ class Translator:
         if len(index) < tensor.dim():
             return View(view.table, index, True)
         offset = self._name("o")
-        self.lines.append(f"{offset} = 0")
+        self.lines.append(f"{offset} = {self.literal(0).text}")
         strides = _c_strides(tensor.shape)
         for dim, (text, size) in enumerate(zip(index, tensor.shape, strict=True)):
-            if text in SCORE_INPUTS[1:]:  # b, h, q_idx or kv_idx: never negative
+            if self.DIRECT and text in SCORE_INPUTS[1:]:  # b, h, q_idx or kv_idx: never negative
                 self.direct.add((text, size))
                 self.lines.append(f"{offset} += {text} * {strides[dim]}")
                 continue
             t = self._name("t")
+            low = self.BINARY["maximum"].format(t, 0)
             # No branch that stores: a flag store inside the row loop kept
             # it scalar (docs/benchmarks.md). Out of range is noted in ``bad`` (the loop
             # sets the flag once) and the index clamped to a safe read.
             self.lines += [
                 f"{t} = {text}",
-                f"{t} = {t} + {size} if {t} < 0 else {t}",
+                f"{t} = {self.where(f'{t} < 0', f'{t} + {size}', t)}",
                 f"bad = bad | ({t} < 0) | ({t} >= {size})",
-                f"{t} = min(max({t}, 0), {size - 1})",
+                f"{t} = {self.BINARY['minimum'].format(low, size - 1)}",
                 f"{offset} += {t} * {strides[dim]}",
             ]
         name = self._name("r")
         table = self.tables[view.table]
-        where = "F" if table.kind == "f" else "I"
-        value = f"{where}[np.uintp(T{view.table} + {offset})]"  # unsigned: no wraparound test
         kind = dtype_kind(tensor.dtype)
-        self.lines.append(f"{name} = {_CAST[kind].format(value)}")
+        self.lines.append(f"{name} = {self.load(table.kind, view.table, offset, kind)}")
         self.reads.append((name, view.table, offset))
         self.read_nodes.append(node)
         return Expr(name, kind)
