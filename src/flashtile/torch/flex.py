@@ -76,17 +76,20 @@ def create_block_mask(
     return _block_mask(states, block, mask_mod, (Q_LEN, KV_LEN))
 
 
+def block_lists(states: np.ndarray, state: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(counts (..., rows), indices (..., rows, cols))`` int32: per row of
+    the tile states ``(..., rows, cols)``, how many tiles are in ``state``
+    and which, in order (the rest of each row after them)."""
+    hits = states == state
+    counts = hits.sum(axis=-1).astype(np.int32)
+    order = np.argsort(~hits, axis=-1, kind="stable").astype(np.int32)
+    return torch.from_numpy(counts), torch.from_numpy(order)
+
+
 def _block_mask(states: np.ndarray, block, mask_mod, seq_lengths) -> BlockMask:
     """PyTorch's BlockMask of ``(B, H, nQ, nK)`` tile states: per query tile,
     the partial key tiles and the full ones, in key order."""
-
-    def listed(state):
-        hits = states == state
-        counts = hits.sum(axis=-1).astype(np.int32)
-        order = np.argsort(~hits, axis=-1, kind="stable").astype(np.int32)
-        return torch.from_numpy(counts), torch.from_numpy(order)
-
-    partial, full = listed(TILE_PARTIAL), listed(TILE_FULL)
+    partial, full = block_lists(states, TILE_PARTIAL), block_lists(states, TILE_FULL)
     return BlockMask.from_kv_blocks(
         *partial, *full, BLOCK_SIZE=tuple(block), mask_mod=mask_mod, seq_lengths=seq_lengths
     )
@@ -111,22 +114,28 @@ def block_states(block_mask: BlockMask) -> np.ndarray:
     return states
 
 
+def mask_mod_of(block_mask, tq: int, tk: int):
+    """The ``mask_mod`` of a call's ``block_mask`` (None without one),
+    checked to be a BlockMask for the call's lengths."""
+    if block_mask is None:
+        return None
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(
+            f"block_mask must be a BlockMask (from create_block_mask), got "
+            f"{type(block_mask).__name__}"
+        )
+    if tuple(block_mask.seq_lengths) != (tq, tk):
+        raise ValueError(
+            f"block_mask was built for (Q_LEN, KV_LEN) = {tuple(block_mask.seq_lengths)}, "
+            f"the call has ({tq}, {tk}): build it for the call's lengths"
+        )
+    return block_mask.mask_mod or noop_mask
+
+
 def _call_mods(score_mod, block_mask, tq: int, tk: int):
     """``(mods, tables)``: the call's compiled mods (with the block mask's
     map) and their captured tables; ``(None, [])`` without either."""
-    mask_mod = None
-    if block_mask is not None:
-        if not isinstance(block_mask, BlockMask):
-            raise TypeError(
-                f"block_mask must be a BlockMask (from create_block_mask), got "
-                f"{type(block_mask).__name__}"
-            )
-        if tuple(block_mask.seq_lengths) != (tq, tk):
-            raise ValueError(
-                f"block_mask was built for (Q_LEN, KV_LEN) = {tuple(block_mask.seq_lengths)}, "
-                f"the call has ({tq}, {tk}): build it for the call's lengths"
-            )
-        mask_mod = block_mask.mask_mod or noop_mask
+    mask_mod = mask_mod_of(block_mask, tq, tk)
     if score_mod is None and mask_mod is None:
         return None, []
     if block_mask is None:

@@ -6,8 +6,14 @@ rebuilt tile by tile::
     dV_j += P^T dO        dP = dO V_j^T        dS = P * (dP - D)
     dK_j += scale * dS^T Q                     dQ += scale * dS K_j
 
-(with softcap, ``dS`` is multiplied by ``1 - tanh^2``; dropout regenerates the
-forward's mask, :func:`_probs_and_dscores`). Two kernels share the
+(with softcap, ``dS`` is multiplied by ``1 - tanh^2``, with a score mod by its
+derivative; dropout regenerates the forward's mask, :func:`_probs_and_dscores`).
+A score mod's captured tables get ``dS`` times the derivative by each
+element read, added by :func:`attn_bwd_dq` with atomic adds (so those
+gradients, unlike ``dq``, ``dk``, ``dv``, are not bit-reproducible: the
+order of the adds varies). With a block mask (``SPARSE``) both kernels walk
+its lists (``Num``/``Idx``, the dk/dv kernel the transposed ones) as the
+forward does. Two kernels share the
 work so that every output element has exactly one writer, as in the CPU
 backward: :func:`attn_bwd_dkdv` owns a key block of one kv head and walks the
 query blocks that see it, for every query head of its GQA group (the group's
@@ -28,10 +34,9 @@ from .tiles import (
     device_fn,
     dot,
     kept,
+    listed,
     load_rows,
     operand_like,
-    phase_block,
-    phase_count,
     phase_ends,
     program_tile,
     query_block_keys,
@@ -39,6 +44,8 @@ from .tiles import (
     row_slopes,
     scores,
     store_rows,
+    walk_block,
+    walk_count,
 )
 
 
@@ -95,15 +102,21 @@ def _row_state(Lse, Delta, offs_m, m_ok, row_base):
 @device_fn
 def _probs_and_dscores(
     q, k, v, do, lse2, delta, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
-    keep, drop_scale, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
-    DROPOUT: tl.constexpr, IEEE: tl.constexpr,
+    keep, drop_scale, mod, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
+    DROPOUT: tl.constexpr, IEEE: tl.constexpr, SCORE_FN: tl.constexpr, MASK_FN: tl.constexpr,
+    CAPTURE_FN: tl.constexpr,
 ):  # fmt: skip
     """``(P, dS)`` of one tile: ``P = exp2(S - lse)`` recomputed, ``dS = P * (dP - D)``
     with ``dP = dO V^T`` (times ``1 - tanh^2`` under softcap), both float32.
     With ``DROPOUT`` (keep mask ``Z``, scale ``c``) the output was ``(c Z * P) V``:
-    ``dP`` becomes ``c Z * dP`` and the returned ``P`` (dV's operand) ``c Z * P``."""
-    s, t = scores(q, k, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
-                  SOFTCAP, ALIBI, MASKED, IEEE)  # fmt: skip
+    ``dP`` becomes ``c Z * dP`` and the returned ``P`` (dV's operand) ``c Z * P``.
+    A score mod (``SCORE_FN``: its derivative's function) multiplies ``dS``
+    by ``dy/dx`` where ``P > 0`` (elsewhere ``dS = 0``: a hidden score's
+    derivative may be inf); ``CAPTURE_FN`` adds the captured tables' share."""
+    s, t, x = scores(
+        q, k, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out, mod,
+        SOFTCAP, ALIBI, MASKED, IEEE, SCORE_FN, MASK_FN, True,
+    )  # fmt: skip
     p = tl.exp2(s - lse2[:, None])
     dp = dot(do, tl.trans(v), tl.zeros([q.shape[0], k.shape[0]], tl.float32), IEEE)
     if DROPOUT:
@@ -111,6 +124,13 @@ def _probs_and_dscores(
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
+    if SCORE_FN is not None:
+        live = p > 0.0
+        if CAPTURE_FN is not None:
+            qi = (pos - mod[6])[:, None]
+            CAPTURE_FN(x, ds, mod[3], mod[4], qi, offs_n[None, :], mod[0], mod[1], mod[2],
+                       live & (ds != 0.0))  # fmt: skip
+        ds = tl.where(live, ds * t, 0.0)
     if DROPOUT:
         p = tl.where(keep, p * drop_scale, 0.0)
     return p, ds
@@ -120,17 +140,21 @@ def _probs_and_dscores(
 def _dkdv_range(
     dk, dv, k, v, q_base, do_base, stride_q, stride_do, Lse, Delta, row_base, lo, s1, s2, hi,
     offs_n, tq, shift, kv_len, left, right, slope2, qk_scale, cap_in, cap_out, q0, keys, drop,
+    walk, mod,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
-    IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr, SCORE_FN: tl.constexpr,
+    MASK_FN: tl.constexpr, SPARSE: tl.constexpr, MAP_M: tl.constexpr,
 ):  # fmt: skip
     """Accumulate the key block's ``dk`` (unscaled) and ``dv`` over the query blocks of
-    one phase (see :func:`~.tiles.phase_count`); ``q0`` is the sequence's first
-    query row and ``keys`` the block's key rows in the arrays (for dropout)."""
-    blocks, head = phase_count(lo, s1, s2, hi, BLOCK_M, MASKED)
+    one phase (see :func:`~.tiles.phase_count`, or with ``SPARSE`` the listed
+    walk ``walk``); ``q0`` is the sequence's first query row and ``keys`` the
+    block's key rows in the arrays (for dropout)."""
+    blocks, head = walk_count(lo, s1, s2, hi, walk, BLOCK_M, MASKED, SPARSE, MAP_M)
     for i in range(blocks):
-        offs_m, m_ok = phase_block(i, head, lo, s1, s2, hi, BLOCK_M, MASKED)
+        offs_m, m_ok = walk_block(i, head, lo, s1, s2, hi, walk, tq, BLOCK_M, MASKED, SPARSE,
+                                  MAP_M)  # fmt: skip
         rows = offs_m.to(tl.int64)
         q = load_rows(q_base + rows * stride_q, m_ok, HEAD_D, BLOCK_D, MASKED, EMULATE_BF16)
         do = load_rows(do_base + rows * stride_do, m_ok, HEAD_DV, BLOCK_DV, MASKED, EMULATE_BF16)
@@ -141,7 +165,7 @@ def _dkdv_range(
         keep = kept(q0 + offs_m, keys, drop) if DROPOUT else 0
         p, ds = _probs_and_dscores(
             q, k, v, do, lse2, delta, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
-            keep, drop[4], SOFTCAP, ALIBI, MASKED, DROPOUT, IEEE,
+            keep, drop[4], mod, SOFTCAP, ALIBI, MASKED, DROPOUT, IEEE, SCORE_FN, MASK_FN, None,
         )  # fmt: skip
         dv = dot(tl.trans(operand_like(p, do, EMULATE_BF16)), do, dv, IEEE)
         dk = dot(tl.trans(operand_like(ds, q, EMULATE_BF16)), q, dk, IEEE)
@@ -150,16 +174,17 @@ def _dkdv_range(
 
 @triton.jit
 def attn_bwd_dkdv(
-    Q, K, V, DOut, Lse, Delta, DK, DV, Slopes, KvLens, CuQ, CuK,
+    Q, K, V, DOut, Lse, Delta, DK, DV, Slopes, KvLens, CuQ, CuK, Floats, Ints, Num, Idx,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, sl_b, sl_h,
     sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t, ss_b,
     heads_kv, group, seqlen_q, seqlen_k, left, right, scale, qk_scale, cap_in, cap_out,
-    seed, drop_offset, drop_threshold, drop_scale,
+    seed, drop_offset, drop_threshold, drop_scale, map_b, map_h, map_rows, map_cols,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     KV_LENS: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, SCORE_FN: tl.constexpr, MASK_FN: tl.constexpr,
+    SPARSE: tl.constexpr, MAP_M: tl.constexpr, MAP_N: tl.constexpr,
 ):  # fmt: skip
     """``DK``, ``DV`` (shaped like ``K``, ``V``) for key block ``program_id(0)`` of one kv head."""
     start_n, hk, b, q0, k0, tq, tk, kv_len = program_tile(
@@ -187,13 +212,20 @@ def attn_bwd_dkdv(
         do_base = DOut + b * sd_b + h * sd_h + q0.to(tl.int64) * sd_t
         row_base = b * sl_b + h * sl_h + q0
         drop = (b * 65536 + h, seed, drop_offset, drop_threshold, drop_scale)
+        mod = (Floats, Ints, Floats, b.to(tl.int32), h.to(tl.int32), tq, tk - tq, scale)
+        # (as the forward's: a block mask's partial query blocks, then its full ones)
         for phase in tl.static_range(2):  # the masked edges, then the unmasked interior
+            walk = (0, Idx)
+            if SPARSE:
+                walk = listed(Num, Idx, (map_b, map_h, map_rows, map_cols), phase, b, h,
+                              start_n // MAP_N)  # fmt: skip
             dk, dv = _dkdv_range(
                 dk, dv, k, v, q_base, do_base, sq_t, sd_t, Lse, Delta, row_base, i_lo, s1, s2,
                 i_hi,
                 offs_n, tq, tk - tq, kv_len, left, right, slope2, qk_scale, cap_in, cap_out,
-                q0, keys, drop, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT,
-                SOFTCAP, ALIBI, phase == 0, DROPOUT, IEEE, EMULATE_BF16,
+                q0, keys, drop, walk, mod, HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT,
+                HAS_RIGHT, SOFTCAP, ALIBI, phase == 0 or SPARSE, DROPOUT, IEEE, EMULATE_BF16,
+                SCORE_FN, MASK_FN if phase == 0 else None, SPARSE, MAP_M,
             )  # fmt: skip
     dk_rows = DK + b * sdk_b + hk * sdk_h + keys * sdk_t
     store_rows(dk_rows, dk * scale, n_ok, HEAD_D, BLOCK_D, EMULATE_BF16)
@@ -205,23 +237,28 @@ def attn_bwd_dkdv(
 @device_fn
 def _dq_range(
     dq, q, do, lse2, delta, k_base, v_base, stride_k, stride_v, lo, s1, s2, hi,
-    pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out, rows, k0, drop,
+    pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out, rows, k0, drop, walk, mod, kv_len,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
     DROPOUT: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    SCORE_FN: tl.constexpr, MASK_FN: tl.constexpr, CAPTURE_FN: tl.constexpr,
+    SPARSE: tl.constexpr, MAP_N: tl.constexpr,
 ):  # fmt: skip
     """Accumulate the query block's ``dq`` (unscaled) over the key blocks of one phase
-    (``rows``, ``k0``: the block's query rows and the sequence's first key row)."""
-    blocks, head = phase_count(lo, s1, s2, hi, BLOCK_N, MASKED)
+    (``rows``, ``k0``: the block's query rows and the sequence's first key row;
+    ``SPARSE``: the listed walk ``walk``, keys before ``kv_len``)."""
+    blocks, head = walk_count(lo, s1, s2, hi, walk, BLOCK_N, MASKED, SPARSE, MAP_N)
     for i in range(blocks):
-        offs_n, n_ok = phase_block(i, head, lo, s1, s2, hi, BLOCK_N, MASKED)
+        offs_n, n_ok = walk_block(i, head, lo, s1, s2, hi, walk, kv_len, BLOCK_N, MASKED, SPARSE,
+                                  MAP_N)  # fmt: skip
         keys = offs_n.to(tl.int64)
         k = load_rows(k_base + keys * stride_k, n_ok, HEAD_D, BLOCK_D, MASKED, EMULATE_BF16)
         v = load_rows(v_base + keys * stride_v, n_ok, HEAD_DV, BLOCK_DV, MASKED, EMULATE_BF16)
         keep = kept(rows, k0 + offs_n, drop) if DROPOUT else 0
         _, ds = _probs_and_dscores(
             q, k, v, do, lse2, delta, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
-            keep, drop[4], SOFTCAP, ALIBI, MASKED, DROPOUT, IEEE,
+            keep, drop[4], mod, SOFTCAP, ALIBI, MASKED, DROPOUT, IEEE, SCORE_FN, MASK_FN,
+            CAPTURE_FN,
         )  # fmt: skip
         dq = dot(operand_like(ds, k, EMULATE_BF16), k, dq, IEEE)
     return dq
@@ -229,16 +266,17 @@ def _dq_range(
 
 @triton.jit
 def attn_bwd_dq(
-    Q, K, V, DOut, Lse, Delta, DQ, Slopes, KvLens, CuQ, CuK,
+    Q, K, V, DOut, Lse, Delta, DQ, Slopes, KvLens, CuQ, CuK, Floats, Ints, Grads, Num, Idx,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, sl_b, sl_h,
     sdq_b, sdq_h, sdq_t, ss_b,
     heads, group, seqlen_q, seqlen_k, left, right, scale, qk_scale, cap_in, cap_out,
-    seed, drop_offset, drop_threshold, drop_scale,
+    seed, drop_offset, drop_threshold, drop_scale, map_b, map_h, map_rows, map_cols,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     KV_LENS: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, SCORE_FN: tl.constexpr, MASK_FN: tl.constexpr,
+    CAPTURE_FN: tl.constexpr, SPARSE: tl.constexpr, MAP_M: tl.constexpr, MAP_N: tl.constexpr,
 ):  # fmt: skip
     """``DQ`` (shaped like ``Q``) for query block ``program_id(0)`` of one head."""
     start_m, h, b, q0, k0, tq, tk, kv_len = program_tile(
@@ -262,12 +300,19 @@ def attn_bwd_dq(
     v_base = V + b * sv_b + hk * sv_h + k0.to(tl.int64) * sv_t
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     drop = (b * 65536 + h, seed, drop_offset, drop_threshold, drop_scale)
+    mod = (Floats, Ints, Grads, b.to(tl.int32), h, tq, tk - tq, scale)
+    # (as the forward's: a block mask's partial key blocks, then its full ones)
     for phase in tl.static_range(2):  # the masked edges, then the unmasked interior
+        walk = (0, Idx)
+        if SPARSE:
+            walk = listed(Num, Idx, (map_b, map_h, map_rows, map_cols), phase, b, h,
+                          start_m // MAP_M)  # fmt: skip
         dq = _dq_range(
             dq, q, do, lse2, delta, k_base, v_base, sk_t, sv_t, lo, s1, s2, hi,
-            pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out, rows, k0, drop,
-            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP, ALIBI, phase == 0, DROPOUT,
-            IEEE, EMULATE_BF16,
+            pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out, rows, k0, drop, walk, mod, kv_len,
+            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP, ALIBI, phase == 0 or SPARSE,
+            DROPOUT, IEEE, EMULATE_BF16, SCORE_FN, MASK_FN if phase == 0 else None, CAPTURE_FN,
+            SPARSE, MAP_N,
         )  # fmt: skip
     store_rows(DQ + b * sdq_b + h * sdq_h + rows * sdq_t, dq * scale, m_ok, HEAD_D, BLOCK_D,
                EMULATE_BF16)  # fmt: skip

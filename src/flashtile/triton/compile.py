@@ -39,8 +39,9 @@ KERNELS = {
 DTYPES = ("fp16", "bf16", "fp32")
 HEAD_DIMS = (64, 128, 256)
 _DATA = {"Q", "K", "V", "DOut", "DQ", "DK", "DV"}
-_FLOAT32 = {"Lse", "Delta", "Slopes", "PartOut", "PartLse"}
-_INT32 = {"KvLens", "CuQ", "CuK", "Table", "SeqLens"}
+_FLOAT32 = {"Lse", "Delta", "Slopes", "PartOut", "PartLse", "Floats", "Grads"}
+_INT32 = {"KvLens", "CuQ", "CuK", "Table", "SeqLens", "Num", "Idx"}
+_INT64_POINTERS = {"Ints"}
 _FLOATS = {"scale", "qk_scale", "cap_in", "cap_out", "drop_scale"}
 _INT64 = {"seed"}  # dropout's 64-bit seed
 _FLAGS = ("HAS_LEFT", "HAS_RIGHT", "SOFTCAP", "ALIBI", "KV_LENS", "VARLEN", "PAGED", "DROPOUT")
@@ -59,6 +60,8 @@ def _signature(fn, dtype: str, out_type: str) -> dict[str, str]:
             sig[name] = "*fp32"
         elif name in _INT32:
             sig[name] = "*i32"
+        elif name in _INT64_POINTERS:
+            sig[name] = "*i64"
         else:
             sig[name] = "fp32" if name in _FLOATS else "i64" if name in _INT64 else "i32"
     return sig
@@ -83,6 +86,8 @@ def _constants(fn, dtype: str, d: int, config: Config, all_variants: bool, block
         "BLOCK_M": block_m, "BLOCK_N": config.block_n, "BLOCK_R": config.block_m,
         "IEEE": dtype == "fp32", "EMULATE_BF16": False,
         **{flag: all_variants for flag in _FLAGS}, "HAS_RIGHT": True,
+        "SCORE_FN": None, "MASK_FN": None, "CAPTURE_FN": None, "SPARSE": False, "MAP_M": 1,
+        "MAP_N": 1,
     }  # fmt: skip
     return {p.name: values[p.name] for p in fn.params if p.is_constexpr}
 

@@ -89,8 +89,9 @@ def decode_split(
         acc, l_i, m_i = attend_range(
             acc, l_i, m_i, q, k_base, v_base, Table + b * st_b, sk_b, sk_t, sv_b, sv_t,
             page_size, start, s1, s2, end, pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
-            rows, 0, (0, 0, 0, 0, 1.0), HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP,
-            ALIBI, phase == 0, PAGED, False, IEEE, EMULATE_BF16,
+            rows, 0, (0, 0, 0, 0, 1.0), (0, Table), (0, 0, 0, 0, 0, 0, 0, 0.0), 0, HEAD_D,
+            HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP, ALIBI, phase == 0, PAGED, False, IEEE,
+            EMULATE_BF16, None, None, False, 1,
         )  # fmt: skip
     out, lse = finish_rows(acc, l_i, m_i)
     store_rows(Out + b * so_b + rows * so_r + split * so_s, out, r_ok, HEAD_DV, BLOCK_DV,

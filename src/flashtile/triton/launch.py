@@ -47,6 +47,7 @@ class Variants:
     dropout_p: float = 0.0
     seed: int = 0
     offset: int = 0
+    mods: ModArgs | None = None
 
     def dropout_args(self) -> tuple[int, int, int, float]:
         """``(seed, offset, threshold, scale)``: the kernels' dropout scalars
@@ -87,6 +88,58 @@ class Variants:
     def slope_batch_stride(self) -> int:
         return 0 if self.alibi is None or self.alibi.shape[0] == 1 else self.alibi.stride(0)
 
+    def mod_args(self, kernel: str, device) -> tuple[tuple, dict]:
+        """``(arguments, switches)`` of the mods for ``kernel`` ("attn_fwd",
+        "attn_bwd_dkdv" or "attn_bwd_dq"): the tables' buffers ``F``, ``I``
+        (and ``G``, the captured gradients', for the dq kernel) and the block
+        lists ``Num``, ``Idx``, then the lists' sizes; dummies and None where
+        there are none."""
+        mods = self.mods
+        grads = kernel == "attn_bwd_dq"
+        dummy_f = torch.zeros(1, dtype=torch.float32, device=device)
+        dummy_i = torch.zeros(1, dtype=torch.int32, device=device)
+        fns = None if mods is None else mods.fns
+        lists = (
+            None if mods is None else (mods.q_lists if kernel == "attn_bwd_dkdv" else mods.kv_lists)
+        )
+        tables = (dummy_f, dummy_i.long()) if fns is None else (fns.floats, fns.ints)
+        num, idx = (dummy_i, dummy_i) if lists is None else lists
+        dims = (1, 1, 1, 1) if lists is None else tuple(idx.shape[1:])
+        switches = {"SCORE_FN": None, "MASK_FN": None, "SPARSE": lists is not None,
+                    "MAP_M": 1 if mods is None else mods.block[0],
+                    "MAP_N": 1 if mods is None else mods.block[1]}  # fmt: skip
+        if fns is not None:
+            switches["SCORE_FN"] = fns.score if kernel == "attn_fwd" else fns.score_grad
+            switches["MASK_FN"] = fns.mask if lists is not None else None
+        if not grads:
+            return (*tables, num, idx, *dims), switches
+        want = mods is not None and mods.grads is not None
+        switches["CAPTURE_FN"] = fns.capture if want else None
+        return (*tables, mods.grads if want else dummy_f, num, idx, *dims), switches
+
+
+@dataclass(frozen=True)
+class ModArgs:
+    """A user's mods as the kernels take them (:mod:`.flex`): the compiled
+    functions and tables (:class:`~.mod_source.TritonMods`), a block mask's
+    lists (``kv_lists``: per query block, its partial then full key blocks;
+    ``q_lists``: per key block, its query blocks; each ``(Num, Idx)`` int32,
+    ``(2, Bm, Hm, rows)`` and ``(2, Bm, Hm, rows, cols)``), the map's
+    ``block`` ``(rows, cols)`` per block, and the captured tables' gradient
+    buffer (float32, laid out like ``fns.floats``) when the backward wants it."""
+
+    fns: object
+    kv_lists: tuple | None = None
+    q_lists: tuple | None = None
+    block: tuple[int, int] = (1, 1)
+    grads: torch.Tensor | None = None
+
+    def fits(self, config) -> bool:
+        """Whether a kernel's tiles lie inside the map's blocks."""
+        if self.kv_lists is None:
+            return True
+        return self.block[0] % config.block_m == 0 and self.block[1] % config.block_n == 0
+
 
 def _or(t, default):
     return default if t is None else t
@@ -105,12 +158,15 @@ def _blocks(q, v) -> dict[str, int]:
 
 
 def _tune_key(var: Variants, q, longest: int) -> tuple:
-    """Shape class for the tuner: dtype, head dims, switches, sequence length bucket."""
+    """Shape class for the tuner: dtype, head dims, switches, sequence length
+    bucket, and the mods (their functions and map blocks)."""
     flags = tuple(sorted(var.flags(q.dtype).items()))
-    return (q.dtype, q.shape[-1], flags, var.cu_q is not None, min(1 << longest.bit_length(), 8192))
+    mods = None if var.mods is None else (id(var.mods.fns.traced), var.mods.block)
+    bucket = min(1 << longest.bit_length(), 8192)
+    return (q.dtype, q.shape[-1], flags, var.cu_q is not None, bucket, mods)
 
 
-def _run(kernel, name, q, block_d, key, grid_of, args, consts):
+def _run(kernel, name, q, block_d, key, grid_of, args, consts, var: Variants):
     """Pick a configuration (tuning on first use on a GPU) and launch ``kernel``."""
 
     def launch(c):
@@ -119,7 +175,8 @@ def _run(kernel, name, q, block_d, key, grid_of, args, consts):
             num_warps=c.num_warps, num_stages=c.num_stages,
         )  # fmt: skip
 
-    launch(pick(name, q.element_size(), block_d, key, launch))
+    fits = None if var.mods is None else var.mods.fits
+    launch(pick(name, q.element_size(), block_d, key, launch, fits))
 
 
 def _strides(*tensors, dims=3):
@@ -135,16 +192,17 @@ def forward(q, k, v, var: Variants):
     if seqs * heads == 0 or max_q == 0:
         return out, lse
     blocks = _blocks(q, v)
+    mod_args, mod_consts = var.mod_args("attn_fwd", q.device)
     consts = {**blocks, **var.flags(q.dtype), "KV_LENS": var.kv_lengths is not None,
-              "VARLEN": var.cu_q is not None}  # fmt: skip
+              "VARLEN": var.cu_q is not None, **mod_consts}  # fmt: skip
     args = (
-        q, k, v, out, lse, *var.pointers(q.device), *_strides(q, k, v, out), *lse.stride()[:2],
-        var.slope_batch_stride(), heads, heads // k.shape[1], tq, k.shape[2], var.left, var.right,
-        *var.scalars()[1:], *var.dropout_args(),
+        q, k, v, out, lse, *var.pointers(q.device), *mod_args[:4], *_strides(q, k, v, out),
+        *lse.stride()[:2], var.slope_batch_stride(), heads, heads // k.shape[1], tq, k.shape[2],
+        var.left, var.right, *var.scalars(), *var.dropout_args(), *mod_args[4:],
     )  # fmt: skip
     key = _tune_key(var, q, max(max_q, max_k))
     grid = lambda c: (cdiv(max_q, c.block_m), seqs * heads)  # noqa: E731
-    _run(attn_fwd, "attn_fwd", q, blocks["BLOCK_D"], key, grid, args, consts)
+    _run(attn_fwd, "attn_fwd", q, blocks["BLOCK_D"], key, grid, args, consts, var)
     return out, lse
 
 
@@ -171,20 +229,26 @@ def backward(dout, q, k, v, out, lse, var: Variants):
     common = (*var.pointers(q.device),)
     sizes = (tq, k.shape[2], var.left, var.right, *var.scalars(), *var.dropout_args())
     key = _tune_key(var, q, max(max_q, max_k))
+    mod_args, mod_consts = var.mod_args("attn_bwd_dkdv", q.device)
     kv_args = (
-        q, k, v, dout, lse, delta, dk, dv, *common, *_strides(q, k, v, dout), *lse.stride()[:2],
-        *_strides(dk, dv), var.slope_batch_stride(), hk, heads // hk, *sizes,
+        q, k, v, dout, lse, delta, dk, dv, *common, *mod_args[:4], *_strides(q, k, v, dout),
+        *lse.stride()[:2], *_strides(dk, dv), var.slope_batch_stride(), hk, heads // hk, *sizes,
+        *mod_args[4:],
     )  # fmt: skip
     grid = lambda c: (cdiv(max_k, c.block_n), seqs * hk)  # noqa: E731
-    _run(attn_bwd_dkdv, "attn_bwd_dkdv", q, blocks["BLOCK_D"], key, grid, kv_args, consts)
+    _run(attn_bwd_dkdv, "attn_bwd_dkdv", q, blocks["BLOCK_D"], key, grid, kv_args,
+         {**consts, **mod_consts}, var)  # fmt: skip
     if max_q == 0:
         return dq, dk, dv
+    mod_args, mod_consts = var.mod_args("attn_bwd_dq", q.device)
     q_args = (
-        q, k, v, dout, lse, delta, dq, *common, *_strides(q, k, v, dout), *lse.stride()[:2],
-        *_strides(dq), var.slope_batch_stride(), heads, heads // hk, *sizes,
+        q, k, v, dout, lse, delta, dq, *common, *mod_args[:5], *_strides(q, k, v, dout),
+        *lse.stride()[:2], *_strides(dq), var.slope_batch_stride(), heads, heads // hk, *sizes,
+        *mod_args[5:],
     )  # fmt: skip
     grid = lambda c: (cdiv(max_q, c.block_m), seqs * heads)  # noqa: E731
-    _run(attn_bwd_dq, "attn_bwd_dq", q, blocks["BLOCK_D"], key, grid, q_args, consts)
+    _run(attn_bwd_dq, "attn_bwd_dq", q, blocks["BLOCK_D"], key, grid, q_args,
+         {**consts, **mod_consts}, var)  # fmt: skip
     return dq, dk, dv
 
 

@@ -269,45 +269,69 @@ def store_tile(ptrs, x, mask, EMULATE_BF16: tl.constexpr):
 
 
 @device_fn
+def mod_flag(Ints, bad, qi, kv, tq, lo, hi):
+    """Note in ``Ints[0]`` that a mod indexed a captured table out of range at
+    a valid element of the tile (rows below ``tq``, keys in ``[lo, hi)``);
+    padded rows and keys may reach past a table without it counting."""
+    valid = (qi < tq) & (kv >= lo[:, None]) & (kv < hi[:, None])
+    # (bad != 0: the interpreter can hold an or of 0-d and tile bools as int32)
+    tl.store(Ints + qi * 0 + kv * 0, 1, mask=(bad != 0) & valid)
+
+
+@device_fn
 def scores(
-    q,
-    k,
-    pos,
-    offs_n,
-    lo,
-    hi,
-    slope2,
-    qk_scale,
-    cap_in,
-    cap_out,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    MASKED: tl.constexpr,
-    IEEE: tl.constexpr,
-):
+    q, k, pos, offs_n, lo, hi, slope2, qk_scale, cap_in, cap_out, mod,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
+    SCORE_FN: tl.constexpr, MASK_FN: tl.constexpr, GRAD: tl.constexpr,
+):  # fmt: skip
     """Scores of a ``(BLOCK_M, d)`` query tile against a ``(BLOCK_N, d)`` key tile.
 
     In log2 units, with the variants in flashtile's order (softcap, then ALiBi,
     then the mask): ``s = scale * q.k``; ``s = softcap * tanh(s / softcap)``;
     ``s -= slope * |pos - j|``; ``-inf`` outside each row's ``[lo, hi)`` when
     ``MASKED``. ``cap_in = scale / softcap``, ``cap_out = softcap * log2(e)``,
-    ``slope2`` is the per-row slope times ``log2(e)``. Returns ``(s, t)`` where
-    ``t`` is the tanh (for the backward's ``1 - t^2``; ``t = s`` without softcap).
+    ``slope2`` is the per-row slope times ``log2(e)``.
+
+    A user's mods (:mod:`.mod_source`): ``SCORE_FN`` maps the natural-unit
+    score ``x = scale * q.k`` to ``y`` (``GRAD``: the backward's function,
+    which also gives ``dy/dx``), and where ``MASKED`` a key ``MASK_FN``
+    rejects is hidden too; ``mod = (F, I, G, b, h, tq, shift, scale)``: the
+    tables' buffers, the batch entry and query head, the query count and
+    ``pos - q_idx``. Returns ``(s, t, x)``: ``t`` is the tanh (for the
+    backward's ``1 - t^2``), or ``dy/dx`` with a ``GRAD`` score function,
+    else the unscaled product; ``x`` the score a mod was given.
     """
     s = dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], tl.float32), IEEE)
+    x = s
     if SOFTCAP:
         t = tanh(s * cap_in)
         s = t * cap_out
     else:
         t = s
         s = s * qk_scale
+    if SCORE_FN is not None or MASK_FN is not None:
+        floats, ints, b, h, tq = mod[0], mod[1], mod[3], mod[4], mod[5]
+        qi = (pos - mod[6])[:, None]
+        kv = offs_n[None, :]
+    if SCORE_FN is not None:
+        x = x * mod[7]
+        if GRAD:
+            y, t, bad = SCORE_FN(x, b, h, qi, kv, floats, ints)
+        else:
+            y, bad = SCORE_FN(x, b, h, qi, kv, floats, ints)
+        s = y * LOG2E
+        mod_flag(ints, bad, qi, kv, tq, lo, hi)
     if ALIBI:
         dist = tl.abs(pos[:, None] - offs_n[None, :]).to(tl.float32)
         s = s - slope2[:, None] * dist
     if MASKED:
         keep = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+        if MASK_FN is not None:
+            kept, bad = MASK_FN(b, h, qi, kv, floats, ints)
+            mod_flag(ints, bad, qi, kv, tq, lo, hi)
+            keep = keep & kept
         s = tl.where(keep, s, float("-inf"))
-    return s, t
+    return s, t, x
 
 
 @device_fn
@@ -385,26 +409,81 @@ def key_rows(offs_n, n_ok, table_row, stride_page, stride_t, page_size,
 
 
 @device_fn
+def listed(Num, Idx, dims, phase, b, h, row):
+    """``(count, pointer)`` of a block mask's list (:mod:`.flex`): the blocks
+    of row ``row`` of head ``h`` of batch entry ``b`` in ``phase`` (0:
+    partial blocks, 1: full ones). ``dims = (Bm, Hm, rows, cols)`` of the
+    lists ``Num (2, Bm, Hm, rows)`` and ``Idx (2, Bm, Hm, rows, cols)``
+    int32 (``Bm``/``Hm`` of 1 broadcast)."""
+    bm, hm, rows, cols = dims
+    at = ((phase * bm + b % bm) * hm + h % hm).to(tl.int64) * rows + row
+    return tl.load(Num + at), Idx + at * cols
+
+
+@device_fn
+def listed_block(i, walk, end, MAP: tl.constexpr, BLOCK: tl.constexpr):
+    """``(offs, ok)`` of tile ``i`` of a listed walk ``walk = (count, pointer)``
+    (:func:`listed`): each listed block of ``MAP`` rows is ``MAP // BLOCK``
+    tiles; ``ok``: the rows before ``end``."""
+    per = MAP // BLOCK
+    start = tl.load(walk[1] + i // per) * MAP + (i % per) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    return offs, offs < end
+
+
+@device_fn
+def walk_count(lo, s1, s2, hi, walk, BLOCK: tl.constexpr, MASKED: tl.constexpr,
+               SPARSE: tl.constexpr, MAP: tl.constexpr):  # fmt: skip
+    """``(tiles, head)`` of a phase: :func:`phase_count`'s, or with ``SPARSE``
+    the tiles of the listed walk ``walk``."""
+    if SPARSE:
+        blocks = walk[0] * (MAP // BLOCK)
+        head = blocks
+    else:
+        blocks, head = phase_count(lo, s1, s2, hi, BLOCK, MASKED)
+    return blocks, head
+
+
+@device_fn
+def walk_block(i, head, lo, s1, s2, hi, walk, end, BLOCK: tl.constexpr, MASKED: tl.constexpr,
+               SPARSE: tl.constexpr, MAP: tl.constexpr):  # fmt: skip
+    """``(offs, ok)`` of tile ``i`` of a phase (:func:`phase_block`, or with
+    ``SPARSE`` :func:`listed_block` with rows before ``end``)."""
+    if SPARSE:
+        offs, ok = listed_block(i, walk, end, MAP, BLOCK)
+    else:
+        offs, ok = phase_block(i, head, lo, s1, s2, hi, BLOCK, MASKED)
+    return offs, ok
+
+
+@device_fn
 def attend_range(
     acc, l_i, m_i, q, k_base, v_base, table_row, sk_page, sk_t, sv_page, sv_t, page_size,
     lo, s1, s2, hi, pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out, rows, k0, drop,
+    walk, mod, kv_len,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
     PAGED: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    SCORE_FN: tl.constexpr, MASK_FN: tl.constexpr, SPARSE: tl.constexpr, MAP_N: tl.constexpr,
 ):  # fmt: skip
     """Fold the key blocks of one phase (see :func:`phase_count`) into the running state
     ``(acc, l_i, m_i)`` of the query tile ``q``: the loop of the forward and of the
     decoding kernel (contiguous keys, or a paged cache with ``PAGED``). With
     ``DROPOUT``, ``rows`` are the tile's query rows and ``k0`` the first key's
-    row in the arrays, ``drop`` the generator's arguments (:func:`kept`)."""
-    blocks, head = phase_count(lo, s1, s2, hi, BLOCK_N, MASKED)
+    row in the arrays, ``drop`` the generator's arguments (:func:`kept`).
+    With ``SPARSE`` the phase is the listed walk ``walk`` of a block mask
+    (keys before ``kv_len``); ``mod``, ``SCORE_FN``, ``MASK_FN``: a user's
+    mods (:func:`scores`)."""
+    blocks, head = walk_count(lo, s1, s2, hi, walk, BLOCK_N, MASKED, SPARSE, MAP_N)
     for i in range(blocks):
-        offs_n, n_ok = phase_block(i, head, lo, s1, s2, hi, BLOCK_N, MASKED)
+        offs_n, n_ok = walk_block(
+            i, head, lo, s1, s2, hi, walk, kv_len, BLOCK_N, MASKED, SPARSE, MAP_N
+        )
         k_rows = key_rows(offs_n, n_ok, table_row, sk_page, sk_t, page_size, MASKED, PAGED)
         k = load_rows(k_base + k_rows, n_ok, HEAD_D, BLOCK_D, MASKED, EMULATE_BF16)
-        s, _ = scores(
-            q, k, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
-            SOFTCAP, ALIBI, MASKED, IEEE,
+        s, _, _ = scores(
+            q, k, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out, mod,
+            SOFTCAP, ALIBI, MASKED, IEEE, SCORE_FN, MASK_FN, False,
         )  # fmt: skip
         v_rows = key_rows(offs_n, n_ok, table_row, sv_page, sv_t, page_size, MASKED, PAGED)
         v = load_rows(v_base + v_rows, n_ok, HEAD_DV, BLOCK_DV, MASKED, EMULATE_BF16)

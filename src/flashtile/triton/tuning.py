@@ -21,11 +21,25 @@ from .tiles import INTERPRET as INTERPRETING
 _CHOSEN: dict[Hashable, Config] = {}
 
 
-def pick(kernel: str, element_bytes: int, block_d: int, key: Hashable, launch: Callable) -> Config:
-    """The configuration to launch ``kernel`` with; ``launch(config)`` runs it once."""
+def pick(
+    kernel: str, element_bytes: int, block_d: int, key: Hashable, launch: Callable, fits=None
+) -> Config:
+    """The configuration to launch ``kernel`` with; ``launch(config)`` runs it once.
+    ``fits(config)``: whether the call can use a configuration (a block
+    mask's blocks must hold whole tiles); ValueError when none can."""
+    options = [INTERPRET[kernel]] if INTERPRETING else candidates(kernel, element_bytes, block_d)
+    if fits is not None:
+        usable = [c for c in options if fits(c)]
+        if not usable:
+            tiles = sorted({(c.block_m, c.block_n) for c in options})
+            need = max(max(t) for t in tiles)
+            raise ValueError(
+                f"the block mask's blocks do not hold whole tiles of {kernel} (query x key "
+                f"tiles {tiles}): build it with BLOCK_SIZE a multiple of {need}"
+            )
+        options = usable
     if INTERPRETING:
-        return INTERPRET[kernel]
-    options = candidates(kernel, element_bytes, block_d)
+        return options[0]
     full_key = (kernel, element_bytes, block_d, key)
     if len(options) == 1 or os.environ.get("FLASHTILE_TRITON_TUNE", "1") == "0":
         return options[0]
