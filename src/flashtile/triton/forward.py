@@ -17,9 +17,10 @@ are ``(1, H, total, d)`` and each sequence aligns bottom-right on its own),
 ``DROPOUT`` (:func:`~flashtile.triton.tiles.kept`: the CPU kernels' mask),
 and a user's mods (:mod:`.flex`): ``SCORE_FN``/``MASK_FN`` (Triton functions
 from :mod:`.mod_source`, reading the captured tables ``Floats``/``Ints``) and
-``SPARSE``: the key blocks of a block mask's lists (``Num``/``Idx`` with
-``map_b``, ``map_h``, ``map_rows``, ``map_cols``; blocks of ``MAP_M x MAP_N``; partial blocks first, with
-``MASK_FN``, then full ones) instead of the band's phases.
+``SPARSE``: the key blocks of a block mask's lists (``Num``/``Idx``, sized
+``map_b``, ``map_h``, ``map_rows``, ``map_cols``; blocks of ``MAP_M x
+MAP_N``; partial blocks first, with ``MASK_FN``, then full ones) instead of
+the band's phases.
 GQA/MQA: query head ``h`` reads kv head ``h // group``; K/V are never copied.
 The key loop is :func:`~flashtile.triton.tiles.attend_range`, which the
 decoding kernel runs too (there over a paged or contiguous cache).
