@@ -26,7 +26,9 @@ captured float tensor that requires grad: the gradients are summed in a
 fixed order, deterministic run to run). A ``BlockMask`` made by PyTorch's
 own ``create_block_mask`` is accepted as it is.
 
-CPU tensors of float32, float64, bfloat16 or float16, ``(B, H, T, d)``.
+CPU tensors of float32, float64, bfloat16 or float16, ``(B, H, T, d)``;
+CUDA tensors (float32, bfloat16, float16) run the same mods in flashtile's
+Triton kernels (:mod:`flashtile.triton.flex`).
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ from torch.nn.attention.flex_attention import BlockMask, and_masks, noop_mask, o
 
 from ..cpu.launch import run_backward
 from ..frontdoor import check_call, run_call
-from ..masks import TILE_FULL, TILE_PARTIAL
 from ..planning import plan_backward
 from .arrays import as_numpy, as_tensor
+from .block_masks import block_mask_of_states, block_states, mask_mod_of
 from .flex_trace import compile_mods, trace_mods
 
 __all__ = ["BlockMask", "and_masks", "create_block_mask", "flex_attention", "noop_mask", "or_masks"]
@@ -57,10 +59,11 @@ def create_block_mask(
     never ``Q_LEN x KV_LEN``. ``B``/``H`` of None broadcast (the mod is
     evaluated at ``b``/``h`` = 0). Returns PyTorch's ``BlockMask`` (empty
     tiles left out, full tiles listed apart from partial ones), which
-    :func:`flex_attention` and PyTorch's own ``flex_attention`` both take.
+    :func:`flex_attention` and PyTorch's own ``flex_attention`` both take,
+    on ``device`` (it is computed on the CPU; ``mask_mod`` must not capture
+    tensors on another device).
     """
-    if torch.device(device).type != "cpu":
-        raise ValueError(f"flashtile's create_block_mask runs on the CPU, got device={device!r}")
+    device = torch.device(device)
     sizes = {"Q_LEN": Q_LEN, "KV_LEN": KV_LEN, "B": 1 if B is None else B}
     sizes["H"] = 1 if H is None else H
     for name, value in sizes.items():
@@ -73,63 +76,8 @@ def create_block_mask(
 
     mods = compile_mods(trace_mods(None, mask_mod))
     states = mask_block_states(mods, sizes["B"], sizes["H"], Q_LEN, KV_LEN, block)
-    return _block_mask(states, block, mask_mod, (Q_LEN, KV_LEN))
-
-
-def block_lists(states: np.ndarray, state: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(counts (..., rows), indices (..., rows, cols))`` int32: per row of
-    the tile states ``(..., rows, cols)``, how many tiles are in ``state``
-    and which, in order (the rest of each row after them)."""
-    hits = states == state
-    counts = hits.sum(axis=-1).astype(np.int32)
-    order = np.argsort(~hits, axis=-1, kind="stable").astype(np.int32)
-    return torch.from_numpy(counts), torch.from_numpy(order)
-
-
-def _block_mask(states: np.ndarray, block, mask_mod, seq_lengths) -> BlockMask:
-    """PyTorch's BlockMask of ``(B, H, nQ, nK)`` tile states: per query tile,
-    the partial key tiles and the full ones, in key order."""
-    partial, full = block_lists(states, TILE_PARTIAL), block_lists(states, TILE_FULL)
-    return BlockMask.from_kv_blocks(
-        *partial, *full, BLOCK_SIZE=tuple(block), mask_mod=mask_mod, seq_lengths=seq_lengths
-    )
-
-
-def block_states(block_mask: BlockMask) -> np.ndarray:
-    """``(B, H, nQ, nK)`` int8 tile states of a PyTorch BlockMask."""
-    kv_num = block_mask.kv_num_blocks.cpu().numpy()
-    kv_idx = block_mask.kv_indices.cpu().numpy()
-    q_len, kv_len = block_mask.seq_lengths
-    bq, bk = block_mask.BLOCK_SIZE
-    nq, nk = -(-q_len // bq), -(-kv_len // bk)
-    states = np.zeros(kv_num.shape[:2] + (nq, nk), dtype=np.int8)
-    pairs = [(kv_num, kv_idx, TILE_PARTIAL)]
-    if block_mask.full_kv_num_blocks is not None:
-        full = block_mask.full_kv_num_blocks.cpu().numpy(), block_mask.full_kv_indices.cpu().numpy()
-        pairs.append((*full, TILE_FULL))
-    for num, idx, state in pairs:
-        b, h, qb, j = np.nonzero(np.arange(idx.shape[-1]) < num[..., None])
-        keep = (qb < nq) & (idx[b, h, qb, j] < nk)
-        states[b[keep], h[keep], qb[keep], idx[b, h, qb, j][keep]] = state
-    return states
-
-
-def mask_mod_of(block_mask, tq: int, tk: int):
-    """The ``mask_mod`` of a call's ``block_mask`` (None without one),
-    checked to be a BlockMask for the call's lengths."""
-    if block_mask is None:
-        return None
-    if not isinstance(block_mask, BlockMask):
-        raise TypeError(
-            f"block_mask must be a BlockMask (from create_block_mask), got "
-            f"{type(block_mask).__name__}"
-        )
-    if tuple(block_mask.seq_lengths) != (tq, tk):
-        raise ValueError(
-            f"block_mask was built for (Q_LEN, KV_LEN) = {tuple(block_mask.seq_lengths)}, "
-            f"the call has ({tq}, {tk}): build it for the call's lengths"
-        )
-    return block_mask.mask_mod or noop_mask
+    mask = block_mask_of_states(states, block, mask_mod, (Q_LEN, KV_LEN))
+    return mask if device.type == "cpu" else mask.to(device)
 
 
 def _call_mods(score_mod, block_mask, tq: int, tk: int):
@@ -202,7 +150,8 @@ def flex_attention(
     query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
     return_lse=False, kernel_options=None, *, return_aux=None,
 ):  # fmt: skip
-    """FlexAttention on flashtile's CPU kernels: same arguments and results.
+    """FlexAttention on flashtile's CPU kernels (CUDA tensors: its Triton
+    kernels, :mod:`flashtile.triton.flex`): same arguments and results.
 
     Args:
         query: ``(B, Hq, L, E)``; key: ``(B, Hkv, S, E)``; value: ``(B, Hkv, S, Ev)``.
@@ -225,9 +174,18 @@ def flex_attention(
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor (B, H, T, E), got {_describe(t)}")
+    if query.device.type == "cuda":  # the same mods in the Triton kernels
+        from ..triton.flex import flex_attention as on_gpu
+
+        return on_gpu(
+            query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+            kernel_options, return_aux=return_aux,
+        )  # fmt: skip
+    for name, t in (("query", query), ("key", key), ("value", value)):
         if t.device.type != "cpu":
             raise ValueError(
-                f"flashtile's flex_attention runs on CPU tensors, {name} is on {t.device}"
+                f"flashtile's flex_attention runs on CPU tensors (and CUDA ones, with the "
+                f"Triton kernels), {name} is on {t.device}"
             )
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(

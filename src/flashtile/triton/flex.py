@@ -23,7 +23,7 @@ import torch
 
 from flashtile._validate import check_sdpa_layout, resolve_scale
 from flashtile.masks import TILE_FULL, TILE_PARTIAL
-from flashtile.torch.flex import block_lists, block_states, mask_mod_of
+from flashtile.torch.block_masks import block_lists, block_states, mask_mod_of
 
 from . import checks, launch
 from .mod_source import triton_mods
