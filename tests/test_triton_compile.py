@@ -3,7 +3,8 @@
 ``flashtile.triton.compile_report`` runs Triton's whole pipeline, down to a
 cubin with the ptxas in Triton's wheel. Each compile takes seconds, so the
 suite compiles each kernel's worst case per architecture and dtype (every
-variant on, head dim 200 padded to 256, the largest tiles); the complete
+variant on, head dim 200 padded to 256, the largest tiles; and a user's mods
+with a block mask); the complete
 report (about 200 compiles) is ``flashtile gpu compile``.
 """
 
@@ -21,7 +22,7 @@ pytest.importorskip("triton")
 
 import flashtile.triton as ft
 from flashtile.triton.cli import add_parser
-from flashtile.triton.compile import KERNELS, SHARED_LIMIT, summary
+from flashtile.triton.compile import KERNELS, MOD_KERNELS, SHARED_LIMIT, summary
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90_within_shared_memory():
@@ -29,11 +30,16 @@ def test_every_kernel_compiles_for_sm80_and_sm90_within_shared_memory():
     # float32's (smaller, IEEE products) are in the complete report.
     jobs = min(2, os.cpu_count() or 1)
     rows = ft.compile_report((80, 90), dtypes=("bf16",), worst_only=True, jobs=jobs)
-    assert len(rows) == 2 * len(KERNELS)
+    assert len(rows) == 2 * (len(KERNELS) + len(MOD_KERNELS))
     assert all(r["ok"] for r in rows), summary(rows)
     for r in rows:
         assert 0 <= r["shared_bytes"] <= SHARED_LIMIT[r["arch"]]
-        assert r["variants"] == "all" and r["head_dim"] == 200
+        assert r["head_dim"] == 200
+    # every kernel with every variant on, and those that take mods with a
+    # learned bias and a document mask (a block mask's walk)
+    assert sorted((r["kernel"], r["variants"]) for r in rows if r["arch"] == 90) == sorted(
+        [(k, "all") for k in KERNELS] + [(k, "mods") for k in MOD_KERNELS]
+    )
 
 
 def test_a_kernel_over_the_shared_memory_limit_is_reported_not_ok():

@@ -15,6 +15,7 @@ child process without it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -23,7 +24,7 @@ import sys
 import time
 
 from . import backward, decode, forward
-from .configs import Config, candidates, head_block
+from .configs import NOT_WITH_MODS, Config, candidates, head_block
 from .tiles import INTERPRET
 
 #: Shared memory one block may use (opt-in maximum), bytes.
@@ -79,15 +80,54 @@ def _aligned(fn) -> dict:
     }
 
 
-def _constants(fn, dtype: str, d: int, config: Config, all_variants: bool, block_m: int):
-    """The compile-time arguments ``fn`` takes, for one configuration."""
+#: The kernels that take a user's mods (:mod:`.flex`).
+MOD_KERNELS = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
+
+
+@functools.cache
+def sample_mods():
+    """The Triton functions of a typical pair of mods: a learned relative
+    bias (a float table that takes a gradient) and a causal document mask
+    (an integer table), as :mod:`.mod_source` writes them."""
+    import torch
+
+    from .mod_source import triton_mods
+
+    bias = torch.zeros(4, 255, requires_grad=True)
+    docs = torch.zeros(128, dtype=torch.int64)
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx - kv_idx + 127]
+
+    def document(b, h, q_idx, kv_idx):
+        return (docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx)
+
+    return triton_mods(rel_bias, document, torch.device("cpu"))
+
+
+def _mod_constants(kernel: str) -> dict:
+    """The mods' switches of :func:`sample_mods` for ``kernel``: a block
+    mask's walk of 128 x 128 blocks."""
+    fns = sample_mods()
+    return {
+        "SCORE_FN": fns.score if kernel == "attn_fwd" else fns.score_grad,
+        "MASK_FN": fns.mask, "CAPTURE_FN": fns.capture, "SPARSE": True, "MAP_M": 128,
+        "MAP_N": 128, "HAS_RIGHT": False,
+    }  # fmt: skip
+
+
+def _constants(fn, dtype: str, d: int, config: Config, all_variants, block_m: int):
+    """The compile-time arguments ``fn`` takes, for one configuration
+    (``all_variants``: False, True, or "mods": :func:`sample_mods`)."""
+    mods = all_variants == "mods"
+    all_variants = all_variants is True
     values = {
         "HEAD_D": d, "HEAD_DV": d, "BLOCK_D": head_block(d), "BLOCK_DV": head_block(d),
         "BLOCK_M": block_m, "BLOCK_N": config.block_n, "BLOCK_R": config.block_m,
         "IEEE": dtype == "fp32", "EMULATE_BF16": False,
         **{flag: all_variants for flag in _FLAGS}, "HAS_RIGHT": True,
         "SCORE_FN": None, "MASK_FN": None, "CAPTURE_FN": None, "SPARSE": False, "MAP_M": 1,
-        "MAP_N": 1,
+        "MAP_N": 1, **(_mod_constants(fn.__name__) if mods else {}),
     }  # fmt: skip
     return {p.name: values[p.name] for p in fn.params if p.is_constexpr}
 
@@ -108,8 +148,9 @@ def _compile_one(kernel: str, arch: int, dtype: str, d: int, config: Config, all
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages,
                "enable_fp_fusion": True}  # fmt: skip
     label = f"d={d} {config.label()}" + (f" rows={block_m}" if kernel == "decode_split" else "")
+    variants = "mods" if all_variants == "mods" else "all" if all_variants else "causal"
     row = {"kernel": kernel, "arch": arch, "dtype": dtype, "head_dim": d,
-           "config": label, "variants": "all" if all_variants else "causal"}  # fmt: skip
+           "config": label, "variants": variants}  # fmt: skip
     start = time.perf_counter()
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
@@ -124,6 +165,11 @@ def _compile_one(kernel: str, arch: int, dtype: str, d: int, config: Config, all
     return row
 
 
+def _with_mods(kernel: str, options: list[Config]) -> list[Config]:
+    """The configurations ``kernel`` may launch with for a call with mods."""
+    return [c for c in options if (kernel, c) not in NOT_WITH_MODS]
+
+
 def _worst_jobs(archs, dtypes, head_dims, kernels):
     """One compile per kernel, arch and dtype: every variant on, the largest head-dim
     bucket with a head dim that needs padding, the largest tiles, 64 decoding rows."""
@@ -136,6 +182,10 @@ def _worst_jobs(archs, dtypes, head_dims, kernels):
                 config = max(options, key=lambda c: (c.block_m * c.block_n * c.num_stages, c))
                 rows = 64 if kernel == "decode_split" else None
                 jobs.append((kernel, arch, dtype, block_d * 3 // 4 + 8, config, True, rows))
+                if kernel in MOD_KERNELS:
+                    options = _with_mods(kernel, options)
+                    config = max(options, key=lambda c: (c.block_m * c.block_n * c.num_stages, c))
+                    jobs.append((kernel, arch, dtype, block_d * 3 // 4 + 8, config, "mods", None))
     return jobs
 
 
@@ -153,6 +203,9 @@ def _jobs(archs, dtypes, head_dims, kernels):
             # Every switch on, a padded head dim (80 -> 128): the variants' code paths.
             config = candidates(kernel, 2, 128)[0]
             jobs.append((kernel, arch, "bf16", 80, config, True, None))
+            if kernel in MOD_KERNELS:  # and a user's mods with a block mask
+                config = _with_mods(kernel, candidates(kernel, 2, 128))[0]
+                jobs.append((kernel, arch, "bf16", 80, config, "mods", None))
     return jobs
 
 
@@ -178,13 +231,15 @@ def compile_report(
             one core for 2-30 s; the full report is about 200 compiles).
         worst_only: compile only each kernel's worst case per arch and dtype:
             every variant on, the largest head-dim bucket (with a head dim that
-            needs padding), the configuration with the largest tiles.
+            needs padding), the configuration with the largest tiles; and for
+            the kernels that take mods, the same with :func:`sample_mods` and
+            a block mask instead of the variants.
         limits: ``{arch: bytes}`` of shared memory per block, overriding
             :data:`SHARED_LIMIT` (other archs: sm_80's limit).
 
     Returns:
-        dicts with ``kernel, arch, dtype, head_dim, config, variants,
-        shared_bytes, ok, error, seconds``. ``ok`` is False when the compile
+        dicts with ``kernel, arch, dtype, head_dim, config, variants`` ("causal",
+        "all" or "mods"), ``shared_bytes, ok, error, seconds``. ``ok`` is False when the compile
         failed (``error`` says why) or the kernel needs more shared memory
         per block than the architecture has (sm_80: 163 KiB, sm_90: 227 KiB).
     """

@@ -85,6 +85,12 @@ INTERPRET: dict[str, Config] = {
     "decode_merge": C(16, 0, 4, 1),
 }
 
+#: Configurations a call with a user's mods does not launch: the mods' index
+#: tiles take layout conversions through shared memory, and with them the
+#: forward's largest head-dim-256 tiles need 178 KiB, past sm_80's 163 KiB
+#: (the compile report's "mods" rows).
+NOT_WITH_MODS = {("attn_fwd", C(128, 64, 8, 2))}
+
 #: Rows of one decoding tile at most (query heads per kv head x queries per sequence).
 DECODE_MAX_ROWS = 64
 

@@ -16,7 +16,7 @@ import torch
 from ..dropout import keep_threshold
 from ..units import LOG2E
 from .backward import attn_bwd_delta, attn_bwd_dkdv, attn_bwd_dq
-from .configs import DECODE_MAX_ROWS, head_block
+from .configs import DECODE_MAX_ROWS, NOT_WITH_MODS, head_block
 from .decode import decode_merge, decode_split
 from .forward import attn_fwd
 from .tiles import INTERPRET
@@ -134,8 +134,12 @@ class ModArgs:
     block: tuple[int, int] = (1, 1)
     grads: torch.Tensor | None = None
 
-    def fits(self, config) -> bool:
-        """Whether a kernel's tiles lie inside the map's blocks."""
+    def fits(self, kernel: str, config) -> bool:
+        """Whether ``kernel`` may launch with ``config`` for these mods: not
+        one of :data:`.configs.NOT_WITH_MODS`, and tiles that lie inside
+        the map's blocks."""
+        if (kernel, config) in NOT_WITH_MODS:
+            return False
         if self.kv_lists is None:
             return True
         return self.block[0] % config.block_m == 0 and self.block[1] % config.block_n == 0

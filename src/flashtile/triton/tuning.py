@@ -25,11 +25,11 @@ def pick(
     kernel: str, element_bytes: int, block_d: int, key: Hashable, launch: Callable, fits=None
 ) -> Config:
     """The configuration to launch ``kernel`` with; ``launch(config)`` runs it once.
-    ``fits(config)``: whether the call can use a configuration (a block
-    mask's blocks must hold whole tiles); ValueError when none can."""
+    ``fits(kernel, config)``: whether the call can use a configuration (a
+    block mask's blocks must hold whole tiles); ValueError when none can."""
     options = [INTERPRET[kernel]] if INTERPRETING else candidates(kernel, element_bytes, block_d)
     if fits is not None:
-        usable = [c for c in options if fits(c)]
+        usable = [c for c in options if fits(kernel, c)]
         if not usable:
             tiles = sorted({(c.block_m, c.block_n) for c in options})
             need = max(max(t) for t in tiles)
