@@ -339,6 +339,10 @@ class Translator:
     def where(self, cond: str, a: str, b: str) -> str:
         return f"({a} if {cond} else {b})"
 
+    def either(self, a: str, b: str) -> str:
+        """``a or b`` of bools, without a branch."""
+        return f"({a} | {b})"
+
     def power(self, a: Expr, b: Expr) -> str:
         if a.kind == "f" or b.kind == "f":
             # (Numba's float ** int raises on 0 ** -n, numpy error model or not)
@@ -425,7 +429,7 @@ class Translator:
             self.lines += [
                 f"{t} = {text}",
                 f"{t} = {self.where(f'{t} < 0', f'{t} + {size}', t)}",
-                f"bad = bad | ({t} < 0) | ({t} >= {size})",
+                f"bad = {self.either('bad', self.either(f'{t} < 0', f'{t} >= {size}'))}",
                 f"{t} = {self.BINARY['minimum'].format(low, size - 1)}",
                 f"{offset} += {t} * {strides[dim]}",
             ]

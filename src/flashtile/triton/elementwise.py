@@ -4,7 +4,8 @@ round toward zero in Triton, toward minus infinity in torch), and functions
 Triton lacks or whose libdevice form does not run in the interpreter.
 
 Each takes and returns tiles (or 0-d tensors) of one kind; float ones are
-float32.
+float32. Conditions combine by nested ``tl.where``, not ``&``: Triton's
+interpreter mishandles bool operators between a tile and a 0-d tensor.
 """
 
 import triton.language as tl
@@ -23,21 +24,21 @@ def rint(x):
     """Round half to even (float), as ``torch.round``."""
     r = tl.floor(x + 0.5)
     odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-    return tl.where(((r - x) == 0.5) & odd, r - 1.0, r)
+    return tl.where((r - x) == 0.5, tl.where(odd, r - 1.0, r), r)
 
 
 @device_fn
 def int_floordiv(a, b):
     """``a // b`` of integers, rounded toward minus infinity (Python's, torch's)."""
     q = a // b
-    return tl.where(((a % b) != 0) & ((a < 0) != (b < 0)), q - 1, q)
+    return tl.where((a % b) != 0, tl.where((a < 0) != (b < 0), q - 1, q), q)
 
 
 @device_fn
 def int_remainder(a, b):
     """``a % b`` of integers with the divisor's sign (Python's, torch's)."""
     r = a % b
-    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+    return tl.where(r != 0, tl.where((r < 0) != (b < 0), r + b, r), r)
 
 
 @device_fn
@@ -53,8 +54,8 @@ def power(a, b):
     non-integer power, and ``0 ** b`` as 0, 1 or inf."""
     mag = tl.exp2(b * tl.log2(tl.abs(a)))
     whole = tl.floor(b) == b
-    odd = whole & ((b - 2.0 * tl.floor(b * 0.5)) != 0.0)
-    out = tl.where((a < 0) & odd, -mag, mag)
-    out = tl.where((a < 0) & ~whole, float("nan"), out)
+    odd = (b - 2.0 * tl.floor(b * 0.5)) != 0.0
+    negative = tl.where(whole, tl.where(odd, -mag, mag), float("nan"))
+    out = tl.where(a < 0, negative, mag)
     zero = tl.where(b > 0, 0.0, tl.where(b == 0, 1.0, float("inf")))
     return tl.where(a == 0, zero, tl.where(b == 0, 1.0, out))

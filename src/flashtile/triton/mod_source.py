@@ -73,8 +73,9 @@ _BINARY = {
     "ge": "({0} >= {1})",
     "maximum": "tl.maximum({0}, {1})",
     "minimum": "tl.minimum({0}, {1})",
-    "logical_and": "(({0} != 0) & ({1} != 0))",
-    "logical_or": "(({0} != 0) | ({1} != 0))",
+    # (by tl.where: the interpreter mishandles & and | between a tile and a 0-d tensor)
+    "logical_and": "tl.where({0} != 0, {1} != 0, False)",
+    "logical_or": "tl.where({0} != 0, True, {1} != 0)",
     "logical_xor": "(({0} != 0) != ({1} != 0))",
     # (kind-dependent: written by TritonTranslator.binary)
     "floor_divide": None,
@@ -134,6 +135,9 @@ class TritonTranslator(Translator):
 
     def where(self, cond: str, a: str, b: str) -> str:
         return f"tl.where({cond}, {a}, {b})"
+
+    def either(self, a: str, b: str) -> str:
+        return f"tl.where({a}, True, {b})"
 
     def power(self, a: Expr, b: Expr) -> str:
         if a.kind == "f" or b.kind == "f":

@@ -1,0 +1,150 @@
+"""FlexAttention's mods in the Triton kernels (flashtile.triton.flex).
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors (tiny
+shapes); the same mods, forward and gradients (also of captured tables),
+against the dense float64 oracle of the CPU tests (tests/flex_oracle.py) by
+its accuracy rule. Lengths no tile divides, Tq != Tk, GQA, a block mask's
+lists (per head, broadcast), the band walk without one.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+# First: sets the device, skips this module without torch or triton.
+from triton_device import DEVICE, torch
+
+# isort: split
+from flashtile.torch.flex import create_block_mask
+from flashtile.triton.flex import flex_attention
+from flex_oracle import _check, dense_flex, rel
+
+B, HQ, HKV, D = 1, 4, 2, 16
+T = 70
+GEN = torch.Generator().manual_seed(11)
+BIAS = torch.randn(HQ, 2 * T - 1, generator=GEN).requires_grad_()
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625]).requires_grad_()
+DOCS = torch.tensor([0] * 23 + [1] * 30 + [2] * 17)
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def document(b, h, q_idx, kv_idx):
+    return (DOCS[q_idx] == DOCS[kv_idx]) & (q_idx >= kv_idx)
+
+
+def dilated_prefix(b, h, q_idx, kv_idx):
+    return (kv_idx < 9) | ((q_idx >= kv_idx) & ((q_idx - kv_idx) % 3 == 0))
+
+
+def rel_bias(score, b, h, q_idx, kv_idx):
+    return score + BIAS[h, q_idx - kv_idx + T - 1]
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score - SLOPES[h] * (q_idx - kv_idx).abs()
+
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return 3.0 * torch.tanh(score / 3.0)
+
+
+CASES = [  # (name, score_mod, mask_mod, Tq, tables that take a gradient)
+    ("relative bias, causal", rel_bias, causal, T, [BIAS]),
+    ("ALiBi, documents", alibi, document, T, [SLOPES]),
+    ("softcap, no block mask", softcap, None, 45, []),
+    ("dilated prefix, Tq < Tk", None, dilated_prefix, 40, []),
+]
+
+
+def _qkv(tq, tk=T, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(
+        torch.randn(B, h, t, D, generator=g).to(DEVICE).requires_grad_()
+        for h, t in ((HQ, tq), (HKV, tk), (HKV, tk))
+    )
+
+
+@pytest.mark.parametrize(("name", "score_mod", "mask_mod", "tq", "tables"), CASES,
+                         ids=[c[0] for c in CASES])  # fmt: skip
+def test_mods_forward_and_gradients(name, score_mod, mask_mod, tq, tables):
+    q, k, v = _qkv(tq)
+    block = None
+    if mask_mod is not None:
+        block = create_block_mask(mask_mod, None, None, tq, T, device=DEVICE, BLOCK_SIZE=32)
+    out, lse = flex_attention(
+        q, k, v, score_mod=score_mod, block_mask=block, enable_gqa=True, return_lse=True
+    )
+    cpu = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = dense_flex(*(t.double() for t in cpu), score_mod, mask_mod)
+    base, base_lse = dense_flex(*cpu, score_mod, mask_mod)
+    _check(out.cpu(), base, ref, f"{name} out")
+    finite = torch.isfinite(ref_lse)
+    _check(lse.cpu()[finite], base_lse[finite], ref_lse[finite], f"{name} lse")
+    assert torch.equal(torch.isneginf(lse.cpu()), ~finite)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    got = torch.autograd.grad(out, (q, k, v, *tables), dout.to(DEVICE))
+    want = torch.autograd.grad(ref, (*cpu, *tables), dout.double(), allow_unused=True)
+    plain = torch.autograd.grad(base, (*cpu, *tables), dout, allow_unused=True)
+    for g, w, p, what in zip(got, want, plain, ("dq", "dk", "dv", "dtable"), strict=False):
+        _check(g.cpu(), p, w, f"{name} {what}", scale=float(dout.norm()))
+
+
+def test_translated_operations_on_tiles():
+    """The Triton dialect's spelling of torch's semantics (integer division
+    and remainder toward minus infinity, C's fmod, round half to even, float
+    powers of negative bases), one mod whose every term moves the scores."""
+    terms = [
+        lambda s, qi, kv: ((qi - kv) // 3) * 0.1,
+        lambda s, qi, kv: torch.remainder(qi - kv, 5) * 0.1,
+        lambda s, qi, kv: torch.fmod(qi - kv, 5) * 0.1,
+        lambda s, qi, kv: torch.div(qi - kv, 4, rounding_mode="trunc") * 0.1,
+        lambda s, qi, kv: torch.round(s * 2.0) - s * 2.0,
+        lambda s, qi, kv: torch.sign(s) * torch.sigmoid(s) + torch.log1p(s.abs()),
+        lambda s, qi, kv: torch.clamp(s, -0.5, 0.5) + torch.where(qi > kv, 1.0, -1.0),
+        lambda s, qi, kv: (s - 0.3) ** 3 * 0.1 + (s.abs() + 0.5) ** 0.5,
+        lambda s, qi, kv: torch.floor(s) + torch.ceil(s) + torch.exp(-s.abs()),
+    ]
+
+    def every(s, b, h, qi, kv):
+        return s + sum(0.3 * term(s, qi, kv) for term in terms)
+
+    q, k, v = _qkv(37, 37, seed=4)
+    out = flex_attention(q, k, v, score_mod=every, enable_gqa=True)
+    ref, _ = dense_flex(*(t.detach().cpu().double() for t in (q, k, v)), every)
+    assert rel(out.cpu().double(), ref) < 1e-5
+
+
+def test_per_head_block_masks_from_pytorch_and_broadcast():
+    from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
+
+    def by_head(b, h, q_idx, kv_idx):  # each head its own pattern: lists differ per head
+        return (kv_idx <= q_idx) & ((q_idx - kv_idx) < 20 + 15 * h)
+
+    q, k, v = _qkv(T, seed=5)
+    block = torch_block_mask(by_head, None, HQ, T, T, device="cpu", BLOCK_SIZE=64)
+    out = flex_attention(q, k, v, block_mask=block, enable_gqa=True)
+    cpu = [t.detach().cpu() for t in (q, k, v)]
+    ref, _ = dense_flex(*(t.double() for t in cpu), None, by_head)
+    _check(out.cpu(), dense_flex(*cpu, None, by_head)[0], ref, "per-head block mask")
+
+
+def test_errors_name_the_problem():
+    q, k, v = _qkv(T)
+    small = create_block_mask(causal, None, None, T, T, BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match="BLOCK_SIZE a multiple of"):
+        flex_attention(q, k, v, block_mask=small, enable_gqa=True)
+    short = torch.zeros(HQ, 10)
+
+    def past_the_end(score, b, h, q_idx, kv_idx):
+        return score + short[h, q_idx]
+
+    with pytest.raises(IndexError, match="out of its range"):
+        flex_attention(q, k, v, score_mod=past_the_end, enable_gqa=True)
+    with pytest.raises(TypeError, match="integer to an integer power"):
+        flex_attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s + (qi - kv) ** 2,
+                       enable_gqa=True)  # fmt: skip
+    with pytest.raises(ValueError, match="enable_gqa"):
+        flex_attention(q, k, v)
