@@ -429,7 +429,7 @@ class Translator:
             self.lines += [
                 f"{t} = {text}",
                 f"{t} = {self.where(f'{t} < 0', f'{t} + {size}', t)}",
-                f"bad = {self.either('bad', self.either(f'{t} < 0', f'{t} >= {size}'))}",
+                f"bad = {self.either('bad', self.either(f'({t} < 0)', f'({t} >= {size})'))}",
                 f"{t} = {self.BINARY['minimum'].format(low, size - 1)}",
                 f"{offset} += {t} * {strides[dim]}",
             ]
