@@ -53,6 +53,7 @@ else
         "ops|$A|compile or round or fake or bad"
         "decode|$D|"
         "dispatch|$R|"
+        "flex|tests/test_triton_flex.py|"
     )
     BENCH=(--budget 110)
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv | tee "$OUT/nvidia-smi.csv"

@@ -21,41 +21,50 @@ from flex_oracle import _check, dense_flex, rel
 
 B, HQ, HKV, D = 1, 4, 2, 16
 T = 70
-GEN = torch.Generator().manual_seed(11)
-BIAS = torch.randn(HQ, 2 * T - 1, generator=GEN).requires_grad_()
-SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625]).requires_grad_()
+BIAS = torch.randn(HQ, 2 * T - 1, generator=torch.Generator().manual_seed(11))
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
 DOCS = torch.tensor([0] * 23 + [1] * 30 + [2] * 17)
 
 
-def causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
+def _tables(device):
+    """The captured tensors on ``device`` (the float ones take gradients)."""
+    return {
+        "bias": BIAS.to(device).requires_grad_(),
+        "slopes": SLOPES.to(device).requires_grad_(),
+        "docs": DOCS.to(device),
+    }
 
 
-def document(b, h, q_idx, kv_idx):
-    return (DOCS[q_idx] == DOCS[kv_idx]) & (q_idx >= kv_idx)
+def _mods(t):
+    """The catalogue's mods, reading the tables ``t`` (the kernels' on the
+    test device, the oracle's on the CPU)."""
 
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
 
-def dilated_prefix(b, h, q_idx, kv_idx):
-    return (kv_idx < 9) | ((q_idx >= kv_idx) & ((q_idx - kv_idx) % 3 == 0))
+    def document(b, h, q_idx, kv_idx):
+        return (t["docs"][q_idx] == t["docs"][kv_idx]) & (q_idx >= kv_idx)
 
+    def dilated_prefix(b, h, q_idx, kv_idx):
+        return (kv_idx < 9) | ((q_idx >= kv_idx) & ((q_idx - kv_idx) % 3 == 0))
 
-def rel_bias(score, b, h, q_idx, kv_idx):
-    return score + BIAS[h, q_idx - kv_idx + T - 1]
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + t["bias"][h, q_idx - kv_idx + T - 1]
 
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - t["slopes"][h] * (q_idx - kv_idx).abs()
 
-def alibi(score, b, h, q_idx, kv_idx):
-    return score - SLOPES[h] * (q_idx - kv_idx).abs()
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 3.0 * torch.tanh(score / 3.0)
 
-
-def softcap(score, b, h, q_idx, kv_idx):
-    return 3.0 * torch.tanh(score / 3.0)
+    return {f.__name__: f for f in (causal, document, dilated_prefix, rel_bias, alibi, softcap)}
 
 
 CASES = [  # (name, score_mod, mask_mod, Tq, tables that take a gradient)
-    ("relative bias, causal", rel_bias, causal, T, [BIAS]),
-    ("ALiBi, documents", alibi, document, T, [SLOPES]),
-    ("softcap, no block mask", softcap, None, 45, []),
-    ("dilated prefix, Tq < Tk", None, dilated_prefix, 40, []),
+    ("relative bias, causal", "rel_bias", "causal", T, ["bias"]),
+    ("ALiBi, documents", "alibi", "document", T, ["slopes"]),
+    ("softcap, no block mask", "softcap", None, 45, []),
+    ("dilated prefix, Tq < Tk", None, "dilated_prefix", 40, []),
 ]
 
 
@@ -70,24 +79,28 @@ def _qkv(tq, tk=T, seed=0):
 @pytest.mark.parametrize(("name", "score_mod", "mask_mod", "tq", "tables"), CASES,
                          ids=[c[0] for c in CASES])  # fmt: skip
 def test_mods_forward_and_gradients(name, score_mod, mask_mod, tq, tables):
+    mine, theirs = _tables(DEVICE), _tables("cpu")
+    mods, oracle = _mods(mine), _mods(theirs)
     q, k, v = _qkv(tq)
     block = None
     if mask_mod is not None:
-        block = create_block_mask(mask_mod, None, None, tq, T, device=DEVICE, BLOCK_SIZE=32)
+        block = create_block_mask(mods[mask_mod], None, None, tq, T, device=DEVICE, BLOCK_SIZE=32)
     out, lse = flex_attention(
-        q, k, v, score_mod=score_mod, block_mask=block, enable_gqa=True, return_lse=True
+        q, k, v, score_mod=mods.get(score_mod), block_mask=block, enable_gqa=True, return_lse=True
     )
     cpu = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
-    ref, ref_lse = dense_flex(*(t.double() for t in cpu), score_mod, mask_mod)
-    base, base_lse = dense_flex(*cpu, score_mod, mask_mod)
+    score_ref, mask_ref = oracle.get(score_mod), oracle.get(mask_mod)
+    ref, ref_lse = dense_flex(*(t.double() for t in cpu), score_ref, mask_ref)
+    base, base_lse = dense_flex(*cpu, score_ref, mask_ref)
     _check(out.cpu(), base, ref, f"{name} out")
     finite = torch.isfinite(ref_lse)
     _check(lse.cpu()[finite], base_lse[finite], ref_lse[finite], f"{name} lse")
     assert torch.equal(torch.isneginf(lse.cpu()), ~finite)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
-    got = torch.autograd.grad(out, (q, k, v, *tables), dout.to(DEVICE))
-    want = torch.autograd.grad(ref, (*cpu, *tables), dout.double(), allow_unused=True)
-    plain = torch.autograd.grad(base, (*cpu, *tables), dout, allow_unused=True)
+    wrt = [theirs[n] for n in tables]
+    got = torch.autograd.grad(out, (q, k, v, *(mine[n] for n in tables)), dout.to(DEVICE))
+    want = torch.autograd.grad(ref, (*cpu, *wrt), dout.double(), allow_unused=True)
+    plain = torch.autograd.grad(base, (*cpu, *wrt), dout, allow_unused=True)
     for g, w, p, what in zip(got, want, plain, ("dq", "dk", "dv", "dtable"), strict=False):
         _check(g.cpu(), p, w, f"{name} {what}", scale=float(dout.norm()))
 
@@ -133,10 +146,10 @@ def test_per_head_block_masks_from_pytorch_and_broadcast():
 
 def test_errors_name_the_problem():
     q, k, v = _qkv(T)
-    small = create_block_mask(causal, None, None, T, T, BLOCK_SIZE=16)
+    small = create_block_mask(_mods({})["causal"], None, None, T, T, BLOCK_SIZE=16)
     with pytest.raises(ValueError, match="BLOCK_SIZE a multiple of"):
         flex_attention(q, k, v, block_mask=small, enable_gqa=True)
-    short = torch.zeros(HQ, 10)
+    short = torch.zeros(HQ, 10, device=DEVICE)
 
     def past_the_end(score, b, h, q_idx, kv_idx):
         return score + short[h, q_idx]
@@ -148,3 +161,7 @@ def test_errors_name_the_problem():
                        enable_gqa=True)  # fmt: skip
     with pytest.raises(ValueError, match="enable_gqa"):
         flex_attention(q, k, v)
+    elsewhere = torch.zeros(HQ, device="meta")
+    with pytest.raises(ValueError, match="move the tensor"):
+        flex_attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s + elsewhere[h],
+                       enable_gqa=True)  # fmt: skip

@@ -44,7 +44,7 @@ from ..frontdoor import check_call, run_call
 from ..planning import plan_backward
 from .arrays import as_numpy, as_tensor
 from .block_masks import block_mask_of_states, block_states, mask_mod_of
-from .flex_trace import compile_mods, trace_mods
+from .flex_trace import check_tables_on, compile_mods, trace_mods
 
 __all__ = ["BlockMask", "and_masks", "create_block_mask", "flex_attention", "noop_mask", "or_masks"]
 
@@ -74,7 +74,7 @@ def create_block_mask(
         raise ValueError(f"BLOCK_SIZE must be a positive int or a pair of them, got {BLOCK_SIZE!r}")
     from ..mods import mask_block_states
 
-    mods = compile_mods(trace_mods(None, mask_mod))
+    mods = compile_mods(trace_mods(None, mask_mod, device=device))
     states = mask_block_states(mods, sizes["B"], sizes["H"], Q_LEN, KV_LEN, block)
     mask = block_mask_of_states(states, block, mask_mod, (Q_LEN, KV_LEN))
     return mask if device.type == "cpu" else mask.to(device)
@@ -86,8 +86,10 @@ def _call_mods(score_mod, block_mask, tq: int, tk: int):
     mask_mod = mask_mod_of(block_mask, tq, tk)
     if score_mod is None and mask_mod is None:
         return None, []
+    cpu = torch.device("cpu")
     if block_mask is None:
         traced = trace_mods(score_mod, None)
+        check_tables_on(traced, cpu)
         return compile_mods(traced), traced.tables
     # The mask function also reads the map: a key in a block it leaves out is
     # hidden whatever mask_mod says (FlexAttention's rule; a kernel tile can
@@ -95,6 +97,7 @@ def _call_mods(score_mod, block_mask, tq: int, tk: int):
     states = block_states(block_mask)
     block = tuple(block_mask.BLOCK_SIZE)
     traced = trace_mods(score_mod, mask_mod, (*states.shape, *block))
+    check_tables_on(traced, cpu)
     mods = compile_mods(traced, states)
     return dataclasses.replace(mods, states=states, block=block), traced.tables
 

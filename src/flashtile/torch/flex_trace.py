@@ -46,12 +46,12 @@ from .fx_translate import (
 _TRACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _one(value, dtype):
-    return torch.tensor([value], dtype=dtype)
+def _one(value, dtype, device):
+    return torch.tensor([value], dtype=dtype, device=device)
 
 
-def _indices():
-    return tuple(_one(n, torch.int32) for n in (0, 0, 0, 0))
+def _indices(device):
+    return tuple(_one(n, torch.int32, device) for n in (0, 0, 0, 0))
 
 
 def _trace(fn, args, what):
@@ -63,6 +63,12 @@ def _trace(fn, args, what):
     except Unsupported:
         raise
     except Exception as exc:  # make_fx's data-dependent errors and the user's own
+        if "device" in str(exc):
+            raise ValueError(
+                f"{what} could not be traced on {args[-1].device} ({str(exc).splitlines()[0]}): "
+                f"a tensor it captures is on another device; move the tensor to the inputs' "
+                f"device"
+            ) from exc
         raise Unsupported(
             f"{what} could not be traced ({type(exc).__name__}: {str(exc).splitlines()[0]}): "
             f"write it with torch operations on its scalar tensors (torch.where, not Python "
@@ -100,7 +106,7 @@ class TracedMods:
     map_offset: int
 
 
-def trace_mods(score_mod, mask_mod, block_map=None, dialect=Translator) -> TracedMods:
+def trace_mods(score_mod, mask_mod, block_map=None, dialect=Translator, device=None) -> TracedMods:
     """Trace and translate a pair of torch mods (either may be None).
 
     ``block_map = (Bm, Hm, nQ, nK, BQ, BK)``: the shape and blocks of a
@@ -108,29 +114,32 @@ def trace_mods(score_mod, mask_mod, block_map=None, dialect=Translator) -> Trace
     in a block the map leaves out is hidden, whatever ``mask_mod`` says:
     FlexAttention's rule); :func:`compile_mods` copies the states in.
     ``dialect``: the :class:`Translator` class that writes the functions
-    (Numba's for the CPU kernels; :mod:`flashtile.triton.mod_source`'s)."""
-    key = (score_mod, mask_mod, block_map, dialect)
+    (Numba's for the CPU kernels; :mod:`flashtile.triton.mod_source`'s);
+    ``device``: where the mods are traced (the captured tensors': the
+    inputs'; default the CPU)."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    key = (score_mod, mask_mod, block_map, dialect, device)
     with LOCK:  # make_fx is not re-entrant across threads
         cached = _lookup(key)
         if cached is not None:
             return cached
-        traced = _trace_all(score_mod, mask_mod, block_map, dialect)
+        traced = _trace_all(score_mod, mask_mod, block_map, dialect, device)
         checks = snapshot((score_mod, mask_mod), _tensor_check)
         if checks is not None:  # else traced again on every call
             _store(key, (traced, checks))
         return traced
 
 
-def _trace_all(score_mod, mask_mod, block_map, dialect) -> TracedMods:
+def _trace_all(score_mod, mask_mod, block_map, dialect, device) -> TracedMods:
     translator = dialect("score_mod/mask_mod")
     functions, kinds = [], []
     if score_mod is not None:
-        functions += _score_functions(score_mod, translator)
+        functions += _score_functions(score_mod, translator, device)
         kinds += ["score", "score_grad"]
         if any(translator.tables[t].tensor.requires_grad for _, t, _ in translator.reads):
             kinds.append("capture")
     if mask_mod is not None:
-        functions.append(_mask_function(mask_mod, translator, block_map))
+        functions.append(_mask_function(mask_mod, translator, block_map, device))
         kinds.append("mask")
     map_size = 0 if block_map is None else int(np.prod(block_map[:4]))
     n_floats, n_ints = _layout(translator.tables, map_size)
@@ -168,13 +177,14 @@ def _layout(tables, map_size: int) -> tuple[int, int]:
     return max(n_floats, 1), n_ints + map_size
 
 
-def _score_functions(score_mod, tr: Translator) -> list[str]:
+def _score_functions(score_mod, tr: Translator, device) -> list[str]:
     """``_score``, ``_score_grad`` and ``_score_capture`` (see :mod:`flashtile.mods`)."""
 
     def positional(score, b, h, q_idx, kv_idx):  # (make_fx reads the signature it traces)
         return score_mod(score, b, h, q_idx, kv_idx)
 
-    gm = _trace(torch.vmap(positional), (_one(0.0, torch.float32), *_indices()), "score_mod")
+    sample = (_one(0.0, torch.float32, device), *_indices(device))
+    gm = _trace(torch.vmap(positional), sample, "score_mod")
     tr.lines = []
     value = _one_output(tr.translate(gm, SCORE_INPUTS), "f", "score_mod")
     forward_lines, reads, nodes = tr.lines, list(tr.reads), list(tr.read_nodes)
@@ -183,7 +193,7 @@ def _score_functions(score_mod, tr: Translator) -> list[str]:
         n for n, (_, t, _) in enumerate(reads)
         if tr.tables[t].kind == "f" and tr.tables[t].tensor.requires_grad
     ]  # fmt: skip
-    grad_lines, grads, gvalue = _derivative(gm, nodes, reads, wanted, tr)
+    grad_lines, grads, gvalue = _derivative(gm, nodes, reads, wanted, tr, device)
     tr.lines = []
     score = tr.function("_score", "x, b, h, qi, kv, F, I", forward_lines, value.text)
     both = tr.function(
@@ -199,15 +209,15 @@ def _score_functions(score_mod, tr: Translator) -> list[str]:
     return [score, both, capture]
 
 
-def _sample(table: Table):
+def _sample(table: Table, device):
     """A value of one element of ``table``'s dtype, to trace with."""
     dtype = table.tensor.dtype
     if table.kind == "f":
-        return _one(0.5, torch.float32)
-    return _one(False, torch.bool) if dtype == torch.bool else _one(0, torch.int64)
+        return _one(0.5, torch.float32, device)
+    return _one(*((False, torch.bool) if dtype == torch.bool else (0, torch.int64)), device)
 
 
-def _derivative(gm, read_nodes, reads, wanted, tr: Translator):
+def _derivative(gm, read_nodes, reads, wanted, tr: Translator, device):
     """``(lines, grads, value)``: lines computing the mod's value and its
     derivatives by ``x`` and by the ``wanted`` reads, traced through
     ``torch.func.grad_and_value`` of the (batch-of-one) graph ``gm`` with
@@ -220,9 +230,10 @@ def _derivative(gm, read_nodes, reads, wanted, tr: Translator):
         return runner.run(x, *rest[count:]).sum()  # one element: the value itself
 
     argnums = (0, *(1 + n for n in wanted))
-    samples = [_sample(tr.tables[t]) for _, t, _ in reads]
+    samples = [_sample(tr.tables[t], device) for _, t, _ in reads]
     fn = torch.func.grad_and_value(with_reads, argnums=argnums)
-    ggm = _trace(fn, (_one(0.0, torch.float32), *samples, *_indices()), "score_mod's derivative")
+    sample = (_one(0.0, torch.float32, device), *samples, *_indices(device))
+    ggm = _trace(fn, sample, "score_mod's derivative")
     saved, tr.lines = tr.lines, []
     read_exprs = [Expr(name, dtype_kind(tr.tables[t].tensor.dtype)) for name, t, _ in reads]
     inputs = [Expr("x", "f"), *read_exprs, *(Expr(n, "i") for n in SCORE_INPUTS[1:])]
@@ -245,13 +256,13 @@ def _one_output(outputs, kind: str, what: str) -> Expr:
     return outputs[0]
 
 
-def _mask_function(mask_mod, tr: Translator, block_map) -> str:
+def _mask_function(mask_mod, tr: Translator, block_map, device) -> str:
     """``_mask``: the mod's answer, and with a block map, its tile's state."""
 
     def positional(b, h, q_idx, kv_idx):  # (default arguments, bound methods)
         return mask_mod(b, h, q_idx, kv_idx)
 
-    gm = _trace(torch.vmap(positional), _indices(), "mask_mod")
+    gm = _trace(torch.vmap(positional), _indices(device), "mask_mod")
     tr.lines = []
     value = _one_output(tr.translate(gm, MASK_INPUTS), "b", "mask_mod")
     lines, tr.lines = tr.lines, []
@@ -269,10 +280,10 @@ def _mask_function(mask_mod, tr: Translator, block_map) -> str:
 def _split(key):
     """``(holder, rest)``: the mod the weak cache is keyed by, and the rest of
     the key (which must not hold the holder: it would never be freed)."""
-    score_mod, mask_mod, block_map, dialect = key
+    score_mod, mask_mod, *rest = key
     if score_mod is not None:
-        return score_mod, ("score", mask_mod, block_map, dialect)
-    return mask_mod, ("mask", None, block_map, dialect)
+        return score_mod, ("score", mask_mod, *rest)
+    return mask_mod, ("mask", None, *rest)
 
 
 def _lookup(key):
@@ -295,6 +306,17 @@ def _store(key, value):
         _TRACED.setdefault(holder, {})[rest] = value
 
 
+def check_tables_on(traced: TracedMods, device) -> None:
+    """Raise unless every tensor the mods capture is on ``device`` (the
+    inputs'): the kernels read the tables where the inputs are."""
+    for t in traced.tables:
+        if t.tensor.device != device:
+            raise ValueError(
+                f"a mod captures a tensor on {t.tensor.device}, the inputs are on {device}: "
+                f"move the tensor to the inputs' device"
+            )
+
+
 def compile_mods(traced: TracedMods, states=None) -> Mods:
     """The :class:`Mods` of traced mods: the module compiled (or loaded from
     the disk cache) and the tables' current values copied into its buffers
@@ -307,8 +329,8 @@ def compile_mods(traced: TracedMods, states=None) -> Mods:
 
     floats = np.zeros(traced.n_floats)
     ints = np.zeros(traced.n_ints, dtype=np.int64)
-    for t in traced.tables:
-        flat = t.tensor.detach().reshape(-1)
+    for t in traced.tables:  # (a table on a GPU: copied, for create_block_mask)
+        flat = t.tensor.detach().reshape(-1).cpu()
         if t.kind == "f":
             floats[t.offset : t.offset + flat.numel()] = flat.double().numpy()
         else:

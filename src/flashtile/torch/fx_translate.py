@@ -175,8 +175,6 @@ class Translator:
 
     UNARY = _UNARY
     BINARY = _BINARY
-    #: Whether captured tensors must be on the CPU (the kernels read them there).
-    CPU_ONLY = True
 
     def __init__(self, what: str):
         self.what = what
@@ -197,8 +195,6 @@ class Translator:
         for n, t in enumerate(self.tables):
             if t.tensor is tensor:
                 return n
-        if self.CPU_ONLY and tensor.device.type != "cpu":
-            raise Unsupported(f"{self.what} captures a tensor on {tensor.device}: CPU only")
         kind = "f" if tensor.dtype.is_floating_point else "i"
         if tensor.is_complex():
             raise Unsupported(f"{self.what} captures a complex tensor")

@@ -6,6 +6,9 @@
   :func:`flashtile.attention_backward`;
 * :func:`decode_attention`: split-KV decoding against a contiguous or paged
   cache, as :func:`flashtile.decode_attention`;
+* :func:`flex_attention`: FlexAttention's API, a user's ``score_mod`` and
+  block mask compiled into the forward and backward kernels
+  (:mod:`flashtile.triton.flex`);
 * :func:`compile_report`: every kernel compiled ahead of time for sm_80 and
   sm_90 with the ptxas in Triton's wheel; no GPU needed.
 
@@ -29,6 +32,7 @@ _EXPORTS = {
     "attention_backward": "api",
     "varlen_attention": "api",
     "decode_attention": "api",
+    "flex_attention": "flex",
     "compile_report": "compile",
     "INTERPRET": "tiles",
 }

@@ -26,7 +26,7 @@ import torch
 
 from ..mods import compiled_module
 from ..routes import cache_dir
-from ..torch.flex_trace import TracedMods, trace_mods
+from ..torch.flex_trace import TracedMods, check_tables_on, trace_mods
 from ..torch.fx_translate import Expr, Translator, Unsupported
 
 _FLOAT_UNARY = {
@@ -98,7 +98,6 @@ class TritonTranslator(Translator):
 
     UNARY = _UNARY
     BINARY = _BINARY
-    CPU_ONLY = False  # (captured tensors are copied to the inputs' device)
     DIRECT = False  # padded rows and keys reach past the call's extent: always clamp
     CAPTURE_PARAMS = "x, g, b, h, qi, kv, F, I, G, ok"
 
@@ -219,16 +218,12 @@ def triton_mods(score_mod, mask_mod, device) -> TritonMods:
     """Trace ``score_mod``/``mask_mod`` (either may be None) into Triton
     functions (the module cached on disk by its source, like the CPU
     kernels' mods) and copy the tables they capture to ``device``."""
-    traced = trace_mods(score_mod, mask_mod, None, TritonTranslator)
+    traced = trace_mods(score_mod, mask_mod, None, TritonTranslator, device)
     names = compiled_module(PRELUDE + traced.source, cache_dir() / "mods")
     floats = torch.zeros(traced.n_floats, dtype=torch.float32, device=device)
     ints = torch.zeros(traced.n_ints, dtype=torch.int64, device=device)
+    check_tables_on(traced, device)
     for t in traced.tables:
-        if t.tensor.device != device:
-            raise ValueError(
-                f"a mod captures a tensor on {t.tensor.device}, the inputs are on {device}: "
-                f"move the tensor to the inputs' device"
-            )
         flat = t.tensor.detach().reshape(-1).to(device)
         target = floats if t.kind == "f" else ints
         target[t.offset : t.offset + flat.numel()] = flat.to(target.dtype)
