@@ -119,6 +119,13 @@ def test_translated_operations_on_tiles():
         lambda s, qi, kv: torch.clamp(s, -0.5, 0.5) + torch.where(qi > kv, 1.0, -1.0),
         lambda s, qi, kv: (s - 0.3) ** 3 * 0.1 + (s.abs() + 0.5) ** 0.5,
         lambda s, qi, kv: torch.floor(s) + torch.ceil(s) + torch.exp(-s.abs()),
+        # floats: from the exact remainder, not a rounded quotient (1.0 // 0.1 is 9)
+        lambda s, qi, kv: torch.floor_divide(s, 0.1) * 0.01 + torch.remainder(s, 0.1),
+        lambda s, qi, kv: torch.fmod(s, 0.3) + torch.fmod(s, float("inf")) * 0.1,
+        lambda s, qi, kv: torch.round(s * 1e7) * 1e-7 + torch.expm1(s * 1e-3) * 1e3,
+        lambda s, qi, kv: (
+            torch.log1p(s.abs() * 1e-4) * 1e4 + torch.maximum(s, s.sqrt()).nan_to_num()
+        ),
     ]
 
     def every(s, b, h, qi, kv):
@@ -128,6 +135,49 @@ def test_translated_operations_on_tiles():
     out = flex_attention(q, k, v, score_mod=every, enable_gqa=True)
     ref, _ = dense_flex(*(t.detach().cpu().double() for t in (q, k, v)), every)
     assert rel(out.cpu().double(), ref) < 1e-5
+
+
+def test_score_mods_that_hide_whole_tiles_or_vary_along_one_axis():
+    """Without a block mask every key tile runs the score mod, unmasked ones
+    too: one it hides entirely (-inf) must not make NaN, and a result that
+    does not vary along the keys still fills the tile."""
+    q, k, v = _qkv(40, 64, seed=6)
+    cpu = [t.detach().cpu() for t in (q, k, v)]
+    hide_first_tile = lambda s, b, h, qi, kv: torch.where(kv < 32, -float("inf"), s)  # noqa: E731
+    hide_rows = lambda s, b, h, qi, kv: torch.where(qi < 5, -float("inf"), s)  # noqa: E731
+    per_row = lambda s, b, h, qi, kv: s * 0 + qi * 0.01  # noqa: E731
+    for mod in (hide_first_tile, hide_rows, per_row):
+        out, lse = flex_attention(q, k, v, score_mod=mod, enable_gqa=True, return_lse=True)
+        ref, ref_lse = dense_flex(*(t.double() for t in cpu), mod)
+        _check(out.cpu(), dense_flex(*cpu, mod)[0], ref, "out")
+        assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse))
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        assert all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+def test_tuning_launches_do_not_add_into_captured_gradients(monkeypatch):
+    """On a GPU the first call of a shape class times every candidate by
+    launching it; the dq kernel's atomic adds into the captured tables'
+    gradients must count once."""
+    import flashtile.triton.launch as launch
+
+    def timing_pick(kernel, element_bytes, block_d, key, run, fits=None):
+        config = real_pick(kernel, element_bytes, block_d, key, run, fits)
+        if run is not None:
+            for _ in range(3):  # the tuner's timing launches
+                run(config)
+        return config
+
+    real_pick = launch.pick
+    monkeypatch.setattr(launch, "pick", timing_pick)
+    mine, theirs = _tables(DEVICE), _tables("cpu")
+    q, k, v = _qkv(T, seed=7)
+    out = flex_attention(q, k, v, score_mod=_mods(mine)["rel_bias"], enable_gqa=True)
+    (got,) = torch.autograd.grad(out.sum(), mine["bias"])
+    cpu = [t.detach().cpu().double() for t in (q, k, v)]
+    (want,) = torch.autograd.grad(dense_flex(*cpu, _mods(theirs)["rel_bias"])[0].sum(),
+                                  theirs["bias"])  # fmt: skip
+    assert rel(got.cpu().double(), want.double()) < 1e-5
 
 
 def test_per_head_block_masks_from_pytorch_and_broadcast():

@@ -248,7 +248,10 @@ class Mods:
         """The generated module's names for work of ``bits`` (32 or 64)."""
         found = self._modules.get(bits)
         if found is None:
-            found = self._modules[bits] = self.load(bits)
+            with LOCK:  # (threads: one compile, one set of row addresses)
+                found = self._modules.get(bits)
+                if found is None:
+                    found = self._modules[bits] = self.load(bits)
         return found
 
     def rows(self, dtype) -> RowFunctions:

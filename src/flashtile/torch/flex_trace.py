@@ -63,7 +63,8 @@ def _trace(fn, args, what):
     except Unsupported:
         raise
     except Exception as exc:  # make_fx's data-dependent errors and the user's own
-        if "device" in str(exc):
+        message = str(exc)
+        if isinstance(exc, RuntimeError) and "device" in message and "expected" in message:
             raise ValueError(
                 f"{what} could not be traced on {args[-1].device} ({str(exc).splitlines()[0]}): "
                 f"a tensor it captures is on another device; move the tensor to the inputs' "

@@ -165,7 +165,7 @@ def _tune_key(var: Variants, q, longest: int) -> tuple:
     """Shape class for the tuner: dtype, head dims, switches, sequence length
     bucket, and the mods (their functions and map blocks)."""
     flags = tuple(sorted(var.flags(q.dtype).items()))
-    mods = None if var.mods is None else (id(var.mods.fns.traced), var.mods.block)
+    mods = None if var.mods is None else (var.mods.fns.traced.source, var.mods.block)
     bucket = min(1 << longest.bit_length(), 8192)
     return (q.dtype, q.shape[-1], flags, var.cu_q is not None, bucket, mods)
 
@@ -180,7 +180,10 @@ def _run(kernel, name, q, block_d, key, grid_of, args, consts, var: Variants):
         )  # fmt: skip
 
     fits = None if var.mods is None else var.mods.fits
-    launch(pick(name, q.element_size(), block_d, key, launch, fits))
+    config = pick(name, q.element_size(), block_d, key, launch, fits)
+    if var.mods is not None and var.mods.grads is not None:
+        var.mods.grads.zero_()  # (the tuner's launches added into it too: atomic adds)
+    launch(config)
 
 
 def _strides(*tensors, dims=3):

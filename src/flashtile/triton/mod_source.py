@@ -32,11 +32,11 @@ from ..torch.fx_translate import Expr, Translator, Unsupported
 _FLOAT_UNARY = {
     "exp": "tl.exp({0})",
     "exp2": "tl.exp2({0})",
-    "expm1": "(tl.exp({0}) - 1.0)",
+    "expm1": "expm1({0})",
     "log": "tl.log({0})",
     "log2": "tl.log2({0})",
     "log10": "(tl.log2({0}) * 0.30102999566398120)",
-    "log1p": "tl.log(1.0 + {0})",
+    "log1p": "log1p({0})",
     "sqrt": "tl.sqrt({0})",
     "rsqrt": "tl.rsqrt({0})",
     "reciprocal": "(1.0 / {0})",
@@ -71,8 +71,8 @@ _BINARY = {
     "le": "({0} <= {1})",
     "gt": "({0} > {1})",
     "ge": "({0} >= {1})",
-    "maximum": "tl.maximum({0}, {1})",
-    "minimum": "tl.minimum({0}, {1})",
+    "maximum": "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+    "minimum": "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
     # (by tl.where: the interpreter mishandles & and | between a tile and a 0-d tensor)
     "logical_and": "tl.where({0} != 0, {1} != 0, False)",
     "logical_or": "tl.where({0} != 0, True, {1} != 0)",
@@ -88,7 +88,7 @@ PRELUDE = """
 import triton.language as tl
 
 from flashtile.triton.elementwise import (
-    device_fn, float_remainder, int_floordiv, int_remainder, power, rint, tanh, trunc,
+    device_fn, expm1, float_floordiv, int_floordiv, log1p, power, remainder, rint, tanh, trunc,
 )
 """
 
@@ -124,10 +124,11 @@ class TritonTranslator(Translator):
     def binary(self, op: str, a: Expr, b: Expr) -> str:
         ints = a.kind != "f" and b.kind != "f"
         if op == "floor_divide":
-            return f"int_floordiv({a.text}, {b.text})" if ints else f"tl.floor({a.text} / {b.text})"
+            fn = "int_floordiv" if ints else "float_floordiv"
+            return f"{fn}({a.text}, {b.text})" if ints else f"{fn}({self._f(a)}, {self._f(b)})"
         if op == "remainder":
-            fn = "int_remainder" if ints else "float_remainder"
-            return f"{fn}({a.text}, {b.text})"
+            texts = (a.text, b.text) if ints else (self._f(a), self._f(b))
+            return f"remainder({texts[0]}, {texts[1]})"
         if op == "pow":
             return self.power(a, b)
         return self.BINARY[op].format(a.text, b.text)
@@ -147,9 +148,14 @@ class TritonTranslator(Translator):
         )
 
     def fmod(self, a: Expr, b: Expr) -> str:
+        # (Triton's % is C's fmod: the dividend's sign, exact for floats)
         if a.kind != "f" and b.kind != "f":
-            return f"({a.text} % {b.text})"  # (Triton's integer % is C's: the dividend's sign)
-        return f"({a.text} - {b.text} * trunc({a.text} / {b.text}))"
+            return f"({a.text} % {b.text})"
+        return f"({self._f(a)} % {self._f(b)})"
+
+    @staticmethod
+    def _f(a: Expr) -> str:
+        return a.text if a.kind == "f" else f"({a.text}).to(tl.float32)"
 
     def load(self, buffer: str, table: int, offset: str, kind: str) -> str:
         where = "F" if buffer == "f" else "I"

@@ -319,7 +319,7 @@ def scores(
             y, t, bad = SCORE_FN(x, b, h, qi, kv, floats, ints)
         else:
             y, bad = SCORE_FN(x, b, h, qi, kv, floats, ints)
-        s = y * LOG2E
+        s = tl.broadcast_to(y * LOG2E, x.shape)  # (a result that varies along one axis only)
         mod_flag(ints, bad, qi, kv, tq, lo, hi)
     if ALIBI:
         dist = tl.abs(pos[:, None] - offs_n[None, :]).to(tl.float32)
@@ -488,7 +488,8 @@ def attend_range(
         v_rows = key_rows(offs_n, n_ok, table_row, sv_page, sv_t, page_size, MASKED, PAGED)
         v = load_rows(v_base + v_rows, n_ok, HEAD_DV, BLOCK_DV, MASKED, EMULATE_BF16)
         keep = kept(rows, k0 + offs_n, drop) if DROPOUT else 0
+        # (a score mod may hide every key of an unmasked tile too: -inf rows)
         acc, l_i, m_i = online_block(
-            acc, l_i, m_i, s, v, keep, MASKED, DROPOUT, IEEE, EMULATE_BF16
+            acc, l_i, m_i, s, v, keep, MASKED or SCORE_FN is not None, DROPOUT, IEEE, EMULATE_BF16
         )  # fmt: skip
     return acc, l_i, m_i

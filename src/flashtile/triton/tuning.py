@@ -5,7 +5,9 @@ shape class times each (``triton.testing.do_bench``) and remembers the
 winner for the process. ``FLASHTILE_TRITON_TUNE=0`` skips the timing and
 takes each list's first entry (a deterministic choice, e.g. for profiling).
 Every kernel rewrites its outputs completely, so timing a launch several
-times leaves the right result behind. Under the interpreter nothing is timed:
+times leaves the right result behind; the one exception, the gradients of
+the tables a user's mods capture (atomic adds), is cleared by the launcher
+before the launch that counts. Under the interpreter nothing is timed:
 :data:`.configs.INTERPRET` is used.
 """
 
