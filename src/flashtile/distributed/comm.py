@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from . import faults
+
 
 @dataclass(frozen=True)
 class Ring:
     """This process's place in ``group``: ``rank`` of ``size``; ``next``/``prev``
-    are the *global* ranks of its neighbours (what point-to-point ops take)."""
+    are the *global* ranks of its neighbours (what point-to-point ops take).
+    ``config``: the group's backends; ``flag_device``: where a collective of
+    the group takes a small tensor; ``polls``: the call's waits poll for a
+    peer's failure (CPU tensors, :mod:`.faults`)."""
 
     group: object
     rank: int
     size: int
     next: int
     prev: int
+    config: str = "gloo"
+    flag_device: str = "cpu"
+    polls: bool = True
 
 
 def backend_for(config: str, device_type: str) -> str:
@@ -65,20 +74,34 @@ def check_device(config: str, *tensors: torch.Tensor) -> torch.device:
     return device
 
 
-def ring_of(group, *tensors: torch.Tensor) -> tuple[Ring, torch.device]:
-    """Check the group and the tensors' device: this process's :class:`Ring`, and the device."""
+def group_ring(group) -> Ring:
+    """This process's :class:`Ring` in ``group`` (tensors not looked at yet)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialised: call "
             "torch.distributed.init_process_group('gloo') first (torchrun sets the "
             "environment it reads)"
         )
-    device = check_device(str(dist.get_backend_config(group)), *tensors)
+    config = str(dist.get_backend_config(group))
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     nxt, prev = (rank + 1) % size, (rank - 1) % size
     if group is not None:  # point-to-point ops take global ranks
         nxt, prev = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prev)
-    return Ring(group, rank, size, nxt, prev), device
+    on_cpu = backend_for(config, "cpu") not in ("nccl", "none")
+    flag = "cpu" if on_cpu else f"cuda:{torch.cuda.current_device()}"
+    return Ring(group, rank, size, nxt, prev, config, flag, polls=on_cpu)
+
+
+def ring_of(group, *tensors: torch.Tensor) -> tuple[Ring, torch.device]:
+    """Check the group and the tensors' device: this process's :class:`Ring`, and the device."""
+    return with_device(group_ring(group), *tensors)
+
+
+def with_device(ring: Ring, *tensors: torch.Tensor) -> tuple[Ring, torch.device]:
+    """``(ring, device)``: the tensors' one device checked against the group's
+    backends; the ring's waits poll for CPU tensors."""
+    device = check_device(ring.config, *tensors)
+    return dataclasses.replace(ring, polls=device.type == "cpu"), device
 
 
 def shift(ring: Ring, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> list:
@@ -92,17 +115,19 @@ def shift(ring: Ring, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> l
         dist.P2POp(dist.isend, send, ring.next, ring.group, tag),
         dist.P2POp(dist.irecv, recv, ring.prev, ring.group, tag),
     ]
-    return dist.batch_isend_irecv(ops)
+    with faults.messages(ring):
+        return dist.batch_isend_irecv(ops)
 
 
-def wait(works) -> None:
-    for w in works or ():
-        w.wait()
+def wait(works, ring: Ring) -> None:
+    """Wait for pending messages; a peer's failure raises (:func:`.faults.wait`)."""
+    faults.wait(works, ring)
 
 
-def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, ring: Ring) -> torch.Tensor:
     """``x (P, ...)``: slot ``p`` goes to rank ``p``; the result has rank ``p``'s in slot ``p``."""
     x = x.contiguous()
     out = torch.empty_like(x)  # contiguous too (empty_like keeps x's strides)
-    dist.all_to_all_single(out, x, group=group)
+    with faults.messages(ring):
+        dist.all_to_all_single(out, x, group=ring.group)
     return out

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from flashtile.merge import merge_partials, refuse_posinf
 
 from . import kernels
-from .comm import ring_of
+from .comm import group_ring, with_device
+from .faults import agree, guarded, messages
 from .kernels import work_dtype
 from .threads import kernel_threads
 
@@ -83,28 +84,37 @@ def context_parallel_decode(
     Sliding windows and ALiBi need every key's global position, which the
     ranks' parts do not carry: they are not supported here.
     """
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"context_parallel_decode: q is a {type(q).__name__}, not a torch.Tensor")
-    cache = [t for t in (k_cache, v_cache) if isinstance(t, torch.Tensor)]
-    ring, device = ring_of(group, q, *cache)
-    tail = _tail(tail_rank, ring.size)
-    with kernel_threads(ring.size):
-        out, lse = kernels.for_device(device).decode(
-            q,
-            k_cache,
-            v_cache,
-            cache_seqlens=cache_seqlens,
-            block_table=block_table,
-            num_splits=num_splits,
-            causal=bool(causal) and ring.rank == tail,
-            scale=scale,
-            softcap=softcap,
-        )
-    work = work_dtype(q.dtype)
-    refuse_posinf(torch, lse, "this rank's lse")  # merging it would give NaN
-    mine = torch.cat([out.to(work), lse.to(work)[..., None]], dim=-1)
+    team = group_ring(group)
+
+    def local():  # this rank's part, before any message; every rank agrees it ran
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(
+                f"context_parallel_decode: q is a {type(q).__name__}, not a torch.Tensor"
+            )
+        cache = [t for t in (k_cache, v_cache) if isinstance(t, torch.Tensor)]
+        ring, device = with_device(team, q, *cache)
+        tail = _tail(tail_rank, ring.size)
+        with kernel_threads(ring.size):
+            out, lse = kernels.for_device(device).decode(
+                q,
+                k_cache,
+                v_cache,
+                cache_seqlens=cache_seqlens,
+                block_table=block_table,
+                num_splits=num_splits,
+                causal=bool(causal) and ring.rank == tail,
+                scale=scale,
+                softcap=softcap,
+            )
+        work = work_dtype(q.dtype)
+        refuse_posinf(torch, lse, "this rank's lse")  # merging it would give NaN
+        mine = torch.cat([out.to(work), lse.to(work)[..., None]], dim=-1)
+        return (ring, mine), (*mine.shape, int(bool(causal)), tail)
+
+    ring, mine = agree(team, local)
     parts = [torch.empty_like(mine) for _ in range(ring.size)]
-    dist.all_gather(parts, mine, group=ring.group)
+    with guarded(ring, "context_parallel_decode"), messages(ring):
+        dist.all_gather(parts, mine, group=ring.group)
     out, lse = _merge_in_rank_order(parts)
     out = out.to(q.dtype)
     return (out, lse.contiguous()) if return_lse else out

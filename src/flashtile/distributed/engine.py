@@ -33,6 +33,7 @@ import torch
 from flashtile.merge import merge_partials, refuse_posinf
 
 from .comm import Ring, shift, wait
+from .faults import guarded
 from .kernels import LocalKernels, work_dtype
 from .threads import kernel_threads
 
@@ -42,13 +43,16 @@ class Setup:
     """One call's plan: the ring (None = no communication), the blocks of each
     step (``steps[s]``: against the K/V of rank ``rank - s``), the
     position-free keywords passed to every block, the local kernels, and how
-    many processes share the node's cores (for :func:`.threads.kernel_threads`)."""
+    many processes share the node's cores (for :func:`.threads.kernel_threads`);
+    ``peers``: the ranks that must hear of a failure here (:func:`.faults.guarded`;
+    Ulysses attends locally, between two exchanges of its group)."""
 
     ring: Ring | None
     steps: tuple
     keywords: dict
     kernels: LocalKernels
     procs: int = 1
+    peers: Ring | None = None
 
     @property
     def size(self) -> int:
@@ -98,7 +102,7 @@ def ring_forward(setup: Setup, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
             _rows(out, blk).copy_(o)
             _rows(lse, blk).copy_(o_lse)
             seen[blk.q0 : blk.q1] = [True] * (blk.q1 - blk.q0)
-        wait(works)
+        wait(works, setup.ring)
         kv, spare = spare, kv
     return out, lse
 
@@ -143,15 +147,15 @@ def ring_backward(setup: Setup, q, k, v, out, lse, dout):
                 setup, blocks, tensors, kv_tensors, dq, _unpack(dkv, k.shape, v.shape, work)
             )
         if step > 0:
-            wait(dkv_works)  # the shares of the ranks before this one, for the same owner
+            wait(dkv_works, setup.ring)  # the shares of the ranks before, for the same owner
             dkv = incoming + dkv
         if last > 0:
             sending, incoming = dkv, torch.empty_like(dkv)
             dkv_works = shift(setup.ring, sending, incoming, tag=1)
-        wait(kv_works)
+        wait(kv_works, setup.ring)
         kv, spare = spare, kv
     if last > 0:
-        wait(dkv_works)  # the last hop brings this rank its own total
+        wait(dkv_works, setup.ring)  # the last hop brings this rank its own total
         dkv = incoming
     del sending
     dk, dv = _unpack(dkv, k.shape, v.shape, work)
@@ -163,7 +167,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, setup: Setup):
-        with kernel_threads(setup.procs):
+        with kernel_threads(setup.procs), guarded(setup.peers, "the forward"):
             out, lse = ring_forward(setup, q, k, v)
         ctx.setup = setup
         ctx.save_for_backward(q, k, v, out, lse)
@@ -173,7 +177,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        with kernel_threads(ctx.setup.procs):
+        with kernel_threads(ctx.setup.procs), guarded(ctx.setup.peers, "the backward"):
             grads = ring_backward(ctx.setup, q, k, v, out, lse, dout)
         dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
         return dq, dk, dv, None

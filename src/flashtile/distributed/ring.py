@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from . import kernels
 from .blocks import band, plan_blocks
-from .comm import ring_of
+from .comm import group_ring, with_device
 from .engine import RingAttention, Setup
+from .faults import agree, signature
 from .inputs import check_qkv, check_variants, slopes_array
-from .layout import check_layout, chunk_size, segments
+from .layout import LAYOUTS, check_layout, chunk_size, segments
 
 
 def plan_ring(ring, t_local: int, layout: str, causal: bool, window) -> tuple:
@@ -74,22 +75,32 @@ def ring_attention(
     (communication overlaps compute) and skips key blocks wholly outside a
     query block's causal range or window. Partial results merge in float32
     (float64 for float64 inputs) whatever the input dtype. Kernel threads:
-    :mod:`flashtile.distributed.threads`.
+    :mod:`flashtile.distributed.threads`. Failures: every rank refuses a call
+    that one refuses, and an error on one rank mid-call makes the others
+    raise too (:mod:`flashtile.distributed.faults`).
     """
-    check_layout(layout)
-    check_qkv(q, k, v, enable_gqa, "ring_attention")
-    ring, device = ring_of(group, q, k, v)
-    local = kernels.for_device(device)
-    local.check(q, k, v)  # before any message is posted
-    if alibi_slopes is not None and ring.size > 1:
-        raise ValueError(
-            "ring_attention does not support alibi_slopes over more than one rank: the ALiBi "
-            "bias depends on each query-key distance across shards; use "
-            "flashtile.distributed.ulysses_attention, which attends the whole sequence per head"
-        )
-    steps = plan_ring(ring, q.shape[2], layout, causal, window)
-    alibi_slopes = slopes_array(alibi_slopes)
-    check_variants(q, scale, softcap, alibi_slopes)
-    keywords = {"scale": scale, "softcap": softcap, "alibi_slopes": alibi_slopes}
-    out, lse = RingAttention.apply(q, k, v, Setup(ring, steps, keywords, local, procs=ring.size))
+
+    team = group_ring(group)
+
+    def setup() -> Setup:  # every check, on every rank, before any message
+        check_layout(layout)
+        check_qkv(q, k, v, enable_gqa, "ring_attention")
+        ring, device = with_device(team, q, k, v)
+        local = kernels.for_device(device)
+        local.check(q, k, v)
+        if alibi_slopes is not None and ring.size > 1:
+            raise ValueError(
+                "ring_attention does not support alibi_slopes over more than one rank: the "
+                "ALiBi bias depends on each query-key distance across shards; use "
+                "flashtile.distributed.ulysses_attention, which attends the whole sequence per "
+                "head"
+            )
+        steps = plan_ring(ring, q.shape[2], layout, causal, window)
+        slopes = slopes_array(alibi_slopes)
+        check_variants(q, scale, softcap, slopes)
+        keywords = {"scale": scale, "softcap": softcap, "alibi_slopes": slopes}
+        setup = Setup(ring, steps, keywords, local, procs=ring.size, peers=ring)
+        return setup, signature(q, k, v, causal, LAYOUTS.index(layout), window)
+
+    out, lse = RingAttention.apply(q, k, v, agree(team, setup))
     return (out, lse) if return_lse else out

@@ -15,23 +15,25 @@ import torch
 
 from . import kernels
 from .blocks import band, plan_blocks
-from .comm import all_to_all, ring_of
+from .comm import all_to_all, group_ring, with_device
 from .engine import RingAttention, Setup
+from .faults import agree, guarded, signature
 from .inputs import check_qkv, check_variants, slopes_array
-from .layout import check_layout, chunk_size, to_layout_order, to_sequence_order
+from .layout import LAYOUTS, check_layout, chunk_size, to_layout_order, to_sequence_order
 
 
 class _AllToAll(torch.autograd.Function):
     """:func:`.comm.all_to_all` on ``(P, ...)``; its adjoint is the same exchange."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_to_all(x, group)
+    def forward(ctx, x, ring):
+        ctx.ring = ring
+        return all_to_all(x, ring)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_to_all(grad, ctx.group), None
+        with guarded(ctx.ring, "ulysses_attention's backward"):
+            return all_to_all(grad, ctx.ring), None
 
 
 def seq_to_heads(x: torch.Tensor, ring, layout: str) -> torch.Tensor:
@@ -39,7 +41,7 @@ def seq_to_heads(x: torch.Tensor, ring, layout: str) -> torch.Tensor:
     b, h, t, d = x.shape
     p = ring.size
     x = x.reshape(b, p, h // p, t, d).transpose(0, 1)  # slot r: the heads rank r gets
-    x = _AllToAll.apply(x, ring.group)  # slot r: rank r's tokens of this rank's heads
+    x = _AllToAll.apply(x, ring)  # slot r: rank r's tokens of this rank's heads
     x = x.permute(1, 2, 0, 3, 4).reshape(b, h // p, p * t, d)
     return to_sequence_order(x, p, layout, dim=2)
 
@@ -50,7 +52,7 @@ def heads_to_seq(y: torch.Tensor, ring, layout: str) -> torch.Tensor:
     y = to_layout_order(y, p, layout, dim=2)
     b, h, t, d = y.shape
     y = y.reshape(b, h, p, t // p, d).permute(2, 0, 1, 3, 4)  # slot r: rank r's tokens
-    y = _AllToAll.apply(y, ring.group)  # slot r: this rank's tokens of rank r's heads
+    y = _AllToAll.apply(y, ring)  # slot r: this rank's tokens of rank r's heads
     return y.transpose(0, 1).reshape(b, p * h, t // p, d)
 
 
@@ -86,28 +88,39 @@ def ulysses_attention(
     the world size. Differentiable; the backward runs the two all-to-alls in
     reverse.
     """
-    check_layout(layout)
-    check_qkv(q, k, v, enable_gqa, "ulysses_attention")
-    ring, device = ring_of(group, q, k, v)
-    local = kernels.for_device(device)
-    local.check(q, k, v)  # before any message is posted
-    hq, hkv, t_local = q.shape[1], k.shape[1], q.shape[2]
-    if hq % ring.size or hkv % ring.size:
-        raise ValueError(
-            f"ulysses_attention splits heads across the {ring.size} ranks: Hq={hq} and Hkv={hkv} "
-            f"must both be multiples of {ring.size}; use ring_attention, which has no such limit"
-        )
-    total = t_local * ring.size
-    chunk_size(total, ring.size, layout, detail=f" ({t_local} tokens per rank x {ring.size} ranks)")
-    alibi_slopes = slopes_array(alibi_slopes)
-    check_variants(q, scale, softcap, alibi_slopes)
-    slopes = _local_slopes(alibi_slopes, hq, ring)
-    whole = [(0, total)]
-    steps = (tuple(plan_blocks(whole, whole, *band(causal, window))),)
-    keywords = {"scale": scale, "softcap": softcap, "alibi_slopes": slopes}
-    qh, kh, vh = (seq_to_heads(x, ring, layout) for x in (q, k, v))
-    out, lse = RingAttention.apply(qh, kh, vh, Setup(None, steps, keywords, local, procs=ring.size))
-    out = heads_to_seq(out, ring, layout)
-    if not return_lse:
-        return out
-    return out, heads_to_seq(lse.unsqueeze(-1), ring, layout).squeeze(-1)
+    team = group_ring(group)
+
+    def setup() -> Setup:  # every check, on every rank, before any message
+        check_layout(layout)
+        check_qkv(q, k, v, enable_gqa, "ulysses_attention")
+        ring, device = with_device(team, q, k, v)
+        local = kernels.for_device(device)
+        local.check(q, k, v)
+        hq, hkv, t_local = q.shape[1], k.shape[1], q.shape[2]
+        if hq % ring.size or hkv % ring.size:
+            raise ValueError(
+                f"ulysses_attention splits heads across the {ring.size} ranks: Hq={hq} and "
+                f"Hkv={hkv} must both be multiples of {ring.size}; use ring_attention, which has "
+                f"no such limit"
+            )
+        total = t_local * ring.size
+        detail = f" ({t_local} tokens per rank x {ring.size} ranks)"
+        chunk_size(total, ring.size, layout, detail=detail)
+        all_slopes = slopes_array(alibi_slopes)
+        check_variants(q, scale, softcap, all_slopes)
+        whole = [(0, total)]
+        steps = (tuple(plan_blocks(whole, whole, *band(causal, window))),)
+        slopes = _local_slopes(all_slopes, hq, ring)
+        keywords = {"scale": scale, "softcap": softcap, "alibi_slopes": slopes}
+        setup = Setup(None, steps, keywords, local, procs=ring.size, peers=ring)
+        return setup, signature(q, k, v, causal, LAYOUTS.index(layout), window)
+
+    local = agree(team, setup)
+    ring = local.peers
+    with guarded(ring, "ulysses_attention"):
+        qh, kh, vh = (seq_to_heads(x, ring, layout) for x in (q, k, v))
+        out, lse = RingAttention.apply(qh, kh, vh, local)
+        out = heads_to_seq(out, ring, layout)
+        if return_lse:
+            lse = heads_to_seq(lse.unsqueeze(-1), ring, layout).squeeze(-1)
+    return (out, lse) if return_lse else out
