@@ -401,7 +401,8 @@ def _inject(rank, world, run, *, kernel, after, expect_refusal=False):
         assert "rank 1 of the group refused" in str(error)
     else:
         assert isinstance(error, PeerFailure), repr(error)
-        assert "rank 1 failed" in str(error) and "injected into" in str(error), str(error)
+        assert "rank 1 of the group failed" in str(error), str(error)
+        assert "injected into" in str(error), str(error)
     if expect_refusal:  # nothing was in flight: the group works
         fd.ring_attention(*(torch.zeros(1, 2, 2 * world, 4),) * 3, group=group)
 
@@ -452,6 +453,12 @@ def ranks_that_disagree_on_shapes_all_refuse(rank, world):
     x = torch.zeros(1, 2, 2 * (1 + (rank == 2)), 4)  # rank 2's shard is twice as long
     try:
         fd.ring_attention(x, x, x)
+        raise AssertionError("not refused")
+    except ValueError as exc:
+        assert "disagree" in str(exc), str(exc)
+    y = torch.zeros(1, 2, 2, 4, requires_grad=rank != 2)  # rank 2 would skip the backward
+    try:
+        fd.ring_attention(y, y, y)
         raise AssertionError("not refused")
     except ValueError as exc:
         assert "disagree" in str(exc), str(exc)

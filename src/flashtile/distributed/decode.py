@@ -20,7 +20,7 @@ from flashtile.merge import merge_partials, refuse_posinf
 
 from . import kernels
 from .comm import group_ring, with_device
-from .faults import agree, guarded, messages
+from .faults import agree, dtype_code, guarded, messages
 from .kernels import work_dtype
 from .threads import kernel_threads
 
@@ -109,11 +109,11 @@ def context_parallel_decode(
         work = work_dtype(q.dtype)
         refuse_posinf(torch, lse, "this rank's lse")  # merging it would give NaN
         mine = torch.cat([out.to(work), lse.to(work)[..., None]], dim=-1)
-        return (ring, mine), (*mine.shape, int(bool(causal)), tail)
+        return (ring, mine), (*mine.shape, dtype_code(mine.dtype), int(bool(causal)), tail)
 
     ring, mine = agree(team, local)
-    parts = [torch.empty_like(mine) for _ in range(ring.size)]
     with guarded(ring, "context_parallel_decode"), messages(ring):
+        parts = [torch.empty_like(mine) for _ in range(ring.size)]
         dist.all_gather(parts, mine, group=ring.group)
     out, lse = _merge_in_rank_order(parts)
     out = out.to(q.dtype)

@@ -20,8 +20,9 @@ distributed call runs in two stages:
    in turn, so the failure reaches every rank within a few hops' time. A
    rank whose process dies closes its connections too (measured: its peers
    raise within 0.02 s on one machine). Either way the group cannot be used
-   again: destroy it (``torch.distributed.destroy_process_group``) and make
-   another; later calls on it raise :class:`PeerFailure`.
+   again: later calls on it raise :class:`PeerFailure`. Restart the
+   processes (torchrun's restarts do), or go on with a new group
+   (``torch.distributed.new_group``).
 
 Nothing of this runs while calls succeed but the one flag per call: the
 waits are the plain ones. It applies to CPU tensors (gloo). CUDA calls
@@ -31,6 +32,7 @@ waits are the plain ones. It applies to CPU tensors (gloo). CUDA calls
 from __future__ import annotations
 
 import contextlib
+import weakref
 from datetime import timedelta
 
 import torch
@@ -48,23 +50,44 @@ class PeerFailure(RuntimeError):
     """Another rank of the group failed during a call (its reason in the message)."""
 
 
+#: group name -> (a weak reference to the group object last seen under it,
+#: its generation): a group destroyed and made again gets the same name (and
+#: store prefix), so its fault key carries a generation, the same on every
+#: rank (every rank meets the same sequence of groups). Weak: a destroyed
+#: group must be freed (its connections go with it).
+_GENERATIONS: dict = {}
+
+
+def _key(group) -> str:
+    name = group.group_name
+    seen, generation = _GENERATIONS.get(name, (lambda: None, -1))
+    if seen() is not group:
+        generation += 1
+        _GENERATIONS[name] = (weakref.ref(group), generation)
+    return f"{FAULT_KEY}/{generation}"
+
+
+def _group(group):
+    return group if group is not None else c10d._get_default_group()
+
+
 def _store(group):
-    return c10d._get_process_group_store(group if group is not None else c10d._get_default_group())
+    return c10d._get_process_group_store(_group(group))
 
 
 def _reason(group) -> str | None:
     """What a failed rank of ``group`` posted, or None."""
     with contextlib.suppress(Exception):  # (the store may be gone with the job)
-        store = _store(group)
-        if store.check([FAULT_KEY]):
-            return store.get(FAULT_KEY).decode(errors="replace")
+        store, key = _store(group), _key(_group(group))
+        if store.check([key]):
+            return store.get(key).decode(errors="replace")
     return None
 
 
 def _failure(reason: str) -> PeerFailure:
     return PeerFailure(
         f"flashtile.distributed: {reason}; this rank stops too. The process group cannot be "
-        f"used again: destroy it and create another"
+        f"used again: restart the processes, or go on with a new group"
     )
 
 
@@ -101,11 +124,19 @@ def guarded(ring, what: str):
         yield
     except BaseException as exc:
         if not isinstance(exc, PeerFailure) and _reason(ring.group) is None:
-            reason = f"rank {ring.rank} failed in {what} ({type(exc).__name__}: {str(exc)[:400]})"
+            reason = f"{_who(ring)} failed in {what} ({type(exc).__name__}: {str(exc)[:400]})"
             with contextlib.suppress(Exception):
-                _store(ring.group).set(FAULT_KEY, reason)
+                _store(ring.group).set(_key(_group(ring.group)), reason)
         _close(ring)
         raise
+
+
+def _who(ring) -> str:
+    """This rank as its peers read it: its rank in the group (and the global one)."""
+    mine = f"rank {ring.rank} of the group"
+    if ring.group is not None and dist.get_rank() != ring.rank:
+        mine += f" (global rank {dist.get_rank()})"
+    return mine
 
 
 @contextlib.contextmanager
@@ -118,8 +149,10 @@ def messages(ring):
     except RuntimeError as exc:
         if ring is None or not ring.polls or isinstance(exc, PeerFailure):
             raise
-        reason = _reason(ring.group) or f"a peer rank went away ({str(exc)[:300]})"
-        raise _failure(reason) from exc
+        reason = _reason(ring.group)
+        if reason is None and "Timed out" in str(exc):
+            reason = f"a peer rank did not answer within the group's timeout ({str(exc)[:300]})"
+        raise _failure(reason or f"a peer rank went away ({str(exc)[:300]})") from exc
 
 
 def wait(works, ring) -> None:
@@ -141,16 +174,24 @@ def agree(ring, check):
     module docstring), or if the ranks' ``signature`` (up to
     :data:`SIGNATURE` integers: shapes, dtypes, flags that every rank must
     share) differ."""
+    if ring is None or ring.size == 1:
+        return check()[0]
+    try:
+        if ring.polls:
+            raise_if_failed(ring.group)  # a group left broken by an earlier failure
+        return _vote(ring, check)
+    except PeerFailure:
+        _close(ring)  # (a peer already in the vote waits on this rank: let it go too)
+        raise
+
+
+def _vote(ring, check):
+    """:func:`agree`'s vote, on a group of several ranks."""
     error, signature = None, ()
     try:
         result, signature = check()
-    except Exception as exc:  # refused here: the other ranks must hear of it
+    except BaseException as exc:  # refused (or interrupted) here: the others must hear of it
         error = exc
-    if ring is None or ring.size == 1:
-        if error is not None:
-            raise error
-        return result
-    raise_if_failed(ring.group)  # a group left broken by an earlier failure
     sig = (list(signature) + [0] * SIGNATURE)[:SIGNATURE]
     # one all_reduce (MAX) gives the flag, the largest and (negated) the smallest signature
     votes = torch.tensor([int(error is not None), *sig, *(-x for x in sig)], dtype=torch.int64)
@@ -171,7 +212,7 @@ def agree(ring, check):
     if refused:
         raise ValueError(
             f"rank {refused[0]} of the group refused the call ({verdicts[refused[0]][0]}); "
-            f"every rank refuses it, before any message"
+            f"every rank refuses it, before any message (ranks are the group's)"
         )
     odd = next(r for r, (_, theirs) in enumerate(verdicts) if theirs != verdicts[0][1])
     raise ValueError(
@@ -181,11 +222,18 @@ def agree(ring, check):
     )
 
 
+def dtype_code(dtype) -> int:
+    dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    return dtypes.index(dtype) if dtype in dtypes else -1
+
+
 def signature(q, k, v, causal, layout: int, window) -> tuple[int, ...]:
     """What every rank of a sequence-parallel call must share: ``q``'s,
-    ``k``'s and ``v``'s shapes, the dtype, ``causal``, the layout's index
-    and the window (-1: an unbounded side; -2, -2: none)."""
-    dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-    code = dtypes.index(q.dtype) if q.dtype in dtypes else -1
+    ``k``'s and ``v``'s shapes, the dtype, whether the call will be
+    differentiated (every rank must run the backward, which communicates),
+    ``causal``, the layout's index and the window (-1: an unbounded side;
+    -2, -2: none)."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     sides = (-2, -2) if window is None else tuple(-1 if w is None else int(w) for w in window)
-    return (*q.shape, *k.shape, *v.shape, code, int(bool(causal)), layout, *sides)[:SIGNATURE]
+    flags = (dtype_code(q.dtype), int(grad), int(bool(causal)), layout, *sides)
+    return (*q.shape, *k.shape, *v.shape, *flags)[:SIGNATURE]
