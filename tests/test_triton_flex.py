@@ -20,10 +20,10 @@ from flashtile.triton.flex import flex_attention
 from flex_oracle import _check, dense_flex, rel
 
 B, HQ, HKV, D = 1, 4, 2, 16
-T = 70
+T = 50
 BIAS = torch.randn(HQ, 2 * T - 1, generator=torch.Generator().manual_seed(11))
 SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
-DOCS = torch.tensor([0] * 23 + [1] * 30 + [2] * 17)
+DOCS = torch.tensor([0] * 17 + [1] * 21 + [2] * 12)
 
 
 def _tables(device):
@@ -64,7 +64,7 @@ CASES = [  # (name, score_mod, mask_mod, Tq, tables that take a gradient)
     ("relative bias, causal", "rel_bias", "causal", T, ["bias"]),
     ("ALiBi, documents", "alibi", "document", T, ["slopes"]),
     ("softcap, no block mask", "softcap", None, 45, []),
-    ("dilated prefix, Tq < Tk", None, "dilated_prefix", 40, []),
+    ("dilated prefix, Tq < Tk", None, "dilated_prefix", 33, []),
 ]
 
 
@@ -163,8 +163,8 @@ def test_tuning_launches_do_not_add_into_captured_gradients(monkeypatch):
 
     def timing_pick(kernel, element_bytes, block_d, key, run, fits=None):
         config = real_pick(kernel, element_bytes, block_d, key, run, fits)
-        if run is not None:
-            for _ in range(3):  # the tuner's timing launches
+        if kernel == "attn_bwd_dq":  # the kernel that adds atomically
+            for _ in range(2):  # the tuner's timing launches
                 run(config)
         return config
 
