@@ -107,7 +107,7 @@ def with_device(ring: Ring, *tensors: torch.Tensor) -> tuple[Ring, torch.device]
 def shift(ring: Ring, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> list:
     """Post: send ``send`` to the next rank, receive ``recv`` from the previous one.
 
-    Returns the pending works; :func:`wait` them before reading ``recv`` or
+    Returns the pending works; :func:`.faults.wait` them before reading ``recv`` or
     writing ``send``. Streams that may be in flight together use different
     ``tag`` values.
     """
@@ -117,11 +117,6 @@ def shift(ring: Ring, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> l
     ]
     with faults.messages(ring):
         return dist.batch_isend_irecv(ops)
-
-
-def wait(works, ring: Ring) -> None:
-    """Wait for pending messages; a peer's failure raises (:func:`.faults.wait`)."""
-    faults.wait(works, ring)
 
 
 def all_to_all(x: torch.Tensor, ring: Ring) -> torch.Tensor:

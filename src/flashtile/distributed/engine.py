@@ -32,8 +32,8 @@ import torch
 
 from flashtile.merge import merge_partials, refuse_posinf
 
-from .comm import Ring, shift, wait
-from .faults import guarded
+from .comm import Ring, shift
+from .faults import guarded, wait
 from .kernels import LocalKernels, work_dtype
 from .threads import kernel_threads
 

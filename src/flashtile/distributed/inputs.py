@@ -8,6 +8,10 @@ import torch
 from flashtile._validate import check_sdpa_layout
 from flashtile.frontdoor import check_call
 
+from . import kernels
+from .comm import with_device
+from .layout import check_layout
+
 #: Input dtypes accepted; 16-bit floats travel as they are (see :mod:`.kernels` for the
 #: dtype each device computes in).
 ACCEPTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -30,6 +34,18 @@ def check_qkv(q, k, v, enable_gqa: bool, what: str) -> None:
             f"{what}: q {tuple(q.shape)} and k {tuple(k.shape)} must share T_local "
             f"(self-attention over one sharded sequence)"
         )
+
+
+def checked_shards(team, q, k, v, enable_gqa: bool, layout: str, what: str):
+    """``(ring, kernels)`` of a sequence-parallel call: the layout, ``q, k, v``
+    and their device checked against the group (``team``, a
+    :class:`~.comm.Ring`), and the device's kernels' own limits."""
+    check_layout(layout)
+    check_qkv(q, k, v, enable_gqa, what)
+    ring, device = with_device(team, q, k, v)
+    local = kernels.for_device(device)
+    local.check(q, k, v)
+    return ring, local
 
 
 def slopes_array(alibi_slopes):

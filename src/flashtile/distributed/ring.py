@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from . import kernels
 from .blocks import band, plan_blocks
-from .comm import group_ring, with_device
+from .comm import group_ring
 from .engine import RingAttention, Setup
 from .faults import agree, signature
-from .inputs import check_qkv, check_variants, slopes_array
-from .layout import LAYOUTS, check_layout, chunk_size, segments
+from .inputs import check_variants, checked_shards, slopes_array
+from .layout import LAYOUTS, chunk_size, segments
 
 
 def plan_ring(ring, t_local: int, layout: str, causal: bool, window) -> tuple:
@@ -83,11 +82,7 @@ def ring_attention(
     team = group_ring(group)
 
     def setup() -> Setup:  # every check, on every rank, before any message
-        check_layout(layout)
-        check_qkv(q, k, v, enable_gqa, "ring_attention")
-        ring, device = with_device(team, q, k, v)
-        local = kernels.for_device(device)
-        local.check(q, k, v)
+        ring, local = checked_shards(team, q, k, v, enable_gqa, layout, "ring_attention")
         if alibi_slopes is not None and ring.size > 1:
             raise ValueError(
                 "ring_attention does not support alibi_slopes over more than one rank: the "

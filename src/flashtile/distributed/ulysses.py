@@ -13,13 +13,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import kernels
 from .blocks import band, plan_blocks
-from .comm import all_to_all, group_ring, with_device
+from .comm import all_to_all, group_ring
 from .engine import RingAttention, Setup
 from .faults import agree, guarded, signature
-from .inputs import check_qkv, check_variants, slopes_array
-from .layout import LAYOUTS, check_layout, chunk_size, to_layout_order, to_sequence_order
+from .inputs import check_variants, checked_shards, slopes_array
+from .layout import LAYOUTS, chunk_size, to_layout_order, to_sequence_order
 
 
 class _AllToAll(torch.autograd.Function):
@@ -91,11 +90,7 @@ def ulysses_attention(
     team = group_ring(group)
 
     def setup() -> Setup:  # every check, on every rank, before any message
-        check_layout(layout)
-        check_qkv(q, k, v, enable_gqa, "ulysses_attention")
-        ring, device = with_device(team, q, k, v)
-        local = kernels.for_device(device)
-        local.check(q, k, v)
+        ring, local = checked_shards(team, q, k, v, enable_gqa, layout, "ulysses_attention")
         hq, hkv, t_local = q.shape[1], k.shape[1], q.shape[2]
         if hq % ring.size or hkv % ring.size:
             raise ValueError(

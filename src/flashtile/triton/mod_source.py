@@ -52,25 +52,18 @@ _FLOAT_UNARY = {
     "trunc": "trunc({0})",
     "round": "rint({0})",
 }
+# The operators Python spells alike for scalars and tiles come from the
+# Numba dialect's tables; the rest is Triton's.
 _UNARY = {
+    **Translator.UNARY,
     **_FLOAT_UNARY,
-    "neg": "(-{0})",
     "abs": "tl.abs({0})",
     "sign": "(tl.where({0} > 0, 1, 0) - tl.where({0} < 0, 1, 0))",
     "sgn": "(tl.where({0} > 0, 1, 0) - tl.where({0} < 0, 1, 0))",
-    "isnan": "({0} != {0})",
     "logical_not": "({0} == 0)",
 }
 _BINARY = {
-    "mul": "({0} * {1})",
-    "div": "({0} / {1})",
-    "true_divide": "({0} / {1})",
-    "eq": "({0} == {1})",
-    "ne": "({0} != {1})",
-    "lt": "({0} < {1})",
-    "le": "({0} <= {1})",
-    "gt": "({0} > {1})",
-    "ge": "({0} >= {1})",
+    **Translator.BINARY,
     "maximum": "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
     "minimum": "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
     # (by tl.where: the interpreter mishandles & and | between a tile and a 0-d tensor)
