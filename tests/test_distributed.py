@@ -31,22 +31,8 @@ import torch.distributed as dist  # noqa: E402
 import flashtile  # noqa: E402
 import flashtile.distributed as fd  # noqa: E402
 from dense import rel_err  # noqa: E402
-
-WORLD_SIZES = (2, 3, 4)
-#: Seconds a whole world may take (spawn, imports, every case) before it counts as hung.
-WORLD_TIMEOUT = 240
-CASES: dict = {}
-
-
-def case(*worlds):
-    """Register a case ``fn(rank, world)`` for the given world sizes (default: all)."""
-
-    def register(fn):
-        CASES[fn.__name__] = (fn, worlds or WORLD_SIZES)
-        return fn
-
-    return register
-
+from distributed_cases import CASES, WORLD_SIZES, WORLD_TIMEOUT, case, small_shard  # noqa: E402
+from distributed_fault_cases import FAULT_SECONDS  # noqa: E402  (and registers its cases)
 
 # ------------------------------------------------------------------ helpers run in each rank
 
@@ -351,120 +337,6 @@ def example_trains_like_one_process(rank, world):
     assert example.train(args, rank, world)  # rank 0 compares with its one-process twin
 
 
-# ------------------------------------------------------------------ faults
-# Each case runs on a group of its own (a failure leaves its group unusable:
-# the failed rank closes its connections); the world group stays whole.
-
-#: Seconds within which every surviving rank must raise.
-FAULT_SECONDS = 10
-
-
-def _inject(rank, world, run, *, kernel, after, expect_refusal=False):
-    """Rank 1's ``kernel`` (of the CPU kernels: attend, grads, decode) raises
-    on its call after the first ``after``; every rank runs ``run(group)``
-    twice (a rank that needed nothing more from rank 1 finishes its first
-    call, whole, and meets the failure in the next) and must raise within
-    FAULT_SECONDS: rank 1 its own error, the others PeerFailure naming it
-    (ValueError with ``expect_refusal``: the fault came before any message,
-    and the group still works)."""
-    import dataclasses
-
-    from flashtile.distributed import kernels
-    from flashtile.distributed.faults import PeerFailure
-
-    group = dist.new_group(backend="gloo")
-    saved, calls = kernels.CPU, [0]
-    injected = RuntimeError(f"injected into {kernel}")
-
-    def failing(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] > after:
-            raise injected
-        return getattr(saved, kernel)(*args, **kwargs)
-
-    if rank == 1:
-        kernels.CPU = dataclasses.replace(saved, **{kernel: failing})
-    start, error = time.perf_counter(), None
-    try:
-        run(group)
-        run(group)
-    except Exception as exc:  # (pytest.raises' failure would end the whole world)
-        error = exc
-    finally:
-        kernels.CPU = saved
-    took = time.perf_counter() - start
-    assert took < FAULT_SECONDS, f"rank {rank} raised after {took:.1f} s"
-    if rank == 1:
-        assert error is injected, repr(error)
-    elif expect_refusal:
-        assert isinstance(error, ValueError), repr(error)
-        assert "rank 1 of the group refused" in str(error)
-    else:
-        assert isinstance(error, PeerFailure), repr(error)
-        assert "rank 1 of the group failed" in str(error), str(error)
-        assert "injected into" in str(error), str(error)
-    if expect_refusal:  # nothing was in flight: the group works
-        fd.ring_attention(*(torch.zeros(1, 2, 2 * world, 4),) * 3, group=group)
-
-
-def _shard(world, dtype=torch.float64, requires_grad=False):
-    x = torch.randn(1, world, 4, 8, dtype=dtype, generator=torch.Generator().manual_seed(1))
-    return x.requires_grad_(requires_grad)
-
-
-@case(2, 4)
-def a_failure_mid_ring_forward_reaches_every_rank(rank, world):
-    def run(group):
-        x = _shard(world)
-        fd.ring_attention(x, x, x, group=group, causal=True)
-
-    _inject(rank, world, run, kernel="attend", after=1)
-
-
-@case(2, 3)
-def a_failure_in_the_ring_backward_reaches_every_rank(rank, world):
-    def run(group):
-        x = _shard(world, requires_grad=True)
-        fd.ring_attention(x, x, x, group=group, layout="contiguous").sum().backward()
-
-    _inject(rank, world, run, kernel="grads", after=world - 1)  # the last step
-
-
-@case(2)
-def a_failure_between_ulysses_exchanges_reaches_every_rank(rank, world):
-    def run(group):
-        x = _shard(world)
-        fd.ulysses_attention(x, x, x, group=group)
-
-    _inject(rank, world, run, kernel="attend", after=0)
-
-
-@case(3)
-def a_decode_failure_is_refused_by_every_rank(rank, world):
-    def run(group):
-        q, cache = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8)
-        fd.context_parallel_decode(q, cache, cache, group=group)
-
-    _inject(rank, world, run, kernel="decode", after=0, expect_refusal=True)
-
-
-@case(3)
-def ranks_that_disagree_on_shapes_all_refuse(rank, world):
-    x = torch.zeros(1, 2, 2 * (1 + (rank == 2)), 4)  # rank 2's shard is twice as long
-    try:
-        fd.ring_attention(x, x, x)
-        raise AssertionError("not refused")
-    except ValueError as exc:
-        assert "disagree" in str(exc), str(exc)
-    y = torch.zeros(1, 2, 2, 4, requires_grad=rank != 2)  # rank 2 would skip the backward
-    try:
-        fd.ring_attention(y, y, y)
-        raise AssertionError("not refused")
-    except ValueError as exc:
-        assert "disagree" in str(exc), str(exc)
-    fd.ring_attention(*(torch.zeros(1, 2, 2, 4),) * 3)  # nothing was in flight
-
-
 # ------------------------------------------------------------------ process plumbing
 
 
@@ -546,7 +418,7 @@ def _killed_worker(rank, world, port, out_dir):
             lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL),
             *(getattr(kernels.CPU, f) for f in ("grads", "decode", "check")),
         )
-    x = _shard(world)
+    x = small_shard(world)
     start, outcome = time.perf_counter(), "finished"
     try:
         fd.ring_attention(x, x, x)

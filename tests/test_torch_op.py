@@ -204,7 +204,7 @@ def test_opcheck_forward_and_backward_ops():
     out, lse = torch.ops.flashtile.attention_fwd(q, k, v, *variants, sinks)
     dout = torch.randn_like(out)
     torch.library.opcheck(
-        torch.ops.flashtile.attention_bwd.default, (dout, q, k, v, out, lse, *variants)
+        torch.ops.flashtile.attention_bwd.default, (dout, q, k, v, out, lse, sinks, *variants)
     )
 
 

@@ -269,8 +269,9 @@ def test_fake_tensors_give_the_shapes_without_running():
             q, k, v, None, None, None, None, 0, 0, 0.25, -1, 0, None, 0.0, None, None
         )
         dq, dk, dv = torch.ops.flashtile.triton_attention_bwd(
-            out, q, k, v, out, lse, None, None, None, None, 0, 0, 0.25, -1, 0, None, 0.0, None
-        )
+            out, q, k, v, out, lse, None, None, None, None, None, 0, 0, 0.25, -1, 0, None, 0.0,
+            None,
+        )  # fmt: skip
     assert out.shape == (2, 4, 9, 8) and lse.shape == (2, 4, 9) and lse.dtype == torch.float32
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._validate import check_flag, check_same_shape
-from .cpu.launch import run_backward, run_forward
+from ._validate import check_flag
+from .cpu.launch import run_forward
 from .frontdoor import check_call, plain_key, prepare, prepared, run_call, run_prepared
+from .gradients import check_gradient_inputs, checked_gradients, in_dtype
 from .merge import sink_gradient
-from .planning import plan_backward, plan_forward
+from .planning import plan_forward
 
 __all__ = [
     "attention",
@@ -43,33 +44,26 @@ __all__ = [
 ]
 
 
-def _check_gradient_inputs(call, out, lse, dout):
-    """The backward's ``out``, ``lse`` and ``dout``, checked against the call's shapes."""
-    o_shape = call.shapes.batch + (call.shapes.tq, call.shapes.dv)
-    out = check_same_shape(out, "out", o_shape, "the forward output")
-    dout = check_same_shape(dout, "dout", o_shape, "the gradient of out")
-    lse = check_same_shape(lse, "lse", o_shape[:-1], "from return_lse=True")
-    return out, lse, dout
-
-
 def _backward(call, out, lse, dout, block_q, block_k):
     """The backward of a checked call: ``(dq, dk, dv)`` in the shapes of the
-    caller's ``q``, ``k``, ``v`` and its dtype, and ``dsinks`` with sinks.
+    caller's ``q``, ``k``, ``v`` and its dtype, and ``dsinks`` with sinks;
+    right or a ``ValueError`` (:mod:`flashtile.gradients`).
 
     ``out`` and ``lse`` are the forward's, the sinks merged in: ``P = exp(S -
     lse)`` is then the softmax with the sink's column, so the kernels'
     formula needs nothing more, and the sink's own gradient is
     :func:`flashtile.merge.sink_gradient`."""
-    out, lse, dout = _check_gradient_inputs(call, out, lse, dout)
-    plan = plan_backward(call, block_q, block_k)
+    out, lse, dout = check_gradient_inputs(call, out, lse, dout)
+    g = checked_gradients(call, out, lse, dout, block_q, block_k)
+    dtype = call.q.dtype
     grads = tuple(
-        g.reshape(a.shape).astype(plan.dtype, copy=False)
-        for g, a in zip(run_backward(plan, out, lse, dout), (call.q, call.k, call.v), strict=True)
+        in_dtype(x, a, dtype)
+        for x, a in zip((g.dq, g.dk, g.dv), (call.q, call.k, call.v), strict=True)
     )
     sinks = call.variants.sinks
     if sinks is None:
         return grads
-    return grads + (sink_gradient(np, out, lse, dout, sinks).astype(plan.dtype),)
+    return grads + (in_dtype(sink_gradient(np, g.out, g.lse, dout, sinks), sinks, dtype),)
 
 
 def attention(

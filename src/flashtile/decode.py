@@ -22,6 +22,7 @@ from .decode_planning import plan_decode
 from .frontdoor import decode_key, prepare_decode, prepared, run_decode_checked, run_prepared_decode
 from .kvlayout import check_cache, decode_variants
 from .merge import add_sinks
+from .precision import narrow_out
 
 
 def decode_attention(
@@ -108,5 +109,5 @@ def decode_attention(
     out, lse = run_decode_checked(plan, variants, q, num_splits)
     if variants.sinks is not None:
         out, lse = add_sinks(np, out, lse, variants.sinks)
-    out = out.astype(q.dtype, copy=False)
+    out = narrow_out(out, q.dtype)
     return (out, lse) if return_lse else out

@@ -63,6 +63,7 @@ from .precision import (
     decode_bound,
     decode_overflowed,
     narrow_lse,
+    narrow_out,
 )
 from .variants import Variants, clear_padded_keys, resolve_variants
 
@@ -136,8 +137,7 @@ def _shaped(out, lse, shapes: AttentionShapes, dtype, return_lse):
     lse_shape = shapes.batch + (shapes.tq,)
     if lse.shape != lse_shape:  # the kernels' 4-D layout, for 2-D and 3-D inputs
         out, lse = out.reshape(lse_shape + out.shape[-1:]), lse.reshape(lse_shape)
-    if out.dtype != dtype:  # float64 was needed, or float16 inputs
-        out = out.astype(dtype)
+    out = narrow_out(out, dtype)  # float64 was needed, or float16 inputs
     return (out, narrow_lse(lse, dtype)) if return_lse else out
 
 

@@ -52,7 +52,7 @@ def merge_states(out_a, lse_a, out_b, lse_b):
     for lse, name in ((lse_a, "lse_a"), (lse_b, "lse_b")):
         refuse_posinf(np, lse, name)
     lse_dtype = np.result_type(lse_a, lse_b)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"):  # discarded: see merge_partials
         out, lse = merge_partials(np, out_a, lse_a, out_b, lse_b)
     return out.astype(np.result_type(out_a, out_b), copy=False), lse.astype(lse_dtype, copy=False)
 
@@ -75,7 +75,8 @@ def merge_partials(xp, out_a, lse_a, out_b, lse_b):
 
     Shapes as in :func:`merge_states`; the result has the inputs' promoted dtype.
     NumPy callers silence the division warning of an all-empty row (its weight
-    is 0: ``1 / 0`` is discarded).
+    is 0: ``1 / 0`` is discarded) and the invalid-value warning of a side of
+    weight 0 whose ``out`` holds inf (``0 * inf`` is discarded too).
     """
     m = xp.maximum(lse_a, lse_b)
     # Where both sides are empty m is -inf; shift by 0 instead so that the
@@ -104,7 +105,7 @@ def add_sinks(xp, out, lse, sinks):
     sinks[h]``; a ``-inf`` sink changes nothing). ``out`` keeps its dtype.
     """
     sink = xp.zeros_like(lse) + _cast(xp, sinks, lse.dtype).reshape((-1, 1))  # (..., Hq, T)
-    with np.errstate(divide="ignore"):  # an all-empty row's weight (see merge_partials)
+    with np.errstate(divide="ignore", invalid="ignore"):  # discarded (see merge_partials)
         merged, lse = merge_partials(xp, out, lse, 0.0, sink)
     return _cast(xp, merged, out.dtype), lse
 

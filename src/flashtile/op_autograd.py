@@ -3,12 +3,13 @@
 Each backend registers a pair of torch operators of one convention::
 
     forward(q, k, v, *variants, sinks) -> (out, lse)
-    backward(dout, q, k, v, out, lse, *variants) -> (dq, dk, dv)
+    backward(dout, q, k, v, out, lse, sinks, *variants) -> (dq, dk, dv)
 
-The forward's last argument is the attention sinks ``(Hq,)`` (or None),
-merged into ``out`` and ``lse``; the backward takes the other variants: its
-``P = exp(S - lse)`` already includes the sink's column, and the sinks' own
-gradient is :func:`flashtile.merge.sink_gradient`, computed here in torch.
+The attention sinks ``(Hq,)`` (or None) are merged into ``out`` and ``lse``
+by the forward: the backward's ``P = exp(S -
+lse)`` already includes the sink's column (the CPU backward reads the sinks
+for its precision rule only), and the sinks' own gradient is
+:func:`flashtile.merge.sink_gradient`, computed here in torch.
 
 (``flashtile::attention_fwd``/``_bwd`` on the CPU kernels, ``flashtile::
 triton_attention_fwd``/``_bwd`` on the Triton kernels). :func:`register`
@@ -88,7 +89,7 @@ def gradients(ctx, dout, backward) -> tuple:
     dv``, None for every variant argument and the sinks' gradient."""
     q, k, v, out, lse, *tensors = ctx.saved_tensors
     *variants, sinks = [t if x is None else x for t, x in zip(tensors, ctx.others, strict=True)]
-    dq, dk, dv = backward(dout, q, k, v, out, lse, *variants)
+    dq, dk, dv = backward(dout, q, k, v, out, lse, sinks, *variants)
     dsinks = None
     if sinks is not None:
         dsinks = sink_gradient(torch, out, lse, dout, sinks).to(sinks.dtype)

@@ -39,12 +39,22 @@ matters only where such a value meets a huge one (``1e-39 * 1e35``): the
 forward's score bound sends such calls to float64 in practice (the huge
 value makes it large), decoding (which does
 not read the cache before the step) computes them with the terms lost.
+
+The backward recomputes ``P = exp(s - lse)`` from its own scores and the
+stored ``lse``, so the rounding of both lands in the exponent of every
+``P``, and nothing normalises it away as the forward's running sum does
+(float32, d = 4: ``dv`` was 31% off at ``|lse|`` 5e6, inf at 7e10, while
+the forward was right). :func:`gradients_unreliable` is the rule, decided
+after the backward ran (:mod:`flashtile.gradients` acts on it): the rows'
+sums of ``P``, which the kernel returns, must be 1, and ``|lse|`` small
+enough for the work dtype to resolve the scores near it.
 """
 
 from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numba
 import numpy as np
 from numba.extending import overload, register_jitable
@@ -244,6 +254,16 @@ def decode_overflowed(
     return bool(odd.any()) and bound() >= FLOAT32_SCORE_LIMIT
 
 
+def narrow_out(a: np.ndarray, dtype) -> np.ndarray:
+    """A result (``out``, a gradient) in the caller's ``dtype``: past its
+    range (float16's 65504; float32's, from float64 work) it is inf, as any
+    cast to it gives, without NumPy's overflow warning."""
+    if a.dtype == dtype:
+        return a
+    with np.errstate(over="ignore"):
+        return a.astype(dtype)
+
+
 def narrow_lse(lse: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``lse`` in the compute dtype of inputs of ``dtype`` (float32 for float16
     and float32 inputs also when float64 was needed); past float32's range: inf."""
@@ -252,3 +272,58 @@ def narrow_lse(lse: np.ndarray, dtype: np.dtype) -> np.ndarray:
         return lse
     with np.errstate(over="ignore"):
         return lse.astype(narrow)
+
+
+#: How far a row's recomputed probabilities may be from summing to 1, and
+#: how coarse the scores near ``lse`` may be (:func:`gradients_unreliable`):
+#: the share of a gradient's relative error the backward's recomputation may
+#: add. float32 work meets it while ``|lse|`` stays below about 2000.
+GRADIENT_TOLERANCE = 2.0**-12
+
+
+def gradients_unreliable(sums, lse, dout, sinks) -> bool:
+    """Whether gradients recomputed from ``lse`` may be off by more than
+    :data:`GRADIENT_TOLERANCE` (the caller then computes them again in
+    float64, or refuses).
+
+    ``sums (..., Tq)``: each query row's sum of the probabilities the backward
+    recomputed (the kernels' fourth result), ``lse (..., Tq)`` the ``lse``
+    they were recomputed from, ``dout (..., Tq, dv)``, ``sinks (Hq,)`` or
+    None; the work dtype, in which the scores were computed, is ``sums``'s. A row counts when
+    its ``dout`` is not all zero (a zero row adds exact zeros, ``P`` being
+    capped at ``2**127``: padding rows hidden by an additive -1e9 need not be
+    exact). A counted row fails when
+
+    - its ``P`` do not sum to ``1 - exp(sink - lse)`` (1 without sinks)
+      within the tolerance: ``lse`` does not match the scores (its rounding,
+      an ``lse`` past float32's range stored as inf, another call's ``lse``);
+    - the work dtype is narrower than float64 and ``|lse| * (eps(lse's
+      dtype) + eps(work dtype))`` reaches the tolerance: the scores near
+      ``lse`` round by that much, so the ``P`` may sum to 1 and still be off
+      one by one, where float64 would resolve them (float32: ``|lse|``
+      about 2000 and beyond). In float64 the sums alone decide: scores
+      rounded one by one are what a float64 computation of any kind sees.
+
+    Rows that see no key (``lse = -inf``, zero sums) and rows the NaN policy
+    covers (NaN sums or ``lse``) never fail. Costs a pass over ``sums`` and
+    ``lse``; ``dout`` is read only when some row fails."""
+    tol = GRADIENT_TOLERANCE
+    eps = 0.0  # float64 work: the sums alone
+    if sums.dtype != np.float64:
+        eps = float(ml_dtypes.finfo(lse.dtype).eps) + float(ml_dtypes.finfo(sums.dtype).eps)
+    expected = 1.0
+    sums = sums.reshape(lse.shape)
+    wide = lse.astype(sums.dtype, copy=False)
+    if sinks is not None:
+        with np.errstate(over="ignore", invalid="ignore"):
+            sink = np.asarray(sinks, dtype=sums.dtype).reshape(-1, 1)
+            expected = 1.0 - np.exp(sink - np.where(np.isneginf(wide), np.inf, wide))
+    with np.errstate(invalid="ignore"):
+        off = (np.abs(sums - expected) > tol) & ~np.isneginf(wide) | np.isposinf(wide)
+    coarse = finite_max_abs(lse) * eps >= tol
+    if not (coarse or off.any()):  # the common case: no pass over dout
+        return False
+    counted = np.any(dout != 0, axis=-1)
+    if np.any(off & counted):
+        return True
+    return finite_max_abs(np.where(counted, wide, 0.0)) * eps >= tol

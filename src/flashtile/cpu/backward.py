@@ -53,7 +53,7 @@ from .vectors import wide_vectors
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def probs_tile(s, p, lse2, chain_buf, raw_buf, tile, j0, variants, full, read_bool):
+def probs_tile(s, p, lse2, sums, chain_buf, raw_buf, tile, j0, variants, full, read_bool):
     """``p = 2**(s - lse2[row])`` with every variant, exact zeros where hidden.
 
     ``p`` is ``s`` (in place) or, for bf16 operands, a ``uint16`` tile that
@@ -66,7 +66,10 @@ def probs_tile(s, p, lse2, chain_buf, raw_buf, tile, j0, variants, full, read_bo
     function, ``chain_buf`` (shaped like ``s``) receives the derivative of
     the new scores by the raw ones (:func:`.tiles.transform_row`); with
     captured gradients ``raw_buf`` (shaped like ``s``) keeps the raw scores.
-    Both are zero outside a row's visible columns.
+    Both are zero outside a row's visible columns. ``sums[r]`` gains the
+    row's sum of ``P`` (:func:`flashtile.precision.gradients_unreliable`
+    reads the totals: a row whose ``P`` does not sum to 1 was recomputed
+    from an ``lse`` its scores do not match).
     """
     wide_vectors()
     rows, bc = s.shape
@@ -89,20 +92,21 @@ def probs_tile(s, p, lse2, chain_buf, raw_buf, tile, j0, variants, full, read_bo
         if transform:
             chain_row = chain_buf[r, lo:hi] if chain_buf.size > 0 else chain_buf[0:0, 0]
             transform_row(s[r, lo:hi], j0 + lo, tile, i, h, variants, read_bool, chain_row)
-        exp2_into(s, p, r, lo, hi, lse2[r])
+        sums[r] += exp2_into(s, p, r, lo, hi, lse2[r])
         zero_outside(p, r, lo, hi)
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def row_terms(lse, out, dout, h0, i_first, br, lse2, delta):
+def row_terms(lse, out, dout, h0, i_first, br, lse2, delta, lse2_mult):
     """Per stacked row ``r`` (query ``i_first + r % br`` of head ``h0 + r //
-    br`` in ``(H, T, ...)`` arrays): ``lse2 = lse * log2(e)`` and ``delta =
-    D_i = dO_i . O_i``."""
+    br`` in ``(H, T, ...)`` arrays): ``lse2 = lse * lse2_mult`` (``log2(e)``
+    for a natural-log ``lse``, 1 for one in log2 units) and ``delta = D_i =
+    dO_i . O_i``."""
     wide_vectors()
     for r in range(lse2.shape[0]):
         h = h0 + r // br
         i = i_first + r % br
-        lse2[r] = lse[h, i] * lse2.dtype.type(LOG2E)
+        lse2[r] = lse[h, i] * lse2.dtype.type(lse2_mult)
         acc = lse2.dtype.type(0.0)
         for c in range(out.shape[2]):
             acc += widen(dout[h, i, c]) * widen(out[h, i, c])
@@ -219,8 +223,8 @@ def tile_view(buf, rows, bc):
 @njit(fastmath=FASTMATH, cache=True)
 def grad_query_block(
     gemm_fn, q_tile, q_raw, do_tile, dq_tile, k_rows, v_rows, dk_rows, dv_rows, p_buf, ds_buf,
-    chain_buf, raw_buf, mod_grad, half_bufs, s_mult, lse2, delta, tile, group, variants, block_q,
-    block_k,
+    chain_buf, raw_buf, mod_grad, half_bufs, s_mult, lse2, delta, sums, tile, group, variants,
+    block_q, block_k,
 ):  # fmt: skip
     """Accumulate one query block's ``dq_tile`` and its share of ``dk_rows``
     and ``dv_rows`` (the sequence's rows of one kv head) over the key blocks
@@ -228,7 +232,8 @@ def grad_query_block(
     log2(e)`` (:func:`.half.split_scale`), ``q_raw`` is not; ``*_buf`` are
     flat scratch of at least ``rows * block_k``; ``half_bufs`` two such
     ``uint16`` buffers for bf16 ``P`` and ``dS`` (:func:`.half.prob_buffer`),
-    or empty (float ``P`` and ``dS`` in place)."""
+    or empty (float ``P`` and ``dS`` in place); ``sums`` gains each row's
+    sum of ``P`` (:func:`probs_tile`)."""
     wide_vectors()
     rows = q_tile.shape[0]
     lo, hi = tile_key_range(tile, variants)
@@ -251,7 +256,9 @@ def grad_query_block(
         top, top_w = diagonal_split(tile, group, full, j0, j1, variants)
         score_product(gemm_fn, q_tile, k_tile, p, top, top_w, s_mult)
         p_out, ds_out = prob_tile(p, half_bufs[0]), prob_tile(ds, half_bufs[1])
-        probs_tile(p, p_out, lse2, chain, raw, tile, j0, variants, full, state == TILE_PARTIAL)
+        probs_tile(
+            p, p_out, lse2, sums, chain, raw, tile, j0, variants, full, state == TILE_PARTIAL
+        )
         dk_tile, dv_tile = dk_rows[j0:j1], dv_rows[j0:j1]
         if top > 0 and top_w > 0:
             grad_rows(
@@ -280,10 +287,11 @@ def store_rows(src, dst, h0, i_first, br, mult):
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def backward_kernel(
-    q, k, v, out, lse, dout, dq, dk, dv, seqs, items, scale, variant_fields, block_q, block_k,
-    gemm_fn,
+    q, k, v, out, lse, dout, dq, dk, dv, sums, seqs, items, scale, variant_fields, block_q,
+    block_k, lse2_mult, gemm_fn,
 ):  # fmt: skip
-    """Write ``dq`` and per-part ``dk``, ``dv`` for C-contiguous 4-D arrays.
+    """Write ``dq``, per-part ``dk``, ``dv`` and the rows' sums of ``P``
+    (``sums (NB, Hq, TQ, 1)``, :func:`probs_tile`) for C-contiguous 4-D arrays.
 
     Arrays, ``seqs`` and ``gemm_fn`` as in :func:`.forward.forward_kernel`,
     the variants as a plain tuple (``tuple(variants)``); ``items (N, 3)`` are ``(sequence, kv
@@ -293,7 +301,8 @@ def backward_kernel(
     head's gradients into ``dk[p]``/``dv[p]``. No two items write the same
     memory; the caller sums the parts in a fixed order, so results stay
     bit-identical run to run. ``P > 1`` only when there are fewer
-    ``(sequence, kv head)`` pairs than threads.
+    ``(sequence, kv head)`` pairs than threads. ``lse2_mult``: ``log2(e)``
+    for a natural-log ``lse``, 1 for log2 units (:func:`row_terms`).
     """
     variants = KernelVariants(*variant_fields)
     group = q.shape[1] // k.shape[1]
@@ -315,6 +324,7 @@ def backward_kernel(
         dq_tile = np.empty((rows_max, d), dtype=work)
         lse2 = np.empty(rows_max, dtype=work)
         delta = np.empty(rows_max, dtype=work)
+        row_sums = np.empty((rows_max, 1), dtype=work)
         p_buf = np.empty(rows_max * block_k, dtype=work)
         ds_buf = np.empty(rows_max * block_k, dtype=work)
         n_probs = rows_max * block_k
@@ -340,14 +350,16 @@ def backward_kernel(
             load_q_tile(q, tile, group, qs0, dt(1.0), qr)
             load_q_tile(dout, tile, group, qs0, dt(1.0), dot)
             row_terms(
-                lse[b], out[b], dout[b], tile.h0, qs0 + i0, tile.br, lse2[:rows], delta[:rows]
-            )
+                lse[b], out[b], dout[b], tile.h0, qs0 + i0, tile.br, lse2[:rows], delta[:rows],
+                lse2_mult,
+            )  # fmt: skip
             dqt[:] = 0.0
+            row_sums[:rows] = 0.0
             grad_query_block(
                 gemm_fn, qt, qr, dot, dqt, k_rows, v_rows, dk_rows, dv_rows, p_buf, ds_buf,
-                chain_buf, raw_buf, mod_grad, half_bufs, s_mult, lse2[:rows], delta[:rows], tile,
-                group, variants,
-                block_q, block_k,
+                chain_buf, raw_buf, mod_grad, half_bufs, s_mult, lse2[:rows], delta[:rows],
+                row_sums[:rows, 0], tile, group, variants, block_q, block_k,
             )  # fmt: skip
             store_rows(dqt, dq[b], tile.h0, qs0 + i0, tile.br, scale)
+            store_rows(row_sums[:rows], sums[b], tile.h0, qs0 + i0, tile.br, dt(1.0))
         dk_rows *= dt(scale)

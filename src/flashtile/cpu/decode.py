@@ -38,7 +38,7 @@ from numba import njit, prange, types
 from numba.core.errors import TypingError
 from numba.extending import overload
 
-from ..units import LOG2E
+from ..units import LN2, LOG2E
 from . import FASTMATH
 from .cache_rows import HeadTilesWalk, head_tile, reads_rows, walk_heads, walk_rows
 from .half import prob_buffer, split_scale, work_empty
@@ -339,7 +339,7 @@ def decode_kernel(
         for u in range(heads):  # head u's partial: `count` slots after head u - 1's
             out_u = part_out[slot + u * count].reshape((group, tq, dv))
             lse_u = part_lse[slot + u * count].reshape((group, tq))
-            finish_rows(acc[u], m[u], ell[u], out_u, lse_u, 0, 0, tq, 1.0)
+            finish_rows(acc[u], m[u], ell[u], out_u, lse_u, 0, 0, tq, 1.0, LN2)
 
 
 @njit(fastmath=FASTMATH, cache=True)

@@ -162,7 +162,7 @@ def walk_gathered(
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def forward_kernel(
-    q, k, v, out, lse, visited, seqs, items, scale, variants, block_q, block_k, gemm_fn
+    q, k, v, out, lse, visited, seqs, items, scale, variants, block_q, block_k, lse_mult, gemm_fn
 ):
     """``out``/``lse`` of attention for C-contiguous 4-D arrays.
 
@@ -178,6 +178,8 @@ def forward_kernel(
             order the threads should take them.
         variants: :class:`.tiles.KernelVariants`. gemm_fn: the ``address`` of
             :func:`.blas.gemm_for` for the dtype.
+        lse_mult: ``ln 2`` (``lse`` in natural log), or 1 (log2 units, the
+            backward's own: :func:`.tile_step.finish_rows`).
     """
     group = q.shape[1] // k.shape[1]
     work = lse.dtype  # the state's dtype: float32 for bf16 operands
@@ -208,11 +210,15 @@ def forward_kernel(
                 gemm_fn, q_tile, k_rows, v_rows, s_buf, p_buf, s_mult, m, ell, alpha, acc, tile,
                 group, variants, block_k,
             )  # fmt: skip
-        finish_rows(acc, m, ell, out[b], lse[b], tile.h0, qs0 + i0, tile.br, variants.drop_scale)
+        finish_rows(
+            acc, m, ell, out[b], lse[b], tile.h0, qs0 + i0, tile.br, variants.drop_scale, lse_mult
+        )
 
 
 @njit(cache=True)
-def forward_call(q, k, v, lse, seqs, items, scale, variant_fields, block_q, block_k, gemm_fn):
+def forward_call(
+    q, k, v, lse, seqs, items, scale, variant_fields, block_q, block_k, lse_mult, gemm_fn
+):
     """:func:`forward_kernel` into ``lse`` (allocated by the caller, in the
     work dtype) with ``out`` and ``visited`` allocated here; returns ``(out,
     visited)``. Arguments as there; ``variant_fields``: a
@@ -225,6 +231,7 @@ def forward_call(q, k, v, lse, seqs, items, scale, variant_fields, block_q, bloc
     visited = np.empty(items.shape[0], dtype=np.int64)
     if q.size > 0:
         forward_kernel(
-            q, k, v, out, lse, visited, seqs, items, scale, variants, block_q, block_k, gemm_fn
-        )
+            q, k, v, out, lse, visited, seqs, items, scale, variants, block_q, block_k, lse_mult,
+            gemm_fn,
+        )  # fmt: skip
     return out, visited

@@ -20,6 +20,7 @@ import numpy as np
 
 from .._validate import BFLOAT16, COMPUTE_DTYPES
 from ..cpuset import usable_cpus
+from ..units import LN2, LOG2E
 
 
 @numba.njit  # not cached: it reads Numba's thread-count functions as ctypes globals
@@ -100,9 +101,11 @@ def _on_threads(threads, kernel, *args):
         _swap_threads(saved)
 
 
-def run_forward(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def run_forward(plan, log2=False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(out (NB, Hq, TQ, dv), lse (NB, Hq, TQ), tiles computed per item)``
-    of a forward plan.
+    of a forward plan; ``lse`` in natural log, or in log2 units with ``log2``
+    (the float64 backward's own: exact for a one-hot row, see
+    :mod:`flashtile.gradients`).
 
     ``out`` has the dtype of ``plan.q4`` (bfloat16 too: the kernel reads and
     writes its bits as ``uint16``, :mod:`.half`); ``lse`` the work dtype.
@@ -116,14 +119,18 @@ def run_forward(plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     out, visited = _call(
         plan.threads, kernels.gemm_for(plan.q4.dtype), kernels.forward_call, q4, k4, v4, lse,
         plan.seqs, plan.items, plan.scale, tuple(plan.variants), plan.block_q, plan.block_k,
+        1.0 if log2 else LN2,
     )  # fmt: skip
     return (out.view(BFLOAT16) if half else out), lse, visited
 
 
-def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(dq, dk, dv)`` shaped like ``plan.q4``, ``k4``, ``v4`` for a backward plan
-    (``dq`` in the dtype of ``q4``, ``dk``/``dv`` in the work dtype, or
-    rounded to bf16 for bf16 inputs).
+def run_backward(plan, out, lse, dout, log2=False) -> tuple[np.ndarray, ...]:
+    """``(dq, dk, dv, sums)`` for a backward plan: the gradients shaped like
+    ``plan.q4``, ``k4``, ``v4`` (``dq`` in the dtype of ``q4``, ``dk``/``dv``
+    in the work dtype, or rounded to bf16 for bf16 inputs), and each query
+    row's sum of the recomputed probabilities, ``sums (NB, Hq, TQ)`` in the
+    work dtype (:func:`flashtile.precision.gradients_unreliable` reads it).
+    ``lse`` in natural log, or in log2 units with ``log2``.
 
     ``out``, ``lse``, ``dout`` hold the caller's validated arrays (any layout
     with the plan's sizes); the parts' ``dk``/``dv`` are summed in a fixed
@@ -142,8 +149,9 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
     # Part p accumulates its share of dk/dv in slice p; summed below in order.
     dk_parts = np.zeros((plan.parts, *k4.shape), work)
     dv_parts = np.zeros((plan.parts, *v4.shape), work)
+    sums = np.zeros(q4.shape[:-1] + (1,), work)
     if q4.size == 0:  # B = 0 or H = 0: nothing to compute (the kernel divides by H)
-        return dq, dk_parts[0], dv_parts[0]
+        return dq, dk_parts[0], dv_parts[0], sums[..., 0]
     gemm_fn = kernels.gemm_for(q4.dtype)
     bits = (q4, k4, v4, out4)
     if q4.dtype == BFLOAT16:  # Numba has no bf16: the same memory as uint16
@@ -153,8 +161,8 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
         dq_bits = dq
     _call(
         plan.threads, gemm_fn, kernels.backward_kernel, *bits, lse4, dout4, dq_bits, dk_parts,
-        dv_parts, plan.seqs, plan.items, plan.scale, tuple(plan.variants), plan.block_q,
-        plan.block_k,
+        dv_parts, sums, plan.seqs, plan.items, plan.scale, tuple(plan.variants), plan.block_q,
+        plan.block_k, 1.0 if log2 else LOG2E,
     )  # fmt: skip
     dk, dv = dk_parts[0], dv_parts[0]
     for p in range(1, plan.parts):  # a fixed order: deterministic sums
@@ -162,7 +170,7 @@ def run_backward(plan, out, lse, dout) -> tuple[np.ndarray, np.ndarray, np.ndarr
         dv += dv_parts[p]
     if q4.dtype == BFLOAT16:  # compiled rounding: ml_dtypes' astype is 5x slower
         dk, dv = kernels.to_bfloat16(dk), kernels.to_bfloat16(dv)
-    return dq, dk, dv
+    return dq, dk, dv, sums[..., 0]
 
 
 def run_decode(plan) -> tuple[np.ndarray, np.ndarray, bool, bool]:

@@ -234,13 +234,17 @@ def exp2_bf16_f32(s, p, r, lo, hi, shift):
 
 @njit(fastmath=FASTMATH, cache=True)
 def exp2_shifted_f64(s, p, r, lo, hi, shift):
-    """float64 twin of :func:`exp2_shifted_f32` using ``math.exp2``."""
+    """float64 twin of :func:`exp2_shifted_f32` using ``math.exp2``, capped
+    as it is at ``2**127`` (NaN stays NaN): a ``P`` recomputed from an
+    ``lse`` that its scores pass stays finite, so a row whose ``dout`` is
+    zero adds exact zeros to the gradients, never ``inf * 0``."""
     wide_vectors()
     total = 0.0
     row = np.uintp(r)
     for t in range(hi - lo):
         j = np.uintp(lo + t)
-        v = math.exp2(s[row, j] - shift)
+        x = s[row, j] - shift
+        v = math.exp2(_HIGH if x > _HIGH else x)
         s[row, j] = v
         total += v
     return total

@@ -30,7 +30,6 @@ from numba import njit, types
 from numba.extending import overload
 
 from ..masks import TILE_FULL, TILE_PARTIAL
-from ..units import LN2
 from . import FASTMATH
 from .blas import gemm, gemm_scaled
 from .dropout import drop_tile
@@ -348,13 +347,14 @@ def fold_key_tile(
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def finish_rows(acc, m, ell, out, lse, h0, i_first, br, mult):
+def finish_rows(acc, m, ell, out, lse, h0, i_first, br, mult, lse_mult):
     """The epilogue: normalise the rows once and write ``out`` and ``lse``.
 
     ``mult`` scales ``out`` (dropout's ``1 / (1 - p)``; 1 otherwise).
     Row ``r`` goes to ``out[h0 + r // br, i_first + r % br]`` of ``out (H, T,
-    dv)`` (float, or bf16 bits as uint16: rounded) and ``lse (H, T)``
-    (natural log). A row that saw no key gets zeros
+    dv)`` (float, or bf16 bits as uint16: rounded) and ``lse (H, T)``:
+    ``(m + log2(ell)) * lse_mult``, the natural log for ``ln 2``, log2
+    units for 1 (exact for a one-hot row). A row that saw no key gets zeros
     and ``lse = -inf`` (a NaN row is not caught here: it stays NaN).
     """
     wide_vectors()
@@ -368,4 +368,4 @@ def finish_rows(acc, m, ell, out, lse, h0, i_first, br, mult):
             inv = mult / ell[r]
             for c in range(out.shape[2]):
                 out[h, i, c] = narrow(acc[r, c] * inv, out)
-            lse[h, i] = (m[r] + math.log2(ell[r])) * LN2
+            lse[h, i] = (m[r] + math.log2(ell[r])) * lse_mult

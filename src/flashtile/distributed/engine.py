@@ -10,12 +10,14 @@ Forward, on every rank, for ``step = 0 .. P-1`` (the K/V shard of rank
     wait
 
 Backward, from the saved global ``out`` and ``lse`` (no probabilities kept):
-``flashtile.attention_backward`` of one block with the *global* ``out`` and
-``lse`` gives that block's exact share of ``dq``, ``dk`` and ``dv``. K/V go
+the backward kernel on one block with the *global* ``out`` and ``lse``
+(:func:`flashtile.gradients.block_gradients`) gives that block's exact share
+of ``dq``, ``dk`` and ``dv``, and its rows' share of the sums of ``P``. K/V go
 round again; next to them travels a ``dK/dV`` buffer for the shard's owner to
 which each rank adds its share, and a last hop returns it to the owner. The
 sums run in one fixed order (owner, owner+1, ...), so gradients are
-bit-identical from run to run.
+bit-identical from run to run. Then the backward's precision rule, on every
+rank together (:func:`trusted_backward`).
 
 K/V travel in the input dtype (16-bit inputs send 16-bit bytes); each block
 runs on the device's kernels (:mod:`.kernels`: flashtile's CPU kernels in
@@ -30,10 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
+from flashtile.gradients import refusal
 from flashtile.merge import merge_partials, refuse_posinf
+from flashtile.precision import gradients_unreliable
 
 from .comm import Ring, shift
-from .faults import guarded, wait
+from .faults import agree, any_rank, guarded, wait
 from .kernels import LocalKernels, work_dtype
 from .threads import kernel_threads
 
@@ -107,13 +111,14 @@ def ring_forward(setup: Setup, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def _block_grads(setup: Setup, blocks, tensors, kv_tensors, dq, dkv_tensors) -> None:
-    """Add each block's exact gradient shares into ``dq`` and the K/V owner's ``dk/dv``."""
+def _block_grads(setup: Setup, blocks, tensors, kv_tensors, dq, dkv_tensors, sums) -> None:
+    """Add each block's exact gradient shares into ``dq`` and the K/V owner's
+    ``dk/dv``, and its rows' sums of ``P`` into ``sums`` (where reported)."""
     qc, outc, lse, doutc = tensors
     kc, vc = kv_tensors
     dk, dv = dkv_tensors
     for blk in blocks:
-        gq, gk, gv = setup.kernels.grads(
+        gq, gk, gv, block_sums = setup.kernels.grads(
             _rows(qc, blk),
             _cols(kc, blk),
             _cols(vc, blk),
@@ -126,14 +131,20 @@ def _block_grads(setup: Setup, blocks, tensors, kv_tensors, dq, dkv_tensors) -> 
         _rows(dq, blk).add_(gq)
         _cols(dk, blk).add_(gk)
         _cols(dv, blk).add_(gv)
+        if block_sums is not None:
+            _rows(sums, blk).add_(block_sums)
 
 
 def ring_backward(setup: Setup, q, k, v, out, lse, dout):
-    """``(dq, dk, dv)`` in the work dtype for this rank's q and its own k, v."""
+    """``(dq, dk, dv, sums)`` in the work dtype for this rank's q and its own
+    k, v; ``sums``: each local query row's sum of the recomputed
+    probabilities over every rank's keys (zeros where the kernels do not
+    report them)."""
     work, compute = work_dtype(q.dtype), setup.kernels.compute(q.dtype)
     qc, outc, doutc = (t.detach().to(compute) for t in (q, out, dout))
     tensors = (qc, outc, lse.detach(), doutc)
     dq = torch.zeros(q.shape, dtype=work, device=q.device)
+    sums = torch.zeros(q.shape[:-1], dtype=work, device=q.device)
     kv = _pack(k, v)
     spare = torch.empty_like(kv)
     incoming = sending = dkv_works = None
@@ -143,9 +154,8 @@ def ring_backward(setup: Setup, q, k, v, out, lse, dout):
         dkv = torch.zeros(kv.numel(), dtype=work, device=q.device)
         if blocks:
             kv_tensors = _unpack(kv, k.shape, v.shape, compute)
-            _block_grads(
-                setup, blocks, tensors, kv_tensors, dq, _unpack(dkv, k.shape, v.shape, work)
-            )
+            dkv_tensors = _unpack(dkv, k.shape, v.shape, work)
+            _block_grads(setup, blocks, tensors, kv_tensors, dq, dkv_tensors, sums)
         if step > 0:
             wait(dkv_works, setup.ring)  # the shares of the ranks before, for the same owner
             dkv = incoming + dkv
@@ -159,7 +169,35 @@ def ring_backward(setup: Setup, q, k, v, out, lse, dout):
         dkv = incoming
     del sending
     dk, dv = _unpack(dkv, k.shape, v.shape, work)
-    return dq, dk, dv
+    return dq, dk, dv, sums
+
+
+def trusted_backward(setup: Setup, q, k, v, out, lse, dout):
+    """``((dq, dk, dv), problem)``: :func:`ring_backward` under the backward's
+    precision rule (:mod:`flashtile.gradients`), decided by every rank
+    together: if any rank's rows fail it, every rank computes the forward and
+    the backward again in float64 (the ring's messages included).
+    ``problem``: None without a float64 attempt; after one, the refusal
+    where it still fails here ("" where not), which the caller raises on
+    every rank with :func:`.faults.agree` once the messages are done. The
+    Triton kernels report no row sums: CUDA calls skip the rule."""
+    *grads, sums = ring_backward(setup, q, k, v, out, lse, dout)
+    if setup.kernels.name != "cpu":
+        return grads, None
+    local = gradients_unreliable(*_arrays((sums, lse, dout)), None)
+    if not any_rank(setup.peers, local):
+        return grads, None
+    wide = tuple(t.detach().double() for t in (q, k, v))
+    out, lse = ring_forward(setup, *wide)
+    *grads, sums = ring_backward(setup, *wide, out, lse, dout)
+    sums, lse, dout = _arrays((sums, lse, dout))
+    if gradients_unreliable(sums, lse, dout, None):
+        return grads, refusal(lse, dout, "the ring's backward")
+    return grads, ""
+
+
+def _arrays(tensors):
+    return tuple(t.detach().cpu().numpy() for t in tensors)
 
 
 class RingAttention(torch.autograd.Function):
@@ -177,7 +215,15 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        with kernel_threads(ctx.setup.procs), guarded(ctx.setup.peers, "the backward"):
-            grads = ring_backward(ctx.setup, q, k, v, out, lse, dout)
+        setup = ctx.setup
+        with kernel_threads(setup.procs), guarded(setup.peers, "the backward"):
+            grads, problem = trusted_backward(setup, q, k, v, out, lse, dout)
+        if problem is not None:  # float64 was tried on every rank: they refuse together
+            agree(setup.peers, lambda: (_refuse(problem), ()))
         dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
         return dq, dk, dv, None
+
+
+def _refuse(problem: str) -> None:
+    if problem:
+        raise ValueError(problem)

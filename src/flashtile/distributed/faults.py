@@ -165,6 +165,17 @@ def wait(works, ring) -> None:
                 w.wait()
 
 
+def any_rank(ring, flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank of ``ring`` (one ``all_reduce``;
+    ``flag`` itself without peers). Every rank of the group must call it."""
+    if ring is None or ring.size == 1:
+        return flag
+    vote = torch.tensor([int(flag)], dtype=torch.int64).to(ring.flag_device)
+    with messages(ring):
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=ring.group)
+    return bool(vote.item())
+
+
 #: Integers of a call's signature that :func:`agree` compares across ranks.
 SIGNATURE = 20
 

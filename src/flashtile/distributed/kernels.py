@@ -25,6 +25,7 @@ import torch
 
 import flashtile
 import flashtile.triton
+from flashtile.gradients import block_gradients
 from flashtile.torch.arrays import as_numpy
 
 
@@ -39,12 +40,15 @@ class LocalKernels:
 
     ``compute(dtype)`` is the dtype blocks are computed in for inputs of
     ``dtype``; ``attend(q, k, v, **kw) -> (out, lse)`` and ``grads(q, k, v,
-    out, lse, dout, **kw) -> (dq, dk, dv)`` take the keywords of
+    out, lse, dout, **kw) -> (dq, dk, dv, sums)`` take the keywords of
     :func:`flashtile.attention` (``causal``, ``window``, ``scale``,
     ``softcap``, ``alibi_slopes`` as a NumPy array or None; GQA whenever the
     head counts differ); ``decode(q, k_cache, v_cache, **kw) -> (out, lse)``
     those of :func:`flashtile.decode_attention`; ``check(q, k, v)`` raises
     for inputs the kernels cannot take (called before any message is posted).
+    ``sums``: each query row's sum of the recomputed probabilities, for the
+    precision rule (:func:`flashtile.precision.gradients_unreliable`), or
+    None where the kernels do not report them.
     """
 
     name: str
@@ -74,7 +78,7 @@ def _cpu_attend(q, k, v, **kw):
 
 def _cpu_grads(q, k, v, out, lse, dout, **kw):
     arrays = (t.numpy() for t in (q, k, v, out, lse, dout))
-    return tuple(torch.from_numpy(g) for g in flashtile.attention_backward(*arrays, **kw))
+    return tuple(torch.from_numpy(g) for g in block_gradients(*arrays, **kw))
 
 
 def _cpu_decode(q, k_cache, v_cache, **kw):
@@ -105,9 +109,10 @@ def _gpu_attend(q, k, v, **kw):
 
 
 def _gpu_grads(q, k, v, out, lse, dout, **kw):
-    return flashtile.triton.attention_backward(
+    grads = flashtile.triton.attention_backward(
         q, k, v, out, lse.float(), dout, **_gpu_keywords(q, k, kw)
     )
+    return (*grads, None)  # (no row sums: the engine's precision rule is the CPU kernels')
 
 
 def _gpu_decode(q, k_cache, v_cache, **kw):

@@ -14,13 +14,15 @@ every key is valid; ``dropout_seed`` is a 0-d int64 tensor, given when
     attention_fwd(q, k, v, mask?, alibi_slopes?, causal, scale?, window_left,
                   window_right, softcap?, kv_lengths?, dropout_p, dropout_seed?,
                   sinks?) -> (out, lse)
-    attention_bwd(dout, q, k, v, out, lse, mask?, alibi_slopes?, causal, scale?,
-                  window_left, window_right, softcap?, kv_lengths?, dropout_p,
-                  dropout_seed?) -> (dq, dk, dv)
+    attention_bwd(dout, q, k, v, out, lse, sinks?, mask?, alibi_slopes?, causal,
+                  scale?, window_left, window_right, softcap?, kv_lengths?,
+                  dropout_p, dropout_seed?) -> (dq, dk, dv)
 
-The forward merges the sinks into ``out`` and ``lse``; the backward needs
-nothing more (its ``P = exp(S - lse)`` includes the sink's column), and the
-sinks' own gradient is :mod:`flashtile.op_autograd`'s.
+The forward merges the sinks into ``out`` and ``lse``; the backward's ``P =
+exp(S - lse)`` then includes the sink's column, and it reads the sinks only
+for the precision rule (:mod:`flashtile.gradients`: the sums a row's ``P``
+must reach, and a float64 recomputation); the sinks' own gradient is
+:mod:`flashtile.op_autograd`'s.
 
 ``q (B, Hq, Tq, d)``, ``k (B, Hkv, Tk, d)``, ``v (B, Hkv, Tk, dv)`` (or the same
 without ``B``) must be CPU float32, float64 or bfloat16; ``out`` is ``(..., Tq,
@@ -63,9 +65,11 @@ _VARIANTS = (
     "Tensor? dropout_seed"
 )
 _FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_VARIANTS}, Tensor? sinks) -> (Tensor, Tensor)"
+# The backward's sinks come before the variants: inductor's generated code
+# leaves a trailing None out of the call.
 _BWD_SCHEMA = (
-    f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_VARIANTS}) "
-    f"-> (Tensor, Tensor, Tensor)"
+    f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? sinks, "
+    f"{_VARIANTS}) -> (Tensor, Tensor, Tensor)"
 )
 #: dtypes the ops take; flashtile.torch.attention upcasts float16 first.
 NATIVE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -155,16 +159,17 @@ def attention_bwd(dout, q, k, v, out, lse, *variants):
     return backward(dout, q, k, v, out, lse, *variants)
 
 
-def backward(dout, q, k, v, out, lse, mask, alibi_slopes, causal, scale, *variants):
+def backward(dout, q, k, v, out, lse, sinks, mask, alibi_slopes, causal, scale, *variants):
     """``(dq, dk, dv)`` from :func:`flashtile.attention_backward` (score tiles
-    recomputed; ``out`` and ``lse`` include the sinks, which need nothing more)."""
+    recomputed; ``out`` and ``lse`` include the sinks; their gradient, which
+    that also returns, is :mod:`flashtile.op_autograd`'s)."""
     _check_native(q)
-    kw = _variants(mask, alibi_slopes, *variants)
+    kw = _variants(mask, alibi_slopes, *variants, sinks)
     grads = flashtile.attention_backward(
         *(as_numpy(t) for t in (q, k, v, out)), _np(lse), as_numpy(dout), causal=causal,
         scale=scale, **kw,
     )  # fmt: skip
-    return tuple(as_tensor(g) for g in grads)
+    return tuple(as_tensor(g) for g in grads[:3])
 
 
 @attention_bwd.register_fake
@@ -196,7 +201,7 @@ op_batching.register(
     attention_bwd,
     (
         *map(op_batching.query, ("dout", "q", "k", "v", "out")), op_batching.query("lse", 3),
-        _MASK, _SLOPES, *_SCALARS, _LENGTHS, *_DROPOUT,
+        op_batching.shared("sinks"), _MASK, _SLOPES, *_SCALARS, _LENGTHS, *_DROPOUT,
     ),
     q_at=1,
 )  # fmt: skip

@@ -39,9 +39,8 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, and_masks, noop_mask, or_masks
 
-from ..cpu.launch import run_backward
 from ..frontdoor import check_call, run_call
-from ..planning import plan_backward
+from ..gradients import checked_gradients
 from .arrays import as_numpy, as_tensor
 from .block_masks import block_mask_of_states, block_states, mask_mod_of
 from .flex_trace import check_tables_on, compile_mods, trace_mods
@@ -124,22 +123,25 @@ class _FlexFunction(torch.autograd.Function):
         variants = {} if mods is None else {"mods": mods}
         arrays = [as_numpy(t) for t in (q, k, v)]
         call = check_call(*arrays, False, ctx.scale, variants)
-        plan = plan_backward(call)
-        grads_buf = None
-        if mods is not None and mods.has_capture:
-            grads_buf = np.zeros((plan.items.shape[0], mods.floats.size))
-            plan = plan._replace(variants=plan.variants._replace(mod_grads=grads_buf))
+        capture = mods is not None and mods.has_capture
+
+        def with_buffer(plan):  # the captured tables' gradients, a row per work item
+            buf = np.zeros((plan.items.shape[0], mods.floats.size))
             mods.clear_flag()
+            return plan._replace(variants=plan.variants._replace(mod_grads=buf))
+
         dout_n = as_numpy(dout.contiguous().to(q.dtype))
-        dq, dk, dv = run_backward(plan, as_numpy(out), as_numpy(lse), dout_n)
+        g = checked_gradients(
+            call, as_numpy(out), as_numpy(lse), dout_n, hook=with_buffer if capture else None
+        )
         grads = [
-            as_tensor(np.ascontiguousarray(g)).to(t.dtype)
-            for g, t in zip((dq, dk, dv), (q, k, v), strict=True)
+            as_tensor(np.ascontiguousarray(x)).to(t.dtype)
+            for x, t in zip((g.dq, g.dk, g.dv), (q, k, v), strict=True)
         ]
         table_grads = [None] * len(ctx.tables)
-        if grads_buf is not None:
+        if capture:
             mods.check_flag()
-            total = grads_buf.sum(axis=0)  # items in a fixed order: deterministic
+            total = g.plan.variants.mod_grads.sum(axis=0)  # items in a fixed order: deterministic
             for n, t in enumerate(ctx.tables):
                 if t.kind == "f" and t.tensor.requires_grad:
                     part = total[t.offset : t.offset + t.tensor.numel()]

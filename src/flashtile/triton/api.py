@@ -150,7 +150,7 @@ def attention_backward(
             f"out and dout {want} and lse {want[:3]} (the forward's, return_lse=True)"
         )
     grads = torch.ops.flashtile.triton_attention_bwd(
-        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.float(), *variants, 0.0, None
+        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.float(), None, *variants, 0.0, None
     )
     return tuple(g[0] for g in grads) if unbatched else grads
 

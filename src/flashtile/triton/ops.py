@@ -5,7 +5,7 @@ Three ops, opaque to the dispatcher, FakeTensor tracing and ``torch.compile``::
     flashtile::triton_attention_fwd(q, k, v, alibi_slopes?, kv_lengths?, cu_seqlens_q?,
         cu_seqlens_k?, max_seqlen_q, max_seqlen_k, scale, window_left, window_right,
         softcap?, dropout_p, dropout_seed?, sinks?) -> (out, lse)
-    flashtile::triton_attention_bwd(dout, q, k, v, out, lse, <the same variants>)
+    flashtile::triton_attention_bwd(dout, q, k, v, out, lse, sinks?, <the same variants>)
         -> (dq, dk, dv)
     flashtile::triton_decode(q, k_cache, v_cache, cache_seqlens, block_table?, num_splits,
         alibi_slopes?, scale, window_left, window_right, softcap?) -> (out, lse)
@@ -45,9 +45,11 @@ _VARIANTS = (
 )
 # No default for the sinks: the dispatcher would leave it out of the call.
 _FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_VARIANTS}, Tensor? sinks) -> (Tensor, Tensor)"
+# The backward's sinks come before the variants: inductor's generated code
+# leaves a trailing None out of the call.
 _BWD_SCHEMA = (
-    f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_VARIANTS}) "
-    f"-> (Tensor, Tensor, Tensor)"
+    f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? sinks, "
+    f"{_VARIANTS}) -> (Tensor, Tensor, Tensor)"
 )
 _DECODE_SCHEMA = (
     "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, "
@@ -96,8 +98,10 @@ def _attention_fwd_fake(q, k, v, *variants):
 
 
 @torch.library.custom_op("flashtile::triton_attention_bwd", mutates_args=(), schema=_BWD_SCHEMA)
-def attention_bwd(dout, q, k, v, out, lse, *variants):
-    """``(dq, dk, dv)`` of the backward kernels (probabilities recomputed from ``lse``)."""
+def attention_bwd(dout, q, k, v, out, lse, _sinks, *variants):
+    """``(dq, dk, dv)`` of the backward kernels (probabilities recomputed from
+    ``lse``, which includes the sinks: they are the CPU backward's precision
+    rule's, not read here)."""
     # dout arrives with any strides (an expanded gradient has stride 0).
     dout = dout.contiguous()
     with _on(q):
@@ -105,7 +109,7 @@ def attention_bwd(dout, q, k, v, out, lse, *variants):
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(dout, q, k, v, out, lse, *variants):
+def _attention_bwd_fake(dout, q, k, v, out, lse, *rest):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -129,7 +133,7 @@ op_batching.register(
     attention_bwd,
     (
         *map(op_batching.query, ("dout", "q", "k", "v", "out")), op_batching.query("lse", 3),
-        *_VARIANT_ARGS,
+        op_batching.shared("sinks"), *_VARIANT_ARGS,
     ),
     q_at=1,
 )  # fmt: skip

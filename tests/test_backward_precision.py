@@ -1,0 +1,161 @@
+"""The backward's precision rule (flashtile/gradients.py, precision.py): the
+right gradients or a clear error, never silently wrong ones.
+
+The whole sweep (scores from 1 to 1e30, three dtypes, three head dims, two
+score shapes, with and without padded rows) is ``python -m
+tests.precision_sweep``; a slice of it runs here.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import flashtile
+from dense import dense_extended, rel_err
+from flashtile.frontdoor import check_call
+from flashtile.gradients import check_gradient_inputs, kernel_gradients
+from flashtile.precision import GRADIENT_TOLERANCE, gradients_unreliable
+from precision_sweep import judge
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
+@pytest.mark.parametrize("shape", ["peaked", "offset"])
+def test_sweep_slice_is_right_or_refused(dtype, shape):
+    verdicts = {}
+    for d, mag, padded in [(4, 5e6, False), (64, 1e4, True), (64, 1e12, False), (4, 1e30, True)]:
+        verdict, detail = judge(dtype, d, mag, shape, padded)
+        verdicts[(d, mag, padded)] = (verdict, detail)
+    fine = ("right", "refused", "ill-conditioned", "n/a")  # (precision_sweep.py)
+    bad = {key: v for key, v in verdicts.items() if v[0] not in fine}
+    assert not bad, bad
+
+
+def _problem(dtype=np.float32, offset=0.0, seed=0, shape=(2, 3, 19, 8), tk=27):
+    rng = np.random.default_rng(seed)
+    b, h, tq, d = shape
+    q, k, v = (rng.standard_normal((b, h, t, d)) for t in (tq, tk, tk))
+    if offset:  # every score raised by offset, the softmax still spread
+        q[..., 0] = k[..., 0] = np.sqrt(offset * np.sqrt(d))
+    dout = rng.standard_normal((b, h, tq, d))
+    return [a.astype(dtype) for a in (q, k, v, dout)]
+
+
+def _reference(q, k, v, dout, **kw):
+    """float64 gradients of the same (float32-valued) inputs by flashtile itself."""
+    wide = [a.astype(np.float64) for a in (q, k, v)]
+    out, lse = flashtile.attention(*wide, return_lse=True, **kw)
+    return flashtile.attention_backward(*wide, out, lse, dout.astype(np.float64), **kw)
+
+
+def test_the_issue_case_float32_d4_lse_5e6():
+    """float32, d = 4, |lse| about 5e6: dv was 31% off with no warning."""
+    q, k, v, dout = _problem(offset=5e6, shape=(1, 2, 9, 4))
+    out, lse = flashtile.attention(q, k, v, return_lse=True)
+    assert np.abs(lse).max() > 4e6
+    got = flashtile.attention_backward(q, k, v, out, lse, dout)
+    for g, r in zip(got, _reference(q, k, v, dout), strict=True):
+        assert g.dtype == np.float32
+        assert rel_err(g, r) < 1e-6
+
+
+def test_the_rule_fails_the_float32_kernel_there_and_not_on_ordinary_scores():
+    for offset, unreliable in ((0.0, False), (100.0, False), (5e3, True), (5e6, True)):
+        q, k, v, dout = _problem(offset=offset)
+        out, lse = flashtile.attention(q, k, v, return_lse=True)
+        call = check_call(q, k, v, False, None, {})
+        g = kernel_gradients(call, *check_gradient_inputs(call, out, lse, dout))
+        assert gradients_unreliable(g.sums, lse, dout, None) is unreliable, offset
+        if not unreliable:  # ordinary rows: their P sum to 1 well within the tolerance
+            assert np.abs(g.sums - 1).max() < GRADIENT_TOLERANCE / 10
+
+
+def test_an_lse_that_does_not_match_the_scores_is_caught():
+    """The sums catch what no bound on |lse| can: an lse off by 1e-2 (another
+    call's, or rounded) would put every P 1% off; the float64 forward gives
+    the right gradients instead."""
+    q, k, v, dout = _problem()
+    out, lse = flashtile.attention(q, k, v, return_lse=True)
+    got = flashtile.attention_backward(q, k, v, out, lse + np.float32(1e-2), dout)
+    for g, r in zip(got, _reference(q, k, v, dout), strict=True):
+        assert rel_err(g, r) < 1e-6
+
+
+def test_an_lse_past_float32_is_recomputed():
+    """Scores past float32's range: the forward runs in float64 and returns
+    lse = inf in float32 (the policy); P recomputed from it would be 0 and
+    the gradients silently zero."""
+    q, k, v, dout = _problem(shape=(1, 2, 5, 4), tk=7)
+    q, k = np.abs(q), np.abs(k)  # every score positive, and past float32's range
+    scale = 1e39
+    with np.errstate(over="ignore"):
+        out, lse = flashtile.attention(q, k, v, scale=scale, return_lse=True)
+    assert np.isposinf(lse).all()
+    got = flashtile.attention_backward(q, k, v, out, lse, dout, scale=scale)
+    ref = _reference(q, k, v, dout, scale=scale)
+    assert rel_err(got[2], ref[2]) < 1e-6  # dv: the one-hot routing of dout
+    assert np.array_equal(got[2] != 0, ref[2] != 0)
+
+
+def test_zero_dout_rows_add_exact_zeros_in_float64_too():
+    """Rows a loss leaves out (zero dout) may hold any lse: P is capped at
+    2**127 (float64 now as float32), so they add exact zeros, never inf * 0."""
+    q, k, v, dout = _problem(np.float64)
+    dout[:, :, -4:] = 0.0
+    out, lse = flashtile.attention(q, k, v, return_lse=True)
+    off = lse.copy()
+    off[:, :, -4:] -= 5000.0  # P = exp(5000) in those rows
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = flashtile.attention_backward(q, k, v, out, off, dout)
+    for g, r in zip(got, flashtile.attention_backward(q, k, v, out, lse, dout), strict=True):
+        assert np.array_equal(g, r)
+
+
+def test_a_backward_float64_cannot_compute_is_refused_with_the_fix():
+    q, k, v, dout = _problem(offset=1e15)
+    out, lse = flashtile.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match=r"even in float64.*-inf or a bool mask"):
+        flashtile.attention_backward(q, k, v, out, lse, dout)
+
+
+def test_padded_rows_hidden_by_huge_additive_values_run_as_before():
+    """Rows hidden by -1e9 with zero dout (a padded batch) stay on the float32
+    path and match the dense formula; with a nonzero dout they are computed
+    in float64, right too."""
+    q, k, v, dout = _problem(shape=(1, 2, 11, 8), tk=13)
+    mask = np.zeros((11, 13), np.float32)
+    mask[-3:] = -1e9
+    for zero in (True, False):
+        dout_ = dout.copy()
+        if zero:
+            dout_[:, :, -3:] = 0.0
+        out, lse = flashtile.attention(q, k, v, mask=mask, return_lse=True)
+        got = flashtile.attention_backward(q, k, v, out, lse, dout_, mask=mask)
+        ref = dense_extended(q, k, v, dout_, mask=mask)[2:5]
+        for g, r in zip(got, ref, strict=True):
+            assert rel_err(g, r) < 1e-5
+
+
+def test_sinks_with_scores_past_float32():
+    q, k, v, dout = _problem(offset=5e3, shape=(1, 2, 7, 8), tk=9)
+    sinks = np.array([5e3 + 1.0, -2.0], np.float32)
+    out, lse = flashtile.attention(q, k, v, sinks=sinks, return_lse=True)
+    got = flashtile.attention_backward(q, k, v, out, lse, dout, sinks=sinks)
+    ref = dense_extended(*(a.astype(np.float64) for a in (q, k, v, dout)), sinks=sinks)
+    grads = ref[2:5] + (ref[-1],)
+    for g, r in zip(got, grads, strict=True):
+        assert rel_err(g, r) < 1e-5
+
+
+def test_float16_gradients_past_65504_are_inf_without_a_warning():
+    q, k, v, dout = _problem(np.float16, shape=(1, 1, 16, 4), tk=3)
+    dout[:] = 6e4  # dv sums 16 rows of it
+    out, lse = flashtile.attention(q, k, v, return_lse=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dv = flashtile.attention_backward(q, k, v, out, lse, dout)[2]
+    assert np.isinf(dv).any() and dv.dtype == np.float16
