@@ -109,6 +109,7 @@ CASES = [
     ("fwd T=1024 causal", 1024, 64, True, "fwd"),
     ("fwd T=1024 full", 1024, 64, False, "fwd"),
     ("fwd+bwd T=2048 causal", 2048, 64, True, "bwd"),
+    ("fwd+bwd T=4096 causal", 4096, 64, True, "bwd"),
     ("fwd+bwd T=2048 full", 2048, 64, False, "bwd"),
     ("fwd T=2048 d=128 causal", 2048, 128, True, "fwd"),
     ("decode Tk=65536 GQA32/8 d128", 65536, 128, True, "dec"),

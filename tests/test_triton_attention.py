@@ -434,3 +434,23 @@ def test_sinks_compile_fullgraph_and_refuse_vmapped_sinks():
     torch.testing.assert_close(fn(q, k, v, sinks), ft.attention(q, k, v, sinks=sinks))
     with pytest.raises(ValueError, match="sinks is vmapped"):
         torch.func.vmap(lambda a, s: ft.attention(a, k[0], v[0], sinks=s))(q, sinks[None])
+
+
+def test_the_backward_precision_rule_poisons_instead_of_answering_wrong():
+    """An lse its scores do not match (here 1e-2 off) would put every P 1% off:
+    the gradients come back NaN (decided on the device, no sync), as does a
+    call whose |lse| float32 cannot resolve. Rows left out of the loss (zero
+    dout) with any lse add exact zeros: P is capped, never inf * 0."""
+    q, k, v = (t.detach() for t in make((1, 2, 2, 9, 11, 16, 16), F32, 6, False))
+    out, lse = ft.attention(q, k, v, return_lse=True)
+    dout = torch.randn_like(out)
+    right = ft.attention_backward(q, k, v, out, lse, dout)
+    assert all(torch.isfinite(g).all() for g in right)
+    for bad in (lse + 1e-2, lse + 5e3):  # mismatched; too coarse for float32 scores
+        assert all(torch.isnan(g).all() for g in ft.attention_backward(q, k, v, out, bad, dout))
+    dout[:, :, -3:] = 0.0  # rows left out of the loss: any lse there
+    lse_off = lse.clone()
+    lse_off[:, :, -3:] -= 1e4
+    kept = ft.attention_backward(q, k, v, out, lse_off, dout)
+    for got, want in zip(kept, ft.attention_backward(q, k, v, out, lse, dout), strict=True):
+        assert torch.equal(got, want)

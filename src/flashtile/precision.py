@@ -284,15 +284,26 @@ GRADIENT_TOLERANCE = 2.0**-12
 def gradients_unreliable(sums, lse, dout, sinks) -> bool:
     """Whether gradients recomputed from ``lse`` may be off by more than
     :data:`GRADIENT_TOLERANCE` (the caller then computes them again in
-    float64, or refuses).
+    float64, or refuses): :func:`failing_rows` among the rows whose ``dout``
+    is not all zero (a zero row adds exact zeros, ``P`` being capped at
+    ``2**127``: padding rows hidden by an additive -1e9 need not be exact).
 
     ``sums (..., Tq)``: each query row's sum of the probabilities the backward
     recomputed (the kernels' fourth result), ``lse (..., Tq)`` the ``lse``
     they were recomputed from, ``dout (..., Tq, dv)``, ``sinks (Hq,)`` or
-    None; the work dtype, in which the scores were computed, is ``sums``'s. A row counts when
-    its ``dout`` is not all zero (a zero row adds exact zeros, ``P`` being
-    capped at ``2**127``: padding rows hidden by an additive -1e9 need not be
-    exact). A counted row fails when
+    None; NumPy arrays. Costs a pass over ``sums`` and ``lse``; ``dout`` is
+    read only when some row fails."""
+    off = failing_rows(np, sums.reshape(lse.shape), lse, sinks)
+    if not off.any():  # the common case: no pass over dout
+        return False
+    return bool(np.any(off & np.any(dout != 0, axis=-1)))
+
+
+def failing_rows(xp, sums, lse, sinks):
+    """The rows ``(..., Tq)`` whose recomputed ``P`` cannot be trusted, as a
+    bool array (NumPy, or torch tensors on any device with ``xp = torch``:
+    the Triton backward's, which must not wait for the GPU). The work dtype,
+    in which the scores were computed, is ``sums``'s. A row fails when
 
     - its ``P`` do not sum to ``1 - exp(sink - lse)`` (1 without sinks)
       within the tolerance: ``lse`` does not match the scores (its rounding,
@@ -305,25 +316,31 @@ def gradients_unreliable(sums, lse, dout, sinks) -> bool:
       rounded one by one are what a float64 computation of any kind sees.
 
     Rows that see no key (``lse = -inf``, zero sums) and rows the NaN policy
-    covers (NaN sums or ``lse``) never fail. Costs a pass over ``sums`` and
-    ``lse``; ``dout`` is read only when some row fails."""
+    covers (NaN sums or ``lse``) never fail."""
     tol = GRADIENT_TOLERANCE
-    eps = 0.0  # float64 work: the sums alone
-    if sums.dtype != np.float64:
-        eps = float(ml_dtypes.finfo(lse.dtype).eps) + float(ml_dtypes.finfo(sums.dtype).eps)
+    wide = _cast(xp, lse, sums.dtype)
+    empty = xp.isneginf(wide)
     expected = 1.0
-    sums = sums.reshape(lse.shape)
-    wide = lse.astype(sums.dtype, copy=False)
-    if sinks is not None:
-        with np.errstate(over="ignore", invalid="ignore"):
-            sink = np.asarray(sinks, dtype=sums.dtype).reshape(-1, 1)
-            expected = 1.0 - np.exp(sink - np.where(np.isneginf(wide), np.inf, wide))
-    with np.errstate(invalid="ignore"):
-        off = (np.abs(sums - expected) > tol) & ~np.isneginf(wide) | np.isposinf(wide)
-    coarse = finite_max_abs(lse) * eps >= tol
-    if not (coarse or off.any()):  # the common case: no pass over dout
-        return False
-    counted = np.any(dout != 0, axis=-1)
-    if np.any(off & counted):
-        return True
-    return finite_max_abs(np.where(counted, wide, 0.0)) * eps >= tol
+    if sinks is not None:  # the sink's share of the row: exp(sink - lse)
+        sink = _cast(xp, sinks, sums.dtype).reshape((-1, 1))
+        expected = 1.0 - xp.exp(sink - xp.where(empty, xp.inf, wide))
+    off = (xp.abs(sums - expected) > tol) & ~empty | xp.isposinf(wide)  # (NaN: False)
+    if sums.dtype != xp.float64:
+        eps = _eps(xp, lse.dtype) + _eps(xp, sums.dtype)
+        off = off | (xp.abs(wide) * eps >= tol) & ~empty
+    return off
+
+
+def _cast(xp, a, dtype):
+    """``a`` in ``dtype``; a float64 ``lse`` past float32's range becomes inf (no warning)."""
+    if xp is not np:
+        return a.to(dtype)
+    a = np.asarray(a)
+    if a.dtype == dtype:
+        return a
+    with np.errstate(over="ignore"):
+        return a.astype(dtype)
+
+
+def _eps(xp, dtype) -> float:
+    return float((ml_dtypes if xp is np else xp).finfo(dtype).eps)

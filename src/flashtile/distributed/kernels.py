@@ -109,10 +109,9 @@ def _gpu_attend(q, k, v, **kw):
 
 
 def _gpu_grads(q, k, v, out, lse, dout, **kw):
-    grads = flashtile.triton.attention_backward(
-        q, k, v, out, lse.float(), dout, **_gpu_keywords(q, k, kw)
-    )
-    return (*grads, None)  # (no row sums: the engine's precision rule is the CPU kernels')
+    from flashtile.triton.api import block_gradients
+
+    return block_gradients(q, k, v, out, lse, dout, **_gpu_keywords(q, k, kw))
 
 
 def _gpu_decode(q, k_cache, v_cache, **kw):

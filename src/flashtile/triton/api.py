@@ -22,7 +22,7 @@ from flashtile.dropout import check_counter_range, check_dropout
 from flashtile.masks import normalize_window
 from flashtile.merge import add_sinks
 
-from . import checks, ops  # (ops also registers torch.ops.flashtile.triton_*)
+from . import checks, launch, ops  # (ops also registers torch.ops.flashtile.triton_*)
 from .launch import auto_splits, cdiv, decode_rows_block
 
 
@@ -122,8 +122,7 @@ def attention_backward(
     """Gradients ``(dq, dk, dv)`` of :func:`attention` from its ``out`` and ``lse``.
 
     The Triton counterpart of :func:`flashtile.attention_backward`, for callers
-    that keep ``(out, lse)`` themselves (ring attention merges partial results
-    and differentiates each block against the merged ``out`` and ``lse``).
+    that keep ``(out, lse)`` themselves.
 
     Args:
         q, k, v and the keywords: exactly as passed to :func:`attention`.
@@ -133,8 +132,40 @@ def attention_backward(
     Returns:
         ``dq, dk, dv`` with the shapes and dtype of ``q, k, v`` (GQA: summed
         over each group). Probabilities are recomputed from ``lse``;
-        deterministic (no atomics).
+        deterministic (no atomics). All NaN where the backward's precision
+        rule fails (an ``lse`` that does not match the scores, or too large
+        for float32 scores: :func:`flashtile.triton.ops.poisoned`).
     """
+    args = _gradient_args(
+        q, k, v, out, lse, dout, causal, scale, window, alibi_slopes, softcap, kv_lengths,
+        enable_gqa,
+    )  # fmt: skip
+    unbatched, (dout, q, k, v, out, lse, variants) = args
+    grads = torch.ops.flashtile.triton_attention_bwd(
+        dout, q, k, v, out, lse, None, *variants, 0.0, None
+    )
+    return tuple(g[0] for g in grads) if unbatched else grads
+
+
+def block_gradients(q, k, v, out, lse, dout, **kw):
+    """``(dq, dk, dv, sums)`` of one block of a longer row, no precision rule
+    applied (the distributed engine's, as the CPU's
+    :func:`flashtile.gradients.block_gradients`): :func:`attention_backward`'s
+    arguments and results for 4-D inputs, and each row's sum of ``P`` (its
+    share of the whole row's, whose ``lse`` it is)."""
+    _, (dout, q, k, v, out, lse, variants) = _gradient_args(
+        q, k, v, out, lse, dout, kw.get("causal", False), kw.get("scale"), kw.get("window"),
+        kw.get("alibi_slopes"), kw.get("softcap"), kw.get("kv_lengths"),
+        kw.get("enable_gqa", False),
+    )  # fmt: skip
+    with ops.on_device(q):
+        return launch.backward(dout, q, k, v, out, lse, ops.op_variants(*variants, 0.0, None))
+
+
+def _gradient_args(
+    q, k, v, out, lse, dout, causal, scale, window, alibi_slopes, softcap, kv_lengths, enable_gqa
+):  # fmt: skip
+    """``(unbatched, (dout, q, k, v, out, lse, variants))`` checked for the backward op."""
     q, k, v, unbatched, variants = _prepare(
         q, k, v, causal, scale, window, alibi_slopes, softcap, kv_lengths, None, enable_gqa
     )
@@ -149,10 +180,8 @@ def attention_backward(
             f"out {tuple(out.shape)}, dout {tuple(dout.shape)}, lse {tuple(lse.shape)}: expected "
             f"out and dout {want} and lse {want[:3]} (the forward's, return_lse=True)"
         )
-    grads = torch.ops.flashtile.triton_attention_bwd(
-        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.float(), None, *variants, 0.0, None
-    )
-    return tuple(g[0] for g in grads) if unbatched else grads
+    tensors = (dout.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype), lse.float().contiguous())
+    return unbatched, (*tensors, variants)
 
 
 def varlen_attention(

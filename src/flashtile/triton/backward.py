@@ -106,8 +106,12 @@ def _probs_and_dscores(
     DROPOUT: tl.constexpr, IEEE: tl.constexpr, SCORE_FN: tl.constexpr, MASK_FN: tl.constexpr,
     CAPTURE_FN: tl.constexpr,
 ):  # fmt: skip
-    """``(P, dS)`` of one tile: ``P = exp2(S - lse)`` recomputed, ``dS = P * (dP - D)``
-    with ``dP = dO V^T`` (times ``1 - tanh^2`` under softcap), both float32.
+    """``(P, dS, sums)`` of one tile: ``P = exp2(S - lse)`` recomputed (capped
+    at ``2**127``, as the CPU kernels' is: a row left out of the loss adds
+    exact zeros whatever its ``lse``), ``dS = P * (dP - D)`` with ``dP = dO
+    V^T`` (times ``1 - tanh^2`` under softcap), both float32, and the rows'
+    sums of ``P`` before dropout (for the precision rule,
+    :func:`flashtile.precision.failing_rows`).
     With ``DROPOUT`` (keep mask ``Z``, scale ``c``) the output was ``(c Z * P) V``:
     ``dP`` becomes ``c Z * dP`` and the returned ``P`` (dV's operand) ``c Z * P``.
     A score mod (``SCORE_FN``: its derivative's function) multiplies ``dS``
@@ -117,7 +121,9 @@ def _probs_and_dscores(
         q, k, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out, mod,
         SOFTCAP, ALIBI, MASKED, IEEE, SCORE_FN, MASK_FN, True,
     )  # fmt: skip
-    p = tl.exp2(s - lse2[:, None])
+    x = s - lse2[:, None]
+    p = tl.exp2(tl.where(x > 127.0, 127.0, x))  # (NaN stays NaN)
+    sums = tl.sum(p, 1)
     dp = dot(do, tl.trans(v), tl.zeros([q.shape[0], k.shape[0]], tl.float32), IEEE)
     if DROPOUT:
         dp = tl.where(keep, dp * drop_scale, 0.0)
@@ -133,7 +139,7 @@ def _probs_and_dscores(
         ds = tl.where(live, ds * t, 0.0)
     if DROPOUT:
         p = tl.where(keep, p * drop_scale, 0.0)
-    return p, ds
+    return p, ds, sums
 
 
 @device_fn
@@ -163,7 +169,7 @@ def _dkdv_range(
         lo_r, hi_r = row_bounds(pos, kv_len, left, right, HAS_LEFT, HAS_RIGHT)
         hi_r = tl.where(m_ok, hi_r, 0)
         keep = kept(q0 + offs_m, keys, drop) if DROPOUT else 0
-        p, ds = _probs_and_dscores(
+        p, ds, _ = _probs_and_dscores(
             q, k, v, do, lse2, delta, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
             keep, drop[4], mod, SOFTCAP, ALIBI, MASKED, DROPOUT, IEEE, SCORE_FN, MASK_FN, None,
         )  # fmt: skip
@@ -236,7 +242,7 @@ def attn_bwd_dkdv(
 
 @device_fn
 def _dq_range(
-    dq, q, do, lse2, delta, k_base, v_base, stride_k, stride_v, lo, s1, s2, hi,
+    dq, sums, q, do, lse2, delta, k_base, v_base, stride_k, stride_v, lo, s1, s2, hi,
     pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out, rows, k0, drop, walk, mod, kv_len,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
@@ -244,9 +250,10 @@ def _dq_range(
     SCORE_FN: tl.constexpr, MASK_FN: tl.constexpr, CAPTURE_FN: tl.constexpr,
     SPARSE: tl.constexpr, MAP_N: tl.constexpr,
 ):  # fmt: skip
-    """Accumulate the query block's ``dq`` (unscaled) over the key blocks of one phase
-    (``rows``, ``k0``: the block's query rows and the sequence's first key row;
-    ``SPARSE``: the listed walk ``walk``, keys before ``kv_len``)."""
+    """Accumulate the query block's ``dq`` (unscaled) and its rows' sums of
+    ``P`` over the key blocks of one phase (``rows``, ``k0``: the block's query
+    rows and the sequence's first key row; ``SPARSE``: the listed walk
+    ``walk``, keys before ``kv_len``)."""
     blocks, head = walk_count(lo, s1, s2, hi, walk, BLOCK_N, MASKED, SPARSE, MAP_N)
     for i in range(blocks):
         offs_n, n_ok = walk_block(i, head, lo, s1, s2, hi, walk, kv_len, BLOCK_N, MASKED, SPARSE,
@@ -255,18 +262,19 @@ def _dq_range(
         k = load_rows(k_base + keys * stride_k, n_ok, HEAD_D, BLOCK_D, MASKED, EMULATE_BF16)
         v = load_rows(v_base + keys * stride_v, n_ok, HEAD_DV, BLOCK_DV, MASKED, EMULATE_BF16)
         keep = kept(rows, k0 + offs_n, drop) if DROPOUT else 0
-        _, ds = _probs_and_dscores(
+        _, ds, tile_sums = _probs_and_dscores(
             q, k, v, do, lse2, delta, pos, offs_n, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out,
             keep, drop[4], mod, SOFTCAP, ALIBI, MASKED, DROPOUT, IEEE, SCORE_FN, MASK_FN,
             CAPTURE_FN,
         )  # fmt: skip
         dq = dot(operand_like(ds, k, EMULATE_BF16), k, dq, IEEE)
-    return dq
+        sums += tile_sums
+    return dq, sums
 
 
 @triton.jit
 def attn_bwd_dq(
-    Q, K, V, DOut, Lse, Delta, DQ, Slopes, KvLens, CuQ, CuK, Floats, Ints, Grads, Num, Idx,
+    Q, K, V, DOut, Lse, Delta, DQ, Sums, Slopes, KvLens, CuQ, CuK, Floats, Ints, Grads, Num, Idx,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, sl_b, sl_h,
     sdq_b, sdq_h, sdq_t, ss_b,
     heads, group, seqlen_q, seqlen_k, left, right, scale, qk_scale, cap_in, cap_out,
@@ -278,7 +286,8 @@ def attn_bwd_dq(
     EMULATE_BF16: tl.constexpr, SCORE_FN: tl.constexpr, MASK_FN: tl.constexpr,
     CAPTURE_FN: tl.constexpr, SPARSE: tl.constexpr, MAP_M: tl.constexpr, MAP_N: tl.constexpr,
 ):  # fmt: skip
-    """``DQ`` (shaped like ``Q``) for query block ``program_id(0)`` of one head."""
+    """``DQ`` (shaped like ``Q``) and the rows' sums of ``P`` (``Sums``, shaped
+    and strided like ``Lse``) for query block ``program_id(0)`` of one head."""
     start_m, h, b, q0, k0, tq, tk, kv_len = program_tile(
         heads, CuQ, CuK, KvLens, seqlen_q, seqlen_k, BLOCK_M, KV_LENS, VARLEN
     )
@@ -299,6 +308,7 @@ def attn_bwd_dq(
     k_base = K + b * sk_b + hk * sk_h + k0.to(tl.int64) * sk_t
     v_base = V + b * sv_b + hk * sv_h + k0.to(tl.int64) * sv_t
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    sums = tl.zeros([BLOCK_M], tl.float32)
     drop = (b * 65536 + h, seed, drop_offset, drop_threshold, drop_scale)
     mod = (Floats, Ints, Grads, b.to(tl.int32), h, tq, tk - tq, scale)
     # (as the forward's: a block mask's partial key blocks, then its full ones)
@@ -307,8 +317,8 @@ def attn_bwd_dq(
         if SPARSE:
             walk = listed(Num, Idx, (map_b, map_h, map_rows, map_cols), phase, b, h,
                           start_m // MAP_M)  # fmt: skip
-        dq = _dq_range(
-            dq, q, do, lse2, delta, k_base, v_base, sk_t, sv_t, lo, s1, s2, hi,
+        dq, sums = _dq_range(
+            dq, sums, q, do, lse2, delta, k_base, v_base, sk_t, sv_t, lo, s1, s2, hi,
             pos, lo_r, hi_r, slope2, qk_scale, cap_in, cap_out, rows, k0, drop, walk, mod, kv_len,
             HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP, ALIBI, phase == 0 or SPARSE,
             DROPOUT, IEEE, EMULATE_BF16, SCORE_FN, MASK_FN if phase == 0 else None, CAPTURE_FN,
@@ -316,3 +326,4 @@ def attn_bwd_dq(
         )  # fmt: skip
     store_rows(DQ + b * sdq_b + h * sdq_h + rows * sdq_t, dq * scale, m_ok, HEAD_D, BLOCK_D,
                EMULATE_BF16)  # fmt: skip
+    tl.store(Sums + b * sl_b + h * sl_h + q0 + offs_m, sums, mask=m_ok)

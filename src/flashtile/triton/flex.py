@@ -27,6 +27,7 @@ from flashtile.torch.block_masks import block_lists, block_states, mask_mod_of
 
 from . import checks, launch
 from .mod_source import triton_mods
+from .ops import poisoned
 
 
 def _lists(states: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,9 +82,11 @@ class _Flex(torch.autograd.Function):
             )
         var = launch.Variants(ctx.scale, mods=mod_args)
         fns.clear_flag()
-        dq, dk, dv = launch.backward(dout.contiguous().to(q.dtype), q, k, v, out, lse, var)
+        dout = dout.contiguous().to(q.dtype)
+        *qkv, sums = launch.backward(dout, q, k, v, out, lse, var)
         fns.check_flag()
         tables = fns.table_grads(grads) if grads is not None else [None] * len(fns.traced.tables)
+        dq, dk, dv, *tables = poisoned((*qkv, *tables), sums, lse, dout, None)
         return dq, dk, dv, None, None, *tables
 
 

@@ -214,13 +214,17 @@ def forward(q, k, v, var: Variants):
 
 
 def backward(dout, q, k, v, out, lse, var: Variants):
-    """``(dq, dk, dv)`` shaped like ``q, k, v`` (contiguous, input dtype)."""
+    """``(dq, dk, dv, sums)``: the gradients shaped like ``q, k, v``
+    (contiguous, input dtype) and each query row's sum of the recomputed
+    probabilities, shaped like ``lse`` (the precision rule's,
+    :func:`flashtile.precision.failing_rows`)."""
     batch, heads, tq, _ = q.shape
     hk = k.shape[1]
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    sums = torch.zeros_like(lse)
     seqs, max_q, max_k = _sequences(var, batch, tq, k.shape[2])
     if seqs * hk == 0 or max_k == 0:
-        return dq.zero_(), dk, dv
+        return dq.zero_(), dk, dv, sums
     delta = torch.empty_like(lse)
     blocks = _blocks(q, v)
     varlen = var.cu_q is not None
@@ -246,17 +250,17 @@ def backward(dout, q, k, v, out, lse, var: Variants):
     _run(attn_bwd_dkdv, "attn_bwd_dkdv", q, blocks["BLOCK_D"], key, grid, kv_args,
          {**consts, **mod_consts}, var)  # fmt: skip
     if max_q == 0:
-        return dq, dk, dv
+        return dq, dk, dv, sums
     mod_args, mod_consts = var.mod_args("attn_bwd_dq", q.device)
     q_args = (
-        q, k, v, dout, lse, delta, dq, *common, *mod_args[:5], *_strides(q, k, v, dout),
+        q, k, v, dout, lse, delta, dq, sums, *common, *mod_args[:5], *_strides(q, k, v, dout),
         *lse.stride()[:2], *_strides(dq), var.slope_batch_stride(), heads, heads // hk, *sizes,
         *mod_args[5:],
     )  # fmt: skip
     grid = lambda c: (cdiv(max_q, c.block_m), seqs * heads)  # noqa: E731
     _run(attn_bwd_dq, "attn_bwd_dq", q, blocks["BLOCK_D"], key, grid, q_args,
          {**consts, **mod_consts}, var)  # fmt: skip
-    return dq, dk, dv
+    return dq, dk, dv, sums
 
 
 def cdiv(a: int, b: int) -> int:

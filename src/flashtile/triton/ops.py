@@ -35,6 +35,7 @@ import torch
 
 from flashtile import op_autograd, op_batching
 from flashtile.merge import add_sinks
+from flashtile.precision import failing_rows
 
 from . import launch
 
@@ -58,12 +59,12 @@ _DECODE_SCHEMA = (
 )
 
 
-def _on(t: torch.Tensor):
+def on_device(t: torch.Tensor):
     """Launch on ``t``'s GPU (Triton launches on the current device)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _variants(
+def op_variants(
     alibi, kv_lengths, cu_q, cu_k, max_q, max_k, scale, left, right, softcap, dropout_p, seed
 ):
     # The kernels index lengths and offsets densely (no strides passed for them).
@@ -84,8 +85,8 @@ def attention_fwd(q, k, v, *variants):
     """``(out, lse)`` of the forward kernel (see the module docstring), with
     the attention sinks (the last argument) merged in."""
     *variants, sinks = variants  # the callers pass every argument
-    with _on(q):
-        out, lse = launch.forward(q, k, v, _variants(*variants))
+    with on_device(q):
+        out, lse = launch.forward(q, k, v, op_variants(*variants))
     if sinks is None:
         return out, lse
     return add_sinks(torch, out, lse, sinks)
@@ -98,14 +99,28 @@ def _attention_fwd_fake(q, k, v, *variants):
 
 
 @torch.library.custom_op("flashtile::triton_attention_bwd", mutates_args=(), schema=_BWD_SCHEMA)
-def attention_bwd(dout, q, k, v, out, lse, _sinks, *variants):
+def attention_bwd(dout, q, k, v, out, lse, sinks, *variants):
     """``(dq, dk, dv)`` of the backward kernels (probabilities recomputed from
-    ``lse``, which includes the sinks: they are the CPU backward's precision
-    rule's, not read here)."""
+    ``lse``, which includes the sinks), NaN where the precision rule fails
+    (:func:`poisoned`)."""
     # dout arrives with any strides (an expanded gradient has stride 0).
     dout = dout.contiguous()
-    with _on(q):
-        return launch.backward(dout, q, k, v, out, lse.contiguous(), _variants(*variants))
+    with on_device(q):
+        *grads, sums = launch.backward(dout, q, k, v, out, lse.contiguous(), op_variants(*variants))
+        return poisoned(grads, sums, lse, dout, sinks)
+
+
+def poisoned(grads, sums, lse, dout, sinks) -> tuple:
+    """``grads``, or all NaN where a row with a nonzero ``dout`` fails the
+    backward's precision rule (:func:`flashtile.precision.failing_rows`).
+    The CPU backward computes such calls again in float64 or refuses; on a
+    GPU that would mean waiting for it on every backward (a host sync), and
+    its kernels have no float64: NaN gradients, decided on the device, are
+    what a training loop's NaN checks (or ``torch.autograd.detect_anomaly``)
+    catch, instead of wrong numbers that nothing would."""
+    rows = failing_rows(torch, sums, lse, sinks) & (dout != 0).any(-1)
+    bad = rows.any()
+    return tuple(None if g is None else g.masked_fill(bad, float("nan")) for g in grads)
 
 
 @attention_bwd.register_fake
@@ -144,7 +159,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, alibi, s
            right, softcap):  # fmt: skip
     """``(out, lse)`` of the split-KV decoding kernels."""
     var = launch.Variants(scale, left, right, softcap, alibi)
-    with _on(q):
+    with on_device(q):
         return launch.decode(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, var)
 
 
