@@ -137,7 +137,8 @@ def _shaped(out, lse, shapes: AttentionShapes, dtype, return_lse):
     lse_shape = shapes.batch + (shapes.tq,)
     if lse.shape != lse_shape:  # the kernels' 4-D layout, for 2-D and 3-D inputs
         out, lse = out.reshape(lse_shape + out.shape[-1:]), lse.reshape(lse_shape)
-    out = narrow_out(out, dtype)  # float64 was needed, or float16 inputs
+    if out.dtype != dtype:  # float64 was needed, or float16 inputs
+        out = narrow_out(out, dtype)
     return (out, narrow_lse(lse, dtype)) if return_lse else out
 
 
