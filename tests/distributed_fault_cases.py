@@ -5,6 +5,7 @@ rank there; a refusal is every rank's)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -125,6 +126,37 @@ def ranks_that_disagree_on_shapes_all_refuse(rank, world):
     fd.ring_attention(*(torch.zeros(1, 2, 2, 4),) * 3)  # nothing was in flight
 
 
+# The whole matrix (FLASHTILE_FAULT_MATRIX=1 pytest tests/test_distributed.py,
+# about a minute per world size; make test runs the few cases above): an
+# exception on rank 1 at the first, second and last ring step, forward and
+# backward, ring (contiguous, one block per step) and Ulysses, every world size.
+
+
+def _matrix_case(fn, kernel, step):
+    def run_case(rank, world):
+        after = world - 1 if step == "last" else step
+
+        def run(group):
+            x = small_shard(world, requires_grad=kernel == "grads")
+            out = fn(x, x, x, group=group, layout="contiguous")
+            if kernel == "grads":
+                out.sum().backward()
+
+        _inject(rank, world, run, kernel=kernel, after=0 if fn is fd.ulysses_attention else after)
+
+    return run_case
+
+
+if os.environ.get("FLASHTILE_FAULT_MATRIX"):
+    for _fn in (fd.ring_attention, fd.ulysses_attention):
+        for _kernel in ("attend", "grads"):
+            for _step in (0, 1, "last") if _fn is fd.ring_attention else (0,):
+                _name = f"matrix_{_fn.__name__}_{_kernel}_at_step_{_step}"
+                _run = _matrix_case(_fn, _kernel, _step)
+                _run.__name__ = _name
+                case()(_run)
+
+
 # ------------------------------------------------------------------ the backward's precision rule
 
 
@@ -132,7 +164,7 @@ def _offset_case(world, rank, fn, *, offset, head=None):
     """Run ``fn`` (ring or Ulysses, contiguous layout) forward and backward in
     float32 on a problem whose rank-0 rows (of ``head`` only, or of every
     head) see every score raised by ``offset``: past float32's reach from
-    about 2e3 (:mod:`flashtile.precision`), so those rows need float64 while
+    1024 (:mod:`flashtile.precision`), so those rows need float64 while
     the others do not. Returns this rank's gradients and the float64
     one-process ones (sharded)."""
     rng = np.random.default_rng(7)

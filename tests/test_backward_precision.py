@@ -73,15 +73,38 @@ def test_the_rule_fails_the_float32_kernel_there_and_not_on_ordinary_scores():
             assert np.abs(g.sums - 1).max() < GRADIENT_TOLERANCE / 10
 
 
-def test_an_lse_that_does_not_match_the_scores_is_caught():
-    """The sums catch what no bound on |lse| can: an lse off by 1e-2 (another
-    call's, or rounded) would put every P 1% off; the float64 forward gives
-    the right gradients instead."""
+def test_an_lse_below_the_scores_is_caught():
+    """The sums catch what no bound on |lse| can: an lse 1e-2 below the
+    scores' (another call's, or rounded down) would put every P 1% high; the
+    float64 forward gives the right gradients instead."""
     q, k, v, dout = _problem()
     out, lse = flashtile.attention(q, k, v, return_lse=True)
-    got = flashtile.attention_backward(q, k, v, out, lse + np.float32(1e-2), dout)
+    got = flashtile.attention_backward(q, k, v, out, lse - np.float32(1e-2), dout)
     for g, r in zip(got, _reference(q, k, v, dout), strict=True):
         assert rel_err(g, r) < 1e-6
+
+
+def test_a_block_of_a_longer_row_gets_its_share_or_a_clear_error():
+    """A block's keys recomputed from the whole row's out and lse (how ring
+    attention is built) sum to its share of the row: accepted, and the
+    block's gradients add up to the whole call's. With scores float32
+    cannot resolve, the float64 forward of the block alone would not be the
+    share: refused, naming the fix."""
+    for offset, refused in ((0.0, False), (5e3, True)):
+        q, k, v, dout = _problem(offset=offset, tk=30)
+        out, lse = flashtile.attention(q, k, v, return_lse=True)
+        whole = flashtile.attention_backward(q, k, v, out, lse, dout)
+        halves = (slice(0, 13), slice(13, 30))
+        if refused:
+            with pytest.raises(ValueError, match=r"a block's share.*float64"):
+                flashtile.attention_backward(q, k[:, :, :13], v[:, :, :13], out, lse, dout)
+            continue
+        parts = [
+            flashtile.attention_backward(q, k[:, :, h], v[:, :, h], out, lse, dout) for h in halves
+        ]
+        assert rel_err(parts[0][0] + parts[1][0], whole[0]) < 1e-5
+        for n in (1, 2):
+            assert rel_err(np.concatenate([p[n] for p in parts], axis=2), whole[n]) < 1e-6
 
 
 def test_an_lse_past_float32_is_recomputed():

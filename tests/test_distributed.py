@@ -157,10 +157,14 @@ def ring_bfloat16_within_one_process_error(rank, world):
     one = torch.from_numpy(
         flashtile.attention(*(x.astype(np.float32) for x in whole16), causal=True)
     ).to(torch.bfloat16)
-    ours = fd.ring_attention(*(bf(shard(x)) for x in (q, k, v)), causal=True)
+    ins = [bf(shard(x)).requires_grad_() for x in (q, k, v)]
+    ours = fd.ring_attention(*ins, causal=True)
     assert ours.dtype == torch.bfloat16
-    err, err_one = rel_err(ours.double().numpy(), shard(ref)), rel_err(one.double().numpy(), ref)
+    got = ours.detach().double().numpy()
+    err, err_one = rel_err(got, shard(ref)), rel_err(one.double().numpy(), ref)
     assert err <= 2 * err_one, f"rank {rank}: bf16 ring error {err:.2e}, one process {err_one:.2e}"
+    ours.float().square().sum().backward()  # (bf16 dout: the precision rule reads it)
+    assert all(x.grad.dtype == torch.bfloat16 and torch.isfinite(x.grad).all() for x in ins)
 
 
 @case()

@@ -437,17 +437,22 @@ def test_sinks_compile_fullgraph_and_refuse_vmapped_sinks():
 
 
 def test_the_backward_precision_rule_poisons_instead_of_answering_wrong():
-    """An lse its scores do not match (here 1e-2 off) would put every P 1% off:
-    the gradients come back NaN (decided on the device, no sync), as does a
-    call whose |lse| float32 cannot resolve. Rows left out of the loss (zero
-    dout) with any lse add exact zeros: P is capped, never inf * 0."""
-    q, k, v = (t.detach() for t in make((1, 2, 2, 9, 11, 16, 16), F32, 6, False))
+    """An lse below its scores' (here by 1e-2) would put every P 1% high: the
+    gradients of that batch entry come back NaN (decided on the device, no
+    sync), as do those of an lse float32 cannot resolve; the other entry's
+    stay. Rows left out of the loss (zero dout) with any lse add exact
+    zeros: P is capped, never inf * 0."""
+    q, k, v = (t.detach() for t in make((2, 2, 2, 9, 11, 16, 16), F16, 6, False))
     out, lse = ft.attention(q, k, v, return_lse=True)
     dout = torch.randn_like(out)
     right = ft.attention_backward(q, k, v, out, lse, dout)
     assert all(torch.isfinite(g).all() for g in right)
-    for bad in (lse + 1e-2, lse + 5e3):  # mismatched; too coarse for float32 scores
-        assert all(torch.isnan(g).all() for g in ft.attention_backward(q, k, v, out, bad, dout))
+    for shift in (-1e-2, 4e4):  # below the scores; too large for float32 scores
+        bad = lse.clone()
+        bad[1] += shift
+        got = ft.attention_backward(q, k, v, out, bad, dout)
+        for g, r in zip(got, right, strict=True):
+            assert torch.isnan(g[1]).all() and torch.equal(g[0], r[0])
     dout[:, :, -3:] = 0.0  # rows left out of the loss: any lse there
     lse_off = lse.clone()
     lse_off[:, :, -3:] -= 1e4

@@ -2,13 +2,16 @@
 
 The kernels recompute ``P = exp(S - lse)`` tile by tile from the forward's
 ``lse``; :func:`flashtile.precision.gradients_unreliable` tells, after the
-kernel ran, whether that recomputation can be trusted (each row's ``P``
-summed to 1, and ``|lse|`` small enough for the work dtype). When it cannot,
+kernel ran, whether that recomputation can be trusted (no row's ``P`` sums
+past 1, and ``|lse|`` is small enough for the work dtype). When it cannot,
 :func:`checked_gradients` computes the forward again in float64 (its own
 ``out`` and ``lse``) and the backward from those, as the forward already
-does for scores past float32's range; only where float64 cannot either
-(``|lse|`` past about ``1e12``) does it raise a ``ValueError`` that names
-the fix. Ordinary calls pay a pass over the rows' sums and ``lse``.
+does for scores past float32's range. It raises a ``ValueError`` that names
+the fix only where float64 cannot do better either: scores too large for
+float64 (``|lse|`` past about ``1e12`` with the softmax spread), or an
+``lse`` of a longer row (a block's share, which the caller's float32 cannot
+resolve and the float64 forward of the block alone does not give).
+Ordinary calls pay a pass over the rows' sums and ``lse``.
 
 Every CPU backward goes through here: :func:`flashtile.attention_backward`,
 :func:`flashtile.varlen_attention_backward` (and so the torch operator, the
@@ -21,9 +24,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import ml_dtypes
 import numpy as np
 
-from ._validate import check_same_shape
+from ._validate import check_same_shape, compute_dtype
 from .cpu.launch import run_backward, run_forward
 from .frontdoor import check_call, run_call
 from .planning import Call, KernelPlan, plan_backward, plan_forward
@@ -77,11 +81,40 @@ def checked_gradients(call: Call, out, lse, dout, block_q=None, block_k=None, ho
     if not gradients_unreliable(grads.sums, lse, dout, sinks):
         return grads
     wide = widened(call)
-    out, lse, log2 = float64_forward(wide, block_q, block_k)
-    grads = kernel_gradients(wide, out, lse, dout, block_q, block_k, hook, log2)
-    if gradients_unreliable(grads.sums, lse, dout, sinks):
-        raise ValueError(refusal(lse * (LN2 if log2 else 1.0), dout))
+    out64, lse64, log2 = float64_forward(wide, block_q, block_k)
+    natural = lse64 * LN2 if log2 else lse64
+    share = _share_excess(lse, natural, dout, call.q.dtype)
+    if share > 0:
+        raise ValueError(share_refusal(share, natural))
+    grads = kernel_gradients(wide, out64, lse64, dout, block_q, block_k, hook, log2)
+    if gradients_unreliable(grads.sums, lse64, dout, sinks):
+        raise ValueError(refusal(natural, dout))
     return grads
+
+
+def _share_excess(lse, own, dout, dtype) -> float:
+    """How far the caller's ``lse`` exceeds the call's own (float64, natural
+    log) beyond what rounding explains, in rows with a nonzero ``dout`` (0
+    if nowhere): an ``lse`` of a longer row, whose blocks' gradients the
+    caller sums (their ``P`` sum to a share, which the rule accepts; but the
+    float64 recomputation would give the block's own gradient instead)."""
+    eps = float(np.finfo(compute_dtype(dtype)).eps) + float(ml_dtypes.finfo(lse.dtype).eps)
+    with np.errstate(invalid="ignore", over="ignore"):
+        excess = lse.astype(np.float64) - own
+        bound = 4 * eps * np.abs(own) + GRADIENT_TOLERANCE
+        rows = np.isfinite(excess) & (excess > bound) & np.any(dout != 0, axis=-1)
+    return float(excess[rows].max()) if rows.any() else 0.0
+
+
+def share_refusal(excess, own) -> str:
+    """The error of a block recomputed from a longer row's ``lse`` that its dtype cannot resolve."""
+    return (
+        f"attention_backward: lse exceeds this call's own log-sum-exp by up to {excess:.3g} in "
+        f"rows with a nonzero dout, so it is a longer row's (a block's share), and at |lse| "
+        f"{finite_max_abs(own):.3g} its probabilities cannot be recomputed in the inputs' "
+        f"dtype to {GRADIENT_TOLERANCE:.1e}: compute the whole row in float64 (float64 inputs, "
+        f"for the forward that merges the blocks too), as ring_attention does"
+    )
 
 
 def widened(call: Call) -> Call:

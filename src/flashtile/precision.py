@@ -44,10 +44,10 @@ The backward recomputes ``P = exp(s - lse)`` from its own scores and the
 stored ``lse``, so the rounding of both lands in the exponent of every
 ``P``, and nothing normalises it away as the forward's running sum does
 (float32, d = 4: ``dv`` was 31% off at ``|lse|`` 5e6, inf at 7e10, while
-the forward was right). :func:`gradients_unreliable` is the rule, decided
-after the backward ran (:mod:`flashtile.gradients` acts on it): the rows'
-sums of ``P``, which the kernel returns, must be 1, and ``|lse|`` small
-enough for the work dtype to resolve the scores near it.
+the forward was right). :func:`failing_rows` is the rule, decided after
+the backward ran (:mod:`flashtile.gradients` acts on it): the rows' sums of
+``P``, which the kernel returns, must not pass 1, and ``|lse|`` must be
+small enough for the work dtype to resolve the scores near it.
 """
 
 from __future__ import annotations
@@ -274,19 +274,23 @@ def narrow_lse(lse: np.ndarray, dtype: np.dtype) -> np.ndarray:
         return lse.astype(narrow)
 
 
-#: How far a row's recomputed probabilities may be from summing to 1, and
-#: how coarse the scores near ``lse`` may be (:func:`gradients_unreliable`):
-#: the share of a gradient's relative error the backward's recomputation may
-#: add. float32 work meets it while ``|lse|`` stays below about 2000.
+#: How far a row's recomputed probabilities may sum past 1, and how coarse
+#: the scores near ``lse`` may be (:func:`failing_rows`): the share of a
+#: gradient's relative error the backward's recomputation may add where
+#: float64 can do better (the CPU). float32 work meets it while ``|lse|``
+#: stays below 1024.
 GRADIENT_TOLERANCE = 2.0**-12
+#: :data:`GRADIENT_TOLERANCE` where nothing better exists (the Triton
+#: kernels have no float64): only a recomputation off by about 1% fails.
+LAST_RESORT_TOLERANCE = 2.0**-7
 
 
 def gradients_unreliable(sums, lse, dout, sinks) -> bool:
     """Whether gradients recomputed from ``lse`` may be off by more than
     :data:`GRADIENT_TOLERANCE` (the caller then computes them again in
     float64, or refuses): :func:`failing_rows` among the rows whose ``dout``
-    is not all zero (a zero row adds exact zeros, ``P`` being capped at
-    ``2**127``: padding rows hidden by an additive -1e9 need not be exact).
+    is not all zero (a zero row adds exact zeros, ``P`` being capped: padding
+    rows hidden by an additive -1e9 need not be exact).
 
     ``sums (..., Tq)``: each query row's sum of the probabilities the backward
     recomputed (the kernels' fourth result), ``lse (..., Tq)`` the ``lse``
@@ -299,32 +303,35 @@ def gradients_unreliable(sums, lse, dout, sinks) -> bool:
     return bool(np.any(off & np.any(dout != 0, axis=-1)))
 
 
-def failing_rows(xp, sums, lse, sinks):
+def failing_rows(xp, sums, lse, sinks, tol=GRADIENT_TOLERANCE):
     """The rows ``(..., Tq)`` whose recomputed ``P`` cannot be trusted, as a
     bool array (NumPy, or torch tensors on any device with ``xp = torch``:
     the Triton backward's, which must not wait for the GPU). The work dtype,
     in which the scores were computed, is ``sums``'s. A row fails when
 
-    - its ``P`` do not sum to ``1 - exp(sink - lse)`` (1 without sinks)
-      within the tolerance: ``lse`` does not match the scores (its rounding,
-      an ``lse`` past float32's range stored as inf, another call's ``lse``);
+    - its ``P`` sum past ``1 - exp(sink - lse)`` (1 without sinks) by more
+      than ``tol``: its ``lse`` is below the scores' (rounded down, or
+      another call's); or ``lse = +inf`` (past float32's range, stored as
+      inf: every ``P`` would be 0). A sum *below* it is not a failure: a
+      block of a longer row, recomputed from that row's ``lse``, sums to its
+      share (the distributed engine's blocks, and callers who merge blocks
+      themselves); an ``lse`` rounded up is the next rule's;
     - the work dtype is narrower than float64 and ``|lse| * (eps(lse's
-      dtype) + eps(work dtype))`` reaches the tolerance: the scores near
-      ``lse`` round by that much, so the ``P`` may sum to 1 and still be off
-      one by one, where float64 would resolve them (float32: ``|lse|``
-      about 2000 and beyond). In float64 the sums alone decide: scores
-      rounded one by one are what a float64 computation of any kind sees.
+      dtype) + eps(work dtype))`` reaches ``tol``: the scores near ``lse``
+      round by that much, so ``lse`` may be off by that much either way and
+      the ``P`` off one by one (float32: ``|lse|`` 1024 and beyond, at the
+      default ``tol``). In float64 the sums alone decide: scores rounded one
+      by one are what a float64 computation of any kind sees.
 
     Rows that see no key (``lse = -inf``, zero sums) and rows the NaN policy
     covers (NaN sums or ``lse``) never fail."""
-    tol = GRADIENT_TOLERANCE
     wide = _cast(xp, lse, sums.dtype)
     empty = xp.isneginf(wide)
     expected = 1.0
     if sinks is not None:  # the sink's share of the row: exp(sink - lse)
         sink = _cast(xp, sinks, sums.dtype).reshape((-1, 1))
         expected = 1.0 - xp.exp(sink - xp.where(empty, xp.inf, wide))
-    off = (xp.abs(sums - expected) > tol) & ~empty | xp.isposinf(wide)  # (NaN: False)
+    off = (sums - expected > tol) | xp.isposinf(wide)  # (NaN: False)
     if sums.dtype != xp.float64:
         eps = _eps(xp, lse.dtype) + _eps(xp, sums.dtype)
         off = off | (xp.abs(wide) * eps >= tol) & ~empty

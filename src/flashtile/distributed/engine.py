@@ -34,7 +34,7 @@ import torch
 
 from flashtile.gradients import refusal
 from flashtile.merge import merge_partials, refuse_posinf
-from flashtile.precision import gradients_unreliable
+from flashtile.precision import failing_rows
 
 from .comm import Ring, shift
 from .faults import agree, any_rank, guarded, wait
@@ -184,20 +184,19 @@ def trusted_backward(setup: Setup, q, k, v, out, lse, dout):
     *grads, sums = ring_backward(setup, q, k, v, out, lse, dout)
     if setup.kernels.name != "cpu":
         return grads, None
-    local = gradients_unreliable(*_arrays((sums, lse, dout)), None)
-    if not any_rank(setup.peers, local):
+    if not any_rank(setup.peers, _failing(sums, lse, dout)):
         return grads, None
     wide = tuple(t.detach().double() for t in (q, k, v))
     out, lse = ring_forward(setup, *wide)
     *grads, sums = ring_backward(setup, *wide, out, lse, dout)
-    sums, lse, dout = _arrays((sums, lse, dout))
-    if gradients_unreliable(sums, lse, dout, None):
-        return grads, refusal(lse, dout, "the ring's backward")
+    if _failing(sums, lse, dout):
+        return grads, refusal(lse.numpy(), dout.double().numpy(), "the ring's backward")
     return grads, ""
 
 
-def _arrays(tensors):
-    return tuple(t.detach().cpu().numpy() for t in tensors)
+def _failing(sums, lse, dout) -> bool:
+    """:func:`flashtile.precision.failing_rows` among the rows with a nonzero ``dout``."""
+    return bool((failing_rows(torch, sums, lse.detach(), None) & (dout != 0).any(-1)).any())
 
 
 class RingAttention(torch.autograd.Function):
@@ -219,7 +218,7 @@ class RingAttention(torch.autograd.Function):
         with kernel_threads(setup.procs), guarded(setup.peers, "the backward"):
             grads, problem = trusted_backward(setup, q, k, v, out, lse, dout)
         if problem is not None:  # float64 was tried on every rank: they refuse together
-            agree(setup.peers, lambda: (_refuse(problem), ()))
+            agree(setup.peers, lambda: (_refuse(problem), ()), "after its messages")
         dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
         return dq, dk, dv, None
 

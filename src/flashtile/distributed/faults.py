@@ -180,24 +180,25 @@ def any_rank(ring, flag: bool) -> bool:
 SIGNATURE = 20
 
 
-def agree(ring, check):
+def agree(ring, check, when="before any message"):
     """``check() -> (result, signature)`` on every rank of ``ring``: the
     result, or on every rank an error if ``check`` raised on any (see the
     module docstring), or if the ranks' ``signature`` (up to
     :data:`SIGNATURE` integers: shapes, dtypes, flags that every rank must
-    share) differ."""
+    share) differ. ``when``: the vote's place in the call, as the refusal
+    names it (no message of the call may be in flight)."""
     if ring is None or ring.size == 1:
         return check()[0]
     try:
         if ring.polls:
             raise_if_failed(ring.group)  # a group left broken by an earlier failure
-        return _vote(ring, check)
+        return _vote(ring, check, when)
     except PeerFailure:
         _close(ring)  # (a peer already in the vote waits on this rank: let it go too)
         raise
 
 
-def _vote(ring, check):
+def _vote(ring, check, when):
     """:func:`agree`'s vote, on a group of several ranks."""
     error, signature = None, ()
     try:
@@ -224,7 +225,7 @@ def _vote(ring, check):
     if refused:
         raise ValueError(
             f"rank {refused[0]} of the group refused the call ({verdicts[refused[0]][0]}); "
-            f"every rank refuses it, before any message (ranks are the group's)"
+            f"every rank refuses it, {when} (ranks are the group's)"
         )
     odd = next(r for r, (_, theirs) in enumerate(verdicts) if theirs != verdicts[0][1])
     raise ValueError(

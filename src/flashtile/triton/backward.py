@@ -107,8 +107,9 @@ def _probs_and_dscores(
     CAPTURE_FN: tl.constexpr,
 ):  # fmt: skip
     """``(P, dS, sums)`` of one tile: ``P = exp2(S - lse)`` recomputed (capped
-    at ``2**127``, as the CPU kernels' is: a row left out of the loss adds
-    exact zeros whatever its ``lse``), ``dS = P * (dP - D)`` with ``dP = dO
+    at ``2**15``, which float16 operands hold: a row left out of the loss
+    adds exact zeros whatever its ``lse``, and a ``P`` past 1 fails the
+    precision rule anyway), ``dS = P * (dP - D)`` with ``dP = dO
     V^T`` (times ``1 - tanh^2`` under softcap), both float32, and the rows'
     sums of ``P`` before dropout (for the precision rule,
     :func:`flashtile.precision.failing_rows`).
@@ -122,7 +123,7 @@ def _probs_and_dscores(
         SOFTCAP, ALIBI, MASKED, IEEE, SCORE_FN, MASK_FN, True,
     )  # fmt: skip
     x = s - lse2[:, None]
-    p = tl.exp2(tl.where(x > 127.0, 127.0, x))  # (NaN stays NaN)
+    p = tl.exp2(tl.where(x > 15.0, 15.0, x))  # (NaN stays NaN)
     sums = tl.sum(p, 1)
     dp = dot(do, tl.trans(v), tl.zeros([q.shape[0], k.shape[0]], tl.float32), IEEE)
     if DROPOUT:

@@ -35,7 +35,7 @@ import torch
 
 from flashtile import op_autograd, op_batching
 from flashtile.merge import add_sinks
-from flashtile.precision import failing_rows
+from flashtile.precision import LAST_RESORT_TOLERANCE, failing_rows
 
 from . import launch
 
@@ -111,16 +111,27 @@ def attention_bwd(dout, q, k, v, out, lse, sinks, *variants):
 
 
 def poisoned(grads, sums, lse, dout, sinks) -> tuple:
-    """``grads``, or all NaN where a row with a nonzero ``dout`` fails the
-    backward's precision rule (:func:`flashtile.precision.failing_rows`).
-    The CPU backward computes such calls again in float64 or refuses; on a
-    GPU that would mean waiting for it on every backward (a host sync), and
-    its kernels have no float64: NaN gradients, decided on the device, are
-    what a training loop's NaN checks (or ``torch.autograd.detect_anomaly``)
-    catch, instead of wrong numbers that nothing would."""
-    rows = failing_rows(torch, sums, lse, sinks) & (dout != 0).any(-1)
-    bad = rows.any()
-    return tuple(None if g is None else g.masked_fill(bad, float("nan")) for g in grads)
+    """``grads`` (fresh tensors, filled in place), NaN for every batch entry
+    (every call, for a packed batch or a table) where a row with a nonzero
+    ``dout`` fails the backward's precision rule
+    (:func:`flashtile.precision.failing_rows`, at
+    :data:`~flashtile.precision.LAST_RESORT_TOLERANCE`). The CPU backward
+    computes such calls again in float64 or refuses; on a GPU that would mean
+    waiting for it on every backward (a host sync), and its kernels have no
+    float64: NaN gradients, decided on the device, are what a training
+    loop's NaN checks (or ``torch.autograd.detect_anomaly``) catch, instead
+    of wrong numbers that nothing would. Per batch entry, so that under
+    ``vmap`` one sample's failure is its own."""
+    rows = failing_rows(torch, sums, lse, sinks, LAST_RESORT_TOLERANCE) & (dout != 0).any(-1)
+    entries = rows.reshape(rows.shape[0], -1).any(1)  # (B,)
+    whole = entries.any()
+    for g in grads:
+        if g is None:
+            continue
+        per_entry = g.ndim == rows.ndim + 1 and g.shape[0] == entries.shape[0]
+        bad = entries.view(-1, *([1] * (g.ndim - 1))) if per_entry else whole
+        g.masked_fill_(bad, float("nan"))
+    return tuple(grads)
 
 
 @attention_bwd.register_fake
