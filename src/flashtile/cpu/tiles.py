@@ -25,7 +25,6 @@ the key segments of a score tile (:mod:`.tile_step`).
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -42,6 +41,7 @@ from ..masks import (
 from . import FASTMATH
 from .half import narrow, widen
 from .mod_calls import call_row, pointer
+from .rowops import tanh_of
 from .vectors import wide_vectors
 
 #: Columns of the ``seqs (S, SEQ_COLUMNS)`` int64 table: sequence ``s`` is
@@ -220,6 +220,26 @@ def needs_transform(variants):
     return changes_scores(variants) or variants.mask_bool.size > 0 or variants.mask_fn != 0
 
 
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def softcap_row(seg, chain_out, softcap):
+    """``seg = softcap * tanh(seg / softcap)`` in place, and with a non-empty
+    ``chain_out`` the derivative ``1 - tanh^2``. In the scores' dtype (float32
+    scores take the vectorised :func:`.rowops.tanh_of`), one loop per case
+    and unsigned indices: a test or a signed index inside keeps it scalar."""
+    cap, one = seg.dtype.type(softcap), seg.dtype.type(1.0)
+    inv = one / cap
+    if chain_out.size > 0:
+        for c in range(seg.shape[0]):
+            j = np.uintp(c)
+            t = tanh_of(seg[j] * inv)
+            seg[j] = cap * t
+            chain_out[j] = one - t * t
+    else:
+        for c in range(seg.shape[0]):
+            j = np.uintp(c)
+            seg[j] = cap * tanh_of(seg[j] * inv)
+
+
 @njit(fastmath=FASTMATH, cache=True)
 def transform_row(seg, col0, tile, i, h, variants, read_bool, chain_out):
     """Apply the score function or softcap, ALiBi, the additive and the
@@ -244,12 +264,7 @@ def transform_row(seg, col0, tile, i, h, variants, read_bool, chain_out):
         else:
             call_row(va.score_fn, seg.ctypes.data, 0, n, b, h, i, col0, fp, ip, 0)
     if va.softcap > 0.0:
-        inv = 1.0 / va.softcap
-        for c in range(n):
-            t = math.tanh(seg[c] * inv)
-            seg[c] = va.softcap * t
-            if chain_out.size > 0:
-                chain_out[c] = 1.0 - t * t
+        softcap_row(seg, chain_out, va.softcap)
     if va.alibi.size > 0:
         slope = va.alibi[b % va.alibi.shape[0], h]
         p = i + tile.tk - tile.tq
