@@ -182,3 +182,53 @@ def test_float16_gradients_past_65504_are_inf_without_a_warning():
         warnings.simplefilter("error")
         dv = flashtile.attention_backward(q, k, v, out, lse, dout)[2]
     assert np.isinf(dv).any() and dv.dtype == np.float16
+
+
+def test_scores_whose_products_cancel_are_not_taken_for_a_share():
+    """q.k = 1000*1000 - 1000*994 + ...: the float32 forward's lse sits above
+    the exact one by the products' rounding (4e-3 at |lse| 1500), which is
+    not a longer row's: computed in float64, not refused."""
+    rng = np.random.default_rng(2)
+    q, k = np.zeros((1, 1, 32, 16)), np.zeros((1, 1, 32, 16))
+    q[..., 0] = q[..., 1] = 1000.0
+    k[..., 0], k[..., 1] = 1000.0 + rng.uniform(0, 0.01, 32), -994.0
+    q[..., 2:], k[..., 2:] = (rng.standard_normal((1, 1, 32, 14)) for _ in range(2))
+    v, dout = (rng.standard_normal((1, 1, 32, 16)) for _ in range(2))
+    q, k, v, dout = (a.astype(np.float32) for a in (q, k, v, dout))
+    out, lse = flashtile.attention(q, k, v, return_lse=True)
+    got = flashtile.attention_backward(q, k, v, out, lse, dout)
+    for g, r in zip(got, _reference(q, k, v, dout), strict=True):
+        assert rel_err(g, r) < 1e-6
+
+
+def test_a_float32_lse_rounded_up_for_float64_inputs_is_caught():
+    """float64 work with an lse given in float32 (rounded up everywhere, by up
+    to 8e-3 at |lse| 1e5): the sums cannot see it (a share sums below 1
+    too), the lse's resolution can."""
+    rng = np.random.default_rng(3)
+    q, k, v, dout = (rng.standard_normal((1, 1, 16, 8)) for _ in range(4))
+    q *= 0.01
+    q[..., 0], k[..., 0] = 3e4, 10 + 0.001 * rng.standard_normal((1, 1, 16))
+    out, lse = flashtile.attention(q, k, v, return_lse=True)
+    up = lse.astype(np.float32)
+    low = up.astype(np.float64) < lse
+    up[low] = np.nextafter(up[low], np.float32(np.inf))
+    got = flashtile.attention_backward(q, k, v, out, up, dout)
+    for g, r in zip(got, flashtile.attention_backward(q, k, v, out, lse, dout), strict=True):
+        assert rel_err(g, r) < 1e-9
+
+
+def test_softcap_gradients_where_tanh_saturates():
+    """Scores 7-9 times the cap: 1 - tanh^2 is 1e-6..6e-8 there, and
+    float32's 1 - t*t cancelled to 0 (dq 90% off); the kernels' derivative
+    does not cancel."""
+    rng = np.random.default_rng(4)
+    q, k, v, dout = (rng.standard_normal((1, 2, 12, 8)) for _ in range(4))
+    q[..., 0], k[..., 0] = 3.0, 8.0 + 0.3 * rng.standard_normal((1, 2, 12))
+    q, k, v, dout = (a.astype(np.float32) for a in (q, k, v, dout))
+    kw = {"softcap": 1.0, "scale": 1.0 / 3.0}
+    out, lse = flashtile.attention(q, k, v, return_lse=True, **kw)
+    got = flashtile.attention_backward(q, k, v, out, lse, dout, **kw)
+    ref = dense_extended(*(a.astype(np.float64) for a in (q, k, v, dout)), **kw)[2:5]
+    for g, r in zip(got, ref, strict=True):
+        assert rel_err(g, r) < 1e-4

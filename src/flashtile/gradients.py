@@ -31,7 +31,13 @@ from ._validate import check_same_shape, compute_dtype
 from .cpu.launch import run_backward, run_forward
 from .frontdoor import check_call, run_call
 from .planning import Call, KernelPlan, plan_backward, plan_forward
-from .precision import GRADIENT_TOLERANCE, finite_max_abs, gradients_unreliable, narrow_out
+from .precision import (
+    GRADIENT_TOLERANCE,
+    bounds,
+    finite_max_abs,
+    gradients_unreliable,
+    narrow_out,
+)
 from .units import LN2
 
 
@@ -83,7 +89,9 @@ def checked_gradients(call: Call, out, lse, dout, block_q=None, block_k=None, ho
     wide = widened(call)
     out64, lse64, log2 = float64_forward(wide, block_q, block_k)
     natural = lse64 * LN2 if log2 else lse64
-    share = _share_excess(lse, natural, dout, call.q.dtype)
+    shapes = call.shapes
+    scores = bounds(call.scale, call.q, call.k, call.variants, shapes.tq, shapes.tk)[0] * LN2
+    share = _share_excess(lse, natural, dout, call.q.dtype, scores)
     if share > 0:
         raise ValueError(share_refusal(share, natural))
     grads = kernel_gradients(wide, out64, lse64, dout, block_q, block_k, hook, log2)
@@ -92,16 +100,19 @@ def checked_gradients(call: Call, out, lse, dout, block_q=None, block_k=None, ho
     return grads
 
 
-def _share_excess(lse, own, dout, dtype) -> float:
+def _share_excess(lse, own, dout, dtype, scores) -> float:
     """How far the caller's ``lse`` exceeds the call's own (float64, natural
     log) beyond what rounding explains, in rows with a nonzero ``dout`` (0
     if nowhere): an ``lse`` of a longer row, whose blocks' gradients the
     caller sums (their ``P`` sum to a share, which the rule accepts; but the
-    float64 recomputation would give the block's own gradient instead)."""
+    float64 recomputation would give the block's own gradient instead).
+    Rounding: of ``lse`` and, in the inputs' compute dtype, of scores up to
+    ``scores`` in size (:func:`flashtile.precision.bounds`: products that
+    cancel round by their terms' size, not the score's)."""
     eps = float(np.finfo(compute_dtype(dtype)).eps) + float(ml_dtypes.finfo(lse.dtype).eps)
     with np.errstate(invalid="ignore", over="ignore"):
         excess = lse.astype(np.float64) - own
-        bound = 4 * eps * np.abs(own) + GRADIENT_TOLERANCE
+        bound = 4 * eps * (np.abs(own) + scores) + GRADIENT_TOLERANCE
         rows = np.isfinite(excess) & (excess > bound) & np.any(dout != 0, axis=-1)
     return float(excess[rows].max()) if rows.any() else 0.0
 

@@ -316,12 +316,13 @@ def failing_rows(xp, sums, lse, sinks, tol=GRADIENT_TOLERANCE):
       block of a longer row, recomputed from that row's ``lse``, sums to its
       share (the distributed engine's blocks, and callers who merge blocks
       themselves); an ``lse`` rounded up is the next rule's;
-    - the work dtype is narrower than float64 and ``|lse| * (eps(lse's
-      dtype) + eps(work dtype))`` reaches ``tol``: the scores near ``lse``
-      round by that much, so ``lse`` may be off by that much either way and
-      the ``P`` off one by one (float32: ``|lse|`` 1024 and beyond, at the
-      default ``tol``). In float64 the sums alone decide: scores rounded one
-      by one are what a float64 computation of any kind sees.
+    - ``|lse| * eps`` reaches ``tol``, ``eps`` summing the epsilons of
+      ``lse``'s dtype and the work dtype that are narrower than float64: the
+      scores near ``lse`` round by that much, so ``lse`` may be off by that
+      much either way (rounded up: the sums cannot tell) and the ``P`` off
+      one by one (float32: ``|lse|`` 1024 and beyond, at the default
+      ``tol``). With both in float64 the sums alone decide: scores rounded
+      one by one are what a float64 computation of any kind sees.
 
     Rows that see no key (``lse = -inf``, zero sums) and rows the NaN policy
     covers (NaN sums or ``lse``) never fail."""
@@ -332,8 +333,8 @@ def failing_rows(xp, sums, lse, sinks, tol=GRADIENT_TOLERANCE):
         sink = _cast(xp, sinks, sums.dtype).reshape((-1, 1))
         expected = 1.0 - xp.exp(sink - xp.where(empty, xp.inf, wide))
     off = (sums - expected > tol) | xp.isposinf(wide)  # (NaN: False)
-    if sums.dtype != xp.float64:
-        eps = _eps(xp, lse.dtype) + _eps(xp, sums.dtype)
+    eps = sum(_eps(xp, t) for t in (lse.dtype, sums.dtype) if t != xp.float64)
+    if eps:
         off = off | (xp.abs(wide) * eps >= tol) & ~empty
     return off
 

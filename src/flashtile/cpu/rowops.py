@@ -303,11 +303,13 @@ _TWO_LOG2E = np.float32(2.0 * 1.4426950408889634)
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def _tanh_f32(x):
-    """``tanh(x)`` in float32, branch-free (vectorises, unlike libm's
-    ``tanh``): the series below ``|x|`` 0.55, else ``1 - 2m / (1 + m)`` with
-    ``m = e^(-2|x|)`` from :func:`_exp2_f32` (whose fit covers exponents at
-    or below 0; no cancellation: the result is at least 0.5), the sign put
-    back. Within 3 float32 ulps; inf gives ±1 and NaN stays NaN."""
+    """``(tanh(x), 1 - tanh(x)**2)`` in float32, branch-free (vectorises,
+    unlike libm's ``tanh``): the series below ``|x|`` 0.55, else ``1 - r``
+    with ``r = 2m / (1 + m)``, ``m = e^(-2|x|)`` from :func:`_exp2_f32` (whose
+    fit covers exponents at or below 0; no cancellation: the result is at
+    least 0.5), the sign put back. The derivative there is ``r (2 - r)``, not
+    ``1 - t*t``, which cancels to 0 once ``t`` rounds to 1 (``|x|`` 9).
+    Within 3 float32 ulps; inf gives ±1 (derivative 0) and NaN stays NaN."""
     z = x * x
     p = _T[8]
     p = p * z + _T[7]
@@ -320,20 +322,31 @@ def _tanh_f32(x):
     p = p * z + _T[0]
     a = abs(x)
     m = _exp2_f32(-a * _TWO_LOG2E, np.float32(0.0))  # (0 from 2**-127 down)
-    big = np.float32(1.0) - _quotient(np.float32(2.0) * m, np.float32(1.0) + m)
+    r = _quotient(np.float32(2.0) * m, np.float32(1.0) + m)
+    big = np.float32(1.0) - r
     big = big if x >= np.float32(0.0) else -big  # (NaN: -NaN, still NaN)
-    return x * p if a < _TANH_SERIES_LIMIT else big
+    small = x * p
+    series = a < _TANH_SERIES_LIMIT
+    t = small if series else big
+    d = np.float32(1.0) - small * small if series else r * (np.float32(2.0) - r)
+    return t, d
 
 
 def tanh_of(x):
-    """``tanh(x)`` for a kernel's score dtype: :func:`_tanh_f32` for float32
-    (the softcap's cost: libm's scalar ``tanh`` kept the loop scalar),
-    ``math.tanh`` for float64. Compiled code only (the overload below)."""
+    """``(tanh(x), 1 - tanh(x)**2)`` for a kernel's score dtype (the softcap
+    and its derivative): :func:`_tanh_f32` for float32 (libm's scalar
+    ``tanh`` kept the loop scalar), ``math.tanh`` for float64. Compiled code
+    only (the overload below)."""
     raise NotImplementedError("tanh_of is only available inside Numba kernels")
+
+
+def _tanh_f64(x):
+    t = math.tanh(x)
+    return t, 1.0 - t * t
 
 
 @overload(tanh_of, fastmath=FASTMATH, inline="always")
 def _tanh_of_overload(x):
     if x == types.float32:
         return _tanh_f32.py_func
-    return lambda x: math.tanh(x)
+    return _tanh_f64

@@ -223,21 +223,22 @@ def needs_transform(variants):
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def softcap_row(seg, chain_out, softcap):
     """``seg = softcap * tanh(seg / softcap)`` in place, and with a non-empty
-    ``chain_out`` the derivative ``1 - tanh^2``. In the scores' dtype (float32
-    scores take the vectorised :func:`.rowops.tanh_of`), one loop per case
-    and unsigned indices: a test or a signed index inside keeps it scalar."""
-    cap, one = seg.dtype.type(softcap), seg.dtype.type(1.0)
-    inv = one / cap
+    ``chain_out`` the derivative ``1 - tanh^2`` (computed without cancelling).
+    In the scores' dtype (float32 scores take the vectorised
+    :func:`.rowops.tanh_of`), one loop per case and unsigned indices: a test
+    or a signed index inside keeps it scalar."""
+    cap = seg.dtype.type(softcap)
+    inv = seg.dtype.type(1.0) / cap
     if chain_out.size > 0:
         for c in range(seg.shape[0]):
             j = np.uintp(c)
-            t = tanh_of(seg[j] * inv)
+            t, dt = tanh_of(seg[j] * inv)
             seg[j] = cap * t
-            chain_out[j] = one - t * t
+            chain_out[j] = dt
     else:
         for c in range(seg.shape[0]):
             j = np.uintp(c)
-            seg[j] = cap * tanh_of(seg[j] * inv)
+            seg[j] = cap * tanh_of(seg[j] * inv)[0]
 
 
 @njit(fastmath=FASTMATH, cache=True)

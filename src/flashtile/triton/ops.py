@@ -111,8 +111,9 @@ def attention_bwd(dout, q, k, v, out, lse, sinks, *variants):
 
 
 def poisoned(grads, sums, lse, dout, sinks) -> tuple:
-    """``grads`` (fresh tensors, filled in place), NaN for every batch entry
-    (every call, for a packed batch or a table) where a row with a nonzero
+    """``grads`` (fresh tensors, filled in place: ``dq, dk, dv`` then any
+    captured tables'), NaN for every batch entry of ``dq, dk, dv`` (the
+    whole call for a packed batch, and for the tables) where a row with a nonzero
     ``dout`` fails the backward's precision rule
     (:func:`flashtile.precision.failing_rows`, at
     :data:`~flashtile.precision.LAST_RESORT_TOLERANCE`). The CPU backward
@@ -125,10 +126,10 @@ def poisoned(grads, sums, lse, dout, sinks) -> tuple:
     rows = failing_rows(torch, sums, lse, sinks, LAST_RESORT_TOLERANCE) & (dout != 0).any(-1)
     entries = rows.reshape(rows.shape[0], -1).any(1)  # (B,)
     whole = entries.any()
-    for g in grads:
+    for n, g in enumerate(grads):
         if g is None:
             continue
-        per_entry = g.ndim == rows.ndim + 1 and g.shape[0] == entries.shape[0]
+        per_entry = n < 3 and g.ndim == rows.ndim + 1 and g.shape[0] == entries.shape[0]
         bad = entries.view(-1, *([1] * (g.ndim - 1))) if per_entry else whole
         g.masked_fill_(bad, float("nan"))
     return tuple(grads)
