@@ -179,8 +179,8 @@ def trusted_backward(setup: Setup, q, k, v, out, lse, dout):
     the backward again in float64 (the ring's messages included).
     ``problem``: None without a float64 attempt; after one, the refusal
     where it still fails here ("" where not), which the caller raises on
-    every rank with :func:`.faults.agree` once the messages are done. The
-    Triton kernels report no row sums: CUDA calls skip the rule."""
+    every rank with :func:`.faults.agree` once the messages are done. CUDA
+    rings skip the rule (the Triton kernels have no float64 to redo in)."""
     *grads, sums = ring_backward(setup, q, k, v, out, lse, dout)
     if setup.kernels.name != "cpu":
         return grads, None
