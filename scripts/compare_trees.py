@@ -110,6 +110,8 @@ CASES = [
     ("fwd T=1024 full", 1024, 64, False, "fwd"),
     ("fwd+bwd T=2048 causal", 2048, 64, True, "bwd"),
     ("fwd+bwd T=4096 causal", 4096, 64, True, "bwd"),
+    ("fwd T=4096 causal softcap 30", 4096, 64, True, "fwd"),
+    ("fwd+bwd T=4096 causal softcap 30", 4096, 64, True, "bwd"),
     ("fwd+bwd T=2048 full", 2048, 64, False, "bwd"),
     ("fwd T=2048 d=128 causal", 2048, 128, True, "fwd"),
     ("decode Tk=65536 GQA32/8 d128", 65536, 128, True, "dec"),
@@ -146,10 +148,11 @@ def run_case(ft, data: dict, label: str) -> tuple:
     q, k, v = data[label]
     if mode == "dec":
         return (ft.decode_attention(q, k, v),)
+    kw = {"causal": causal, "softcap": 30.0} if "softcap" in label else {"causal": causal}
     if mode == "fwd":
-        return (ft.attention(q, k, v, causal=causal),)
-    out, lse = ft.attention(q, k, v, causal=causal, return_lse=True)
-    return ft.attention_backward(q, k, v, out, lse, out, causal=causal)
+        return (ft.attention(q, k, v, **kw),)
+    out, lse = ft.attention(q, k, v, return_lse=True, **kw)
+    return ft.attention_backward(q, k, v, out, lse, out, **kw)
 
 
 def compare(trees: dict, labels: list, rounds: int, cpu: bool, reps=None) -> dict:

@@ -67,9 +67,9 @@ def probs_tile(s, p, lse2, sums, chain_buf, raw_buf, tile, j0, variants, full, r
     the new scores by the raw ones (:func:`.tiles.transform_row`); with
     captured gradients ``raw_buf`` (shaped like ``s``) keeps the raw scores.
     Both are zero outside a row's visible columns. ``sums[r]`` gains the
-    row's sum of ``P`` (:func:`flashtile.precision.gradients_unreliable`
-    reads the totals: a row whose ``P`` does not sum to 1 was recomputed
-    from an ``lse`` its scores do not match).
+    row's sum of ``P`` (:func:`flashtile.precision.failing_rows` reads the
+    totals: a row whose ``P`` sum past 1 was recomputed from an ``lse``
+    below its scores').
     """
     wide_vectors()
     rows, bc = s.shape

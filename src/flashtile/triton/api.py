@@ -132,9 +132,9 @@ def attention_backward(
     Returns:
         ``dq, dk, dv`` with the shapes and dtype of ``q, k, v`` (GQA: summed
         over each group). Probabilities are recomputed from ``lse``;
-        deterministic (no atomics). All NaN where the backward's precision
-        rule fails (an ``lse`` that does not match the scores, or too large
-        for float32 scores: :func:`flashtile.triton.ops.poisoned`).
+        deterministic (no atomics). NaN for a batch entry where the
+        backward's precision rule fails (an ``lse`` below its scores', or
+        too large for float32 scores: :func:`flashtile.triton.ops.poisoned`).
     """
     args = _gradient_args(
         q, k, v, out, lse, dout, causal, scale, window, alibi_slopes, softcap, kv_lengths,
