@@ -28,7 +28,7 @@ from flashtile.torch.flex import (  # noqa: E402
     noop_mask,
     or_masks,
 )
-from flex_oracle import HQ, T, _check, _indices, _inputs, dense_flex  # noqa: E402
+from flex_oracle import HQ, T, _check, _indices, _inputs, dense_flex, rel  # noqa: E402
 
 # --- the catalogue -----------------------------------------------------------
 
@@ -224,3 +224,26 @@ def test_sixteen_bit_inputs():
     ref, _ = dense_flex(*(t.double() for t in (q, k, v)), alibi, causal)
     base, _ = dense_flex(q, k, v, alibi, causal)
     _check(out, base, ref, "bf16", floor=1e-3)
+
+
+def test_softcap_mod_gradients_where_tanh_saturates():
+    """Scores 7-9 times the cap, float32: torch's derivative of tanh,
+    ``1 - t*t``, cancels there (0 once ``t`` rounds to 1, from |x| 9) and
+    puts dq 0.25% off, in eager torch's float32 as it did in the translated
+    mod; the translated mod takes tanh's own derivative (the softcap flag's:
+    tests/test_backward_precision.py), 1e-6 off."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v, dout = (torch.randn(1, 2, 12, 8, generator=g) for _ in range(4))
+    q[..., 0], k[..., 0] = 3.0, 8.0 + 0.3 * torch.randn(1, 2, 12, generator=g)
+
+    def cap(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score)
+
+    def grads(q, k, v, fn):
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        return torch.autograd.grad(fn(q, k, v), (q, k, v), dout.to(q.dtype))
+
+    got = grads(q, k, v, lambda *a: flex_attention(*a, score_mod=cap, scale=1.0 / 3.0))
+    ref = grads(q.double(), k.double(), v.double(), lambda *a: dense_flex(*a, cap, None, 1 / 3)[0])
+    for got_g, ref_g in zip(got, ref, strict=True):
+        assert rel(got_g, ref_g) < 1e-4

@@ -71,6 +71,88 @@ def test_mods_cached_on_disk(tmp_path, monkeypatch):
     assert len(sources) == 1 and "0.125" in sources[0].read_text()
 
 
+def _documents(docs):
+    def document(b, h, q_idx, kv_idx):
+        return (docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx)
+
+    return document
+
+
+def _counting_traces(monkeypatch) -> list:
+    from flashtile.torch import flex_trace
+
+    traced, real = [], flex_trace._trace_all
+    monkeypatch.setattr(flex_trace, "_trace_all", lambda *a: traced.append(a) or real(*a))
+    return traced
+
+
+def test_a_mod_made_again_finds_its_trace(tmp_path, monkeypatch):
+    """A mask_mod made anew for each batch (a closure over its documents), or
+    the same mod in another process, is not traced again: the trace is found
+    by the mods' code and numbers and their tensors' layouts, and reads the
+    new closure's own tensors. Another layout is traced again."""
+    from flashtile.torch import trace_cache
+
+    monkeypatch.setenv("FLASHTILE_CACHE_DIR", str(tmp_path))
+    q, k, v = _inputs(grad=False)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 4, (T,), generator=g).sort().values for _ in range(3)]
+    mask = create_block_mask(_documents(batches[0]), None, None, T, T)
+    flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    traced = _counting_traces(monkeypatch)
+    for n, docs in enumerate(batches):
+        if n == 2:
+            trace_cache._MEMORY.clear()  # as a new process: from the disk
+        mask = create_block_mask(_documents(docs), None, None, T, T)
+        out = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+        ref, _ = dense_flex(*(t.double() for t in (q, k, v)), None, _documents(docs))
+        _check(out, dense_flex(q, k, v, None, _documents(docs))[0], ref, f"batch {n}")
+    assert traced == []
+    create_block_mask(_documents(batches[0].int()), None, None, T, T)  # another dtype
+    assert len(traced) == 1
+    for path in (tmp_path / "traces").glob("*.json"):
+        path.write_text("{not json")  # a corrupt entry is traced again, not an error
+    trace_cache._MEMORY.clear()
+    mask = create_block_mask(_documents(batches[1]), None, None, T, T)
+    assert len(traced) == 2 and mask.to_dense().any()
+
+
+def test_stored_traces_keep_numbers_aliases_and_constants(monkeypatch):
+    """What tells two mods apart: their code, the numbers they read,
+    whether two places hold the same tensor (one table or two), and the
+    constants a mod makes itself (stored with the trace)."""
+    from flashtile.torch import trace_cache
+    from flashtile.torch.flex_trace import trace_mods
+
+    q, k, v = _inputs(grad=False)
+
+    def make(a, c, w):
+        def mod(s, b, h, q_idx, kv_idx):
+            return s + a[q_idx] * w - c[kv_idx] + torch.tensor(-0.75)
+
+        return mod
+
+    g = torch.Generator().manual_seed(5)
+    t, u = torch.randn(T, generator=g), torch.randn(T, generator=g)
+
+    def half(s, b, h, q_idx, kv_idx):
+        return s * 0.5
+
+    def quarter(s, b, h, q_idx, kv_idx):  # (the same but for a constant of its code)
+        return s * 0.25
+
+    mods = [make(t, t, 0.5), make(t, u, 0.5), make(u, t, 0.25), make(u, u, 0.25), half, quarter]
+    for n, mod in enumerate(mods + mods):
+        if n == len(mods):
+            trace_cache._MEMORY.clear()
+        out = flex_attention(q, k, v, score_mod=mod, enable_gqa=True)
+        ref, _ = dense_flex(*(x.double() for x in (q, k, v)), mod)
+        _check(out, dense_flex(q, k, v, mod)[0], ref, f"mod {n}")
+    # Only a constant of the mod's own code is stored by its values.
+    made = {id(tb.tensor): tb.made for tb in trace_mods(mods[1], None).tables}
+    assert made.pop(id(t)) is False and made.pop(id(u)) is False and list(made.values()) == [True]
+
+
 # --- the NumPy API ----------------------------------------------------------------
 
 

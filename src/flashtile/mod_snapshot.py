@@ -3,33 +3,43 @@
 Tracing or compiling a mod bakes in the values it reads from outside:
 numbers and strings become constants, captured arrays become tables whose
 layout the generated code assumes (NumPy mods: whose contents Numba froze).
-:func:`snapshot` lists checks that those values are unchanged, so that a
-cached trace or compile is reused only while it is still the mod's.
+One walk over those values (:func:`captured`) serves two purposes:
+
+- :func:`snapshot` lists checks that the values are unchanged, so that a
+  cached trace or compile is reused only while it is still the mod's;
+- :func:`fingerprint` describes them by structure (code, numbers, the
+  layout of captured tensors, not their identity), so that the same mod
+  defined again (a closure made on every step, a second process) finds the
+  trace made before (:mod:`flashtile.torch.trace_cache`).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import marshal
 import types
 
+#: Values compared by equality (their value is baked into the trace).
+_PLAIN = (int, float, complex, str, bytes, bool, type(None))
+#: Module attributes known by their names.
+_NAMED = (types.FunctionType, types.BuiltinFunctionType, type)
 
-def snapshot(functions, leaf) -> list | None:
-    """Checks that the values ``functions`` capture are still what they were.
 
-    Tracing or compiling a mod bakes in what it reads besides its arguments:
-    closure cells and the globals its code names, looked into through the
-    functions it holds (``and_masks``' closures). Returns one zero-argument
-    check per value (True while unchanged: numbers and strings equal, functions
-    and modules the same objects, other values as ``leaf(value)`` says: a
-    check, or None when it cannot tell), or None when some value cannot be
-    checked (the caller then does not reuse its work)."""
-    checks: list = []
+def captured(functions):
+    """Yield ``(get, value, kind, text)`` for every value ``functions`` read
+    besides their arguments: closure cells, defaults, and the globals their
+    code names, looked into through the functions and tuples they hold
+    (``and_masks``' closures) and the module attributes they read.
+
+    ``get()`` reads the value's place again; ``kind`` is ``"equal"`` (a
+    number or string: compare values), ``"same"`` (a function, module, type
+    or tuple: compare identity), ``"attribute"`` (another attribute of a
+    module: identity, or the caller's description), ``"leaf"`` (anything
+    else: the caller decides) or ``"opaque"`` (no code to look into:
+    nothing can be said); ``text`` describes the place and, for the first
+    two kinds, the value."""
     seen: set[int] = set()
-
-    def place(holder, name):
-        if isinstance(holder, dict):
-            return lambda: holder.get(name, _MISSING)
-        return lambda: getattr(holder, "cell_contents", _MISSING)
 
     def names(code) -> set[str]:
         """The names ``code`` reads, nested code (lambdas, comprehensions) too."""
@@ -39,58 +49,127 @@ def snapshot(functions, leaf) -> list | None:
                 found |= names(const)
         return found
 
-    def value_check(get, value, depth, read) -> bool:
-        """Add the checks of one captured value; False when it cannot be checked."""
-        if isinstance(value, int | float | complex | str | bytes | bool | None.__class__):
-            checks.append(lambda: (lambda now: type(now) is type(value) and now == value)(get()))
-        elif isinstance(value, types.FunctionType):
-            checks.append(lambda: get() is value)
-            return visit(value, depth + 1)
-        elif isinstance(value, types.ModuleType):
-            checks.append(lambda: get() is value)
-            for name in read:  # the module's attributes the code may read
-                attr = getattr(value, name, _MISSING)
-                if attr is not _MISSING and not isinstance(attr, types.ModuleType):
-                    fetch = functools.partial(getattr, value, name, _MISSING)
-                    plain = isinstance(attr, int | float | complex | str | bytes | bool)
-                    if plain:
-                        checks.append(lambda f=fetch, a=attr: type(f()) is type(a) and f() == a)
-                    else:
-                        checks.append(lambda f=fetch, a=attr: f() is a)
-        elif isinstance(value, types.BuiltinFunctionType | type):
-            checks.append(lambda: get() is value)
-        elif isinstance(value, tuple | frozenset):  # and_masks' closures hold their masks so
-            checks.append(lambda: get() is value)
-            for item in value:
-                if not value_check(lambda item=item: item, item, depth, read):
-                    return False
+    def value(get, where, v, depth, read):
+        if isinstance(v, _PLAIN):
+            yield get, v, "equal", f"{where}={type(v).__name__}:{v!r}"
+        elif isinstance(v, types.FunctionType):
+            yield get, v, "same", f"{where}=function {_code_digest(v)}"
+            yield from visit(v, depth + 1, where)
+        elif isinstance(v, types.ModuleType):
+            yield get, v, "same", f"{where}=module {v.__name__}"
+            for name in sorted(read):  # the module's attributes the code may read
+                attr = getattr(v, name, _MISSING)
+                if attr is _MISSING or isinstance(attr, types.ModuleType):
+                    continue
+                fetch, at = functools.partial(getattr, v, name, _MISSING), f"{where}.{name}"
+                if isinstance(attr, _PLAIN):
+                    yield fetch, attr, "equal", f"{at}={type(attr).__name__}:{attr!r}"
+                elif isinstance(attr, _NAMED):
+                    yield fetch, attr, "same", f"{at}={_describe_object(attr)}"
+                else:  # (a tensor, a dtype: compared as the same object)
+                    yield fetch, attr, "attribute", at
+        elif isinstance(v, types.BuiltinFunctionType | type):
+            yield get, v, "same", f"{where}={_describe_object(v)}"
+        elif isinstance(v, tuple | frozenset):
+            yield get, v, "same", f"{where}={type(v).__name__} of {len(v)}"
+            for n, item in enumerate(v):
+                yield from value(lambda item=item: item, f"{where}[{n}]", item, depth, read)
         else:
-            check = leaf(value)
-            if check is None:
-                return False
-            checks.append(lambda: check(get()))
-        return True
+            yield get, v, "leaf", where
 
-    def visit(fn, depth) -> bool:
+    def visit(fn, depth, where="mod"):
         fn = getattr(fn, "py_func", fn)  # a Numba dispatcher: its Python function
         code = getattr(fn, "__code__", None)
-        if code is None or depth > 6 or id(fn) in seen:
-            return code is not None
+        if code is None:
+            yield None, fn, "opaque", where
+            return
+        if depth > 6 or id(fn) in seen:
+            return
         seen.add(id(fn))
         read = names(code)
-        cells = [(cell, None) for cell in getattr(fn, "__closure__", None) or ()]
-        places = cells + [(fn.__globals__, n) for n in read if n in fn.__globals__]
-        for holder, name in places:
-            get = place(holder, name)
-            value = get()
-            if value is not _MISSING and not value_check(get, value, depth, read):
-                return False
-        return True
+        cells = [
+            (functools.partial(getattr, cell, "cell_contents", _MISSING), f"{where}:cell{n}")
+            for n, cell in enumerate(getattr(fn, "__closure__", None) or ())
+        ]
+        if getattr(fn, "__defaults__", None):  # (a tuple: replaced, never changed)
+            cells.append((functools.partial(getattr, fn, "__defaults__"), f"{where}:defaults"))
+        for name in sorted(read & getattr(fn, "__globals__", {}).keys()):
+            cells.append((functools.partial(fn.__globals__.get, name, _MISSING), f"{where}:{name}"))
+        for get, at in cells:
+            v = get()
+            if v is not _MISSING:  # (an empty cell; a name the code reads as an attribute only)
+                yield from value(get, at, v, depth, read)
 
-    for fn in functions:
-        if fn is not None and not visit(fn, 0):
+    for n, fn in enumerate(functions):
+        if fn is not None:
+            yield from visit(fn, 0, f"mod{n}")
+
+
+def snapshot(functions, leaf) -> list | None:
+    """Checks that the values ``functions`` capture are still what they were.
+
+    Returns one zero-argument check per value (True while unchanged: numbers
+    and strings equal, functions, modules and types the same objects, other
+    values as ``leaf(value)`` says: a check, or None when it cannot tell), or
+    None when some value cannot be checked (the caller then does not reuse
+    its work)."""
+    checks: list = []
+    for get, v, kind, _ in captured(functions):
+        if kind == "opaque":
             return None
+        if kind == "equal":
+            checks.append(functools.partial(_equal, get, v))
+        elif kind in ("same", "attribute"):
+            checks.append(lambda get=get, v=v: get() is v)
+        else:
+            check = leaf(v)
+            if check is None:
+                return None
+            checks.append(lambda get=get, check=check: check(get()))
     return checks
+
+
+def fingerprint(functions, describe) -> tuple[str, list] | None:
+    """``(digest, leaves)``: a digest of what ``functions`` are and capture,
+    by structure, and the leaf values in the order the digest lists them
+    (``describe(value)`` writes a leaf, a tensor by its layout; None when it
+    cannot, and then the result is None). Two mods with the same digest
+    trace to the same graph, their leaves taking each other's places. Only
+    plain functions qualify (a bound method's object is not looked into)."""
+    if any(f is not None and type(f) is not types.FunctionType for f in functions):
+        return None
+    parts = [f"mod{n}={'none' if f is None else _code_digest(f)}" for n, f in enumerate(functions)]
+    leaves: list = []
+    for _, v, kind, text in captured(functions):
+        if kind == "opaque":
+            return None
+        if kind in ("leaf", "attribute"):
+            described = describe(v)
+            if described is None:
+                return None
+            # (the same tensor in two places is one table of the trace)
+            same = next((n for n, leaf in enumerate(leaves) if leaf is v), None)
+            text = f"{text}=leaf {len(leaves)} {described} same as {same}"
+            leaves.append(v)
+        parts.append(text)
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest(), leaves
+
+
+def _equal(get, value) -> bool:
+    now = get()
+    return type(now) is type(value) and now == value
+
+
+def _code_digest(fn) -> str:
+    """A digest of a function's code (its constants and nested code too)."""
+    return hashlib.sha256(marshal.dumps(fn.__code__)).hexdigest()[:20]
+
+
+def _describe_object(v) -> str:
+    """A module attribute, type or builtin by its name (a Python function
+    also by its code's digest)."""
+    name = f"{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', type(v).__qualname__)}"
+    return f"{name} {_code_digest(v)}" if isinstance(v, types.FunctionType) else name
 
 
 _MISSING = object()

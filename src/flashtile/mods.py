@@ -17,14 +17,15 @@ mod; a mod compiles only its row functions.
 
 Mods come from two places:
 
-- :func:`numpy_mods`: plain Python functions on scalars (``math``, NumPy
-  scalar functions, NumPy arrays read by index), compiled with Numba as
-  they are. The NumPy API's forward (``flashtile.attention(...,
+- :mod:`flashtile.numpy_mods`: plain Python functions on scalars
+  (``math``, NumPy scalar functions, NumPy arrays read by index), compiled
+  with Numba as they are. The NumPy API's forward (``flashtile.attention(...,
   score_mod=, mask_mod=)``). They have no derivative.
 - :mod:`flashtile.torch.flex_trace`: torch mods, traced and translated into
   the same scalar functions, with their derivatives (taken by
   ``torch.func``), and cached on disk by their source
-  (:func:`compiled_module`).
+  (:func:`compiled_module`); the traces themselves by what the mods are
+  (:mod:`flashtile.torch.trace_cache`).
 
 Either way the scalar functions are ``_score(x, b, h, qi, kv, F, I) ->
 (value, bad)``, ``_score_grad(...) -> (value, d value / d x, bad)``,
@@ -32,9 +33,12 @@ Either way the scalar functions are ``_score(x, b, h, qi, kv, F, I) ->
 times the derivative by each captured float entry it read to ``G``, laid
 out like ``F``) and ``_mask(b, h, qi, kv, F, I) -> (keep, bad)``;
 :data:`LOOPS` and :data:`ROW_TEMPLATE` wrap them into row functions. Scores
-are computed in float64. ``bad`` says a captured table was indexed out of
-range (the read was clamped to the table); a row that saw one sets
-``I[0]``, an error flag the caller checks after the call and raises on.
+are computed in the call's work dtype, ``WORK`` in the generated code
+(float32 or float64: a module per dtype), with captured float tables read
+as that dtype and integers promoted to it, as torch computes. ``bad`` says
+a captured table was indexed out of range (the read was clamped to the
+table); a row that saw one sets ``I[0]``, an error flag the caller checks
+after the call and raises on.
 """
 
 from __future__ import annotations
@@ -54,7 +58,6 @@ from typing import NamedTuple
 import numpy as np
 
 from .masks import TILE_EMPTY, TILE_FULL, TILE_PARTIAL
-from .mod_snapshot import snapshot
 
 #: The row functions around the scalar functions; ``{T}`` is 32 or 64 (the
 #: work dtype of the scores), ``{CACHE}`` whether Numba caches them on disk.
@@ -100,8 +103,8 @@ LOOPS = {
 def _score_loop(s, b, h, qi, col0, F, I):
     bad = False
     for c in range(s.shape[0]):
-        y, out = _score(s[c] * LN2, b, h, qi, col0 + c, F, I)
-        s[c] = y * LOG2E
+        y, out = _score(s[c] * LN2_W, b, h, qi, col0 + c, F, I)
+        s[c] = y * LOG2E_W
         bad |= out
     if bad:
         I[0] = 1
@@ -111,8 +114,8 @@ def _score_loop(s, b, h, qi, col0, F, I):
 def _score_grad_loop(s, chain, b, h, qi, col0, F, I):
     bad = False
     for c in range(s.shape[0]):
-        y, dy, out = _score_grad(s[c] * LN2, b, h, qi, col0 + c, F, I)
-        s[c] = y * LOG2E
+        y, dy, out = _score_grad(s[c] * LN2_W, b, h, qi, col0 + c, F, I)
+        s[c] = y * LOG2E_W
         chain[c] = dy
         bad |= out
     if bad:
@@ -124,20 +127,55 @@ def _capture_loop(raw, grad, b, h, qi, col0, F, I, G):
     bad = False
     for c in range(raw.shape[0]):
         if grad[c] != 0.0:
-            _, out = _score_capture(raw[c] * LN2, grad[c], b, h, qi, col0 + c, F, I, G)
+            _, out = _score_capture(raw[c] * LN2_W, grad[c], b, h, qi, col0 + c, F, I, G)
             bad |= out
     if bad:
         I[0] = 1
 """,
     "mask": """
 @njit(cache={CACHE}, error_model="numpy")
-def _mask_loop(s, b, h, qi, col0, F, I):
+def _mask_span(s, lo, hi, b, h, qi, col0, F, I):
     bad = False
-    for c in range(s.shape[0]):
+    for c in range(lo, hi):
         keep, out = _mask(b, h, qi, col0 + c, F, I)
-        if not keep:
-            s[c] = -math.inf
+        s[c] = s[c] if keep else NEG_INF_W  # (a select: a branch that stores stays scalar)
         bad |= out
+    return bad
+
+
+@njit(cache={CACHE}, error_model="numpy")
+def _mask_loop(s, b, h, qi, col0, F, I):
+    if _mask_span(s, 0, s.shape[0], b, h, qi, col0, F, I):
+        I[0] = 1
+""",
+    "mask_mapped": """
+@njit(cache={CACHE}, error_model="numpy")
+def _mask_span(s, lo, hi, b, h, qi, col0, F, I):
+    bad = False
+    for c in range(lo, hi):
+        keep, out = _mask(b, h, qi, col0 + c, F, I)
+        s[c] = s[c] if keep else NEG_INF_W
+        bad |= out
+    return bad
+
+
+@njit(cache={CACHE}, error_model="numpy")
+def _mask_loop(s, b, h, qi, col0, F, I):
+    # A block map's state read once per map block of the row's keys (its
+    # block indices are divisions, costly per key): FlexAttention's rule, a
+    # full block keeps its keys, a partial one asks the mask, any other
+    # hides them.
+    bad, n, c = False, s.shape[0], 0
+    row = MAP + ((b % BM) * HM + h % HM) * (NQ * NK) + (qi // BQ) * NK
+    while c < n:
+        block = (col0 + c) // BK
+        end = min(n, (block + 1) * BK - col0)
+        state = I[np.uintp(row + block)]
+        if state == PARTIAL:
+            bad |= _mask_span(s, c, end, b, h, qi, col0, F, I)
+        elif state != FULL:
+            s[c:end] = NEG_INF_W
+        c = end
     if bad:
         I[0] = 1
 """,
@@ -163,8 +201,18 @@ import numpy as np
 from numba import carray, cfunc, njit
 from numba.types import float32, float64
 
+from flashtile.cpu import FASTMATH
+from flashtile.cpu.rowops import tanh_of
 from flashtile.mods import row_signature
 from flashtile.units import LN2, LOG2E
+
+
+@njit(error_model="numpy", fastmath=FASTMATH)
+def tanh_pair(x):
+    # tanh and its derivative, as the softcap flag computes them. (A call
+    # LLVM inlines: inlined in Numba's IR as well, within the inlined scalar
+    # functions, it upset Numba's variable scoping.)
+    return tanh_of(x)
 """
 
 #: The kinds of row functions, in :class:`RowFunctions` order (a mask also
@@ -340,16 +388,26 @@ def mask_block_states(mods: Mods, batch: int, heads: int, tq: int, tk: int, bloc
 
 
 def module_source(
-    scalar_source: str, kinds, n_floats: int, n_ints: int, cache: bool, bits: int
-) -> str:
+    scalar_source: str, kinds, n_floats: int, n_ints: int, cache: bool, bits: int,
+    mapped: bool = False,
+) -> str:  # fmt: skip
     """The full source of a mods module: prelude, sizes, the scalar
     functions, and the row functions of ``kinds`` for work of ``bits`` (32
-    or 64: one dtype per module, so a call compiles only the one it uses)."""
+    or 64: one dtype per module, so a call compiles only the one it uses).
+    ``mapped``: the mask loop reads a block map (``scalar_source`` defines
+    its offset and shape: ``MAP, BM, HM, NQ, NK, BQ, BK``)."""
     wanted = set(kinds) | ({"mask_count"} if "mask" in kinds else set())
-    rows = [LOOPS[k].format(CACHE=cache) for k in _TEMPLATE_KINDS if k in wanted]
+    loops = dict(LOOPS, mask=LOOPS["mask_mapped" if mapped else "mask"])
+    rows = [loops[k].format(CACHE=cache) for k in _TEMPLATE_KINDS if k in wanted]
     blocks = ROW_TEMPLATE.format(T=bits, CACHE=cache).split("\n\n\n")
     rows += [b for b, kind in zip(blocks, _TEMPLATE_KINDS, strict=True) if kind in wanted]
-    sizes = f"NF, NI = {n_floats}, {n_ints}\n"
+    # WORK is the float of the scores' work dtype: a float32 call's mods
+    # compute in float32 (as torch's), in vectors where the functions allow
+    sizes = (
+        f"NF, NI = {n_floats}, {n_ints}\nWORK = np.float{bits}\n"
+        f"LN2_W, LOG2E_W, NEG_INF_W = WORK(LN2), WORK(LOG2E), WORK(-math.inf)\n"
+        f"EMPTY, PARTIAL, FULL = {TILE_EMPTY}, {TILE_PARTIAL}, {TILE_FULL}\n"
+    )
     # The flashtile sources it imports are part of its identity: Numba's
     # cache knows only this file, so a change to them must give another file.
     stamp = f"# helpers: {_helpers_digest()}\n"
@@ -360,7 +418,8 @@ def module_source(
 def _helpers_digest() -> str:
     """A digest of the flashtile sources a generated module imports."""
     here = Path(__file__).resolve().parent
-    sources = b"".join((here / f).read_bytes() for f in ("mods.py", "units.py"))
+    files = ("mods.py", "units.py", "cpu/rowops.py")
+    sources = b"".join((here / f).read_bytes() for f in files)
     return hashlib.sha256(sources).hexdigest()[:16]
 
 
@@ -399,85 +458,3 @@ def compiled_module(source: str, directory: Path) -> dict:
                 f"operations docs/flex.md lists"
             ) from exc
         return vars(module)
-
-
-#: Scalar functions around a user's NumPy mods (``_user_score``/``_user_mask``).
-_NUMPY_SCALARS = {
-    "score": "@njit(inline='always', error_model='numpy')\ndef _score(x, b, h, qi, kv, F, I):\n"
-    "    try:\n"
-    "        return float(_user_score(x, b, h, qi, kv)), False\n"
-    "    except Exception:  # an index out of range (bounds checked)\n"
-    "        return 0.0, True\n",
-    "mask": "@njit(inline='always', error_model='numpy')\ndef _mask(b, h, qi, kv, F, I):\n"
-    "    try:\n"
-    "        return bool(_user_mask(b, h, qi, kv)), False\n"
-    "    except Exception:\n"
-    "        return False, True\n",
-}
-
-
-def numpy_mods(score_mod=None, mask_mod=None) -> Mods:
-    """:class:`Mods` of plain Python mods, compiled by Numba as written
-    (forward only: no derivative), indexing bounds-checked (an index out of
-    range is reported as the torch mods' are). Not cached on disk: the
-    arrays and values a mod captures are constants of its compiled code
-    (Numba's rule for globals); :func:`cached_numpy_mods` compiles again
-    when they change."""
-    from numba import njit
-
-    kinds, users = [], {}
-    for kind, fn in (("score", score_mod), ("mask", mask_mod)):
-        if fn is None:
-            continue
-        if not callable(fn):
-            raise TypeError(f"{kind}_mod must be a function, got {type(fn).__name__}")
-        kinds.append(kind)
-        fn = getattr(fn, "py_func", fn)  # an @njit function: compiled again, bounds-checked
-        users[f"_user_{kind}"] = njit(error_model="numpy", boundscheck=True)(fn)
-    scalars = "".join(_NUMPY_SCALARS[k] for k in kinds)
-
-    def load(bits: int) -> dict:
-        namespace = dict(users)
-        source = module_source(scalars, kinds, 1, 1, cache=False, bits=bits)
-        exec(compile(source, "<flashtile mods>", "exec"), namespace)
-        return namespace
-
-    return Mods(
-        tuple(kinds), np.zeros(1), np.zeros(1, dtype=np.int64), load,
-        label=" and ".join(f"{k}_mod" for k in kinds),
-    )  # fmt: skip
-
-
-#: NumPy mods compiled per pair of functions, with the checks of what they
-#: captured (:func:`snapshot`).
-_NUMPY_MODS: dict = {}
-
-
-def cached_numpy_mods(score_mod, mask_mod) -> Mods:
-    """:func:`numpy_mods`, compiled again when a value the functions
-    captured has changed (an array's contents included: Numba froze them)."""
-    key = (score_mod, mask_mod)
-    found = _NUMPY_MODS.get(key)
-    if found is not None and all(check() for check in found[1]):
-        return found[0]
-    mods = numpy_mods(score_mod, mask_mod)
-    checks = snapshot(key, _array_check)
-    if checks is not None:
-        if len(_NUMPY_MODS) >= 32:
-            _NUMPY_MODS.pop(next(iter(_NUMPY_MODS)))
-        _NUMPY_MODS[key] = (mods, checks)
-    return mods
-
-
-def _array_check(value):
-    """A check that a NumPy mod's captured value is what it is now: an array
-    with the same contents, a NumPy scalar equal, a compiled helper the same
-    object (None for other values)."""
-    if isinstance(value, np.ndarray):
-        kept = value.copy()
-        return lambda now: now is value and now.shape == kept.shape and np.array_equal(now, kept)
-    if isinstance(value, np.generic):
-        return lambda now: type(now) is type(value) and now == value
-    if hasattr(value, "py_func"):  # a Numba dispatcher: its code is its own
-        return lambda now: now is value
-    return None

@@ -41,7 +41,8 @@ import numpy as np
 from ._validate import AttentionShapes, as_numpy, check_flag, check_softcap
 from .dropout import check_counter_range, check_dropout
 from .masks import BlockMask, normalize_window
-from .mods import Mods, cached_numpy_mods, mask_block_states
+from .mods import Mods, mask_block_states
+from .numpy_mods import cached_numpy_mods
 from .units import LOG2E
 
 #: Float mask values below ``-MASK_LIMIT`` count as ``-inf`` (hidden), and
@@ -219,7 +220,7 @@ def resolve_variants(
     """Validate the variant keywords against ``shapes`` and normalise them.
 
     ``score_mod``/``mask_mod`` are plain Python functions (compiled with
-    Numba, :func:`flashtile.mods.numpy_mods`); ``mods`` a compiled
+    Numba, :func:`flashtile.numpy_mods.numpy_mods`); ``mods`` a compiled
     :class:`~flashtile.mods.Mods` (how :mod:`flashtile.torch.flex` passes
     its traced mods)."""
     causal = check_flag(causal, "causal")

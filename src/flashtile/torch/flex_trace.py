@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..masks import TILE_FULL, TILE_PARTIAL
 from ..mod_snapshot import snapshot
 from ..mods import LOCK, Mods, compiled_module, module_source
 from ..routes import cache_dir
+from . import trace_cache
 from .fx_translate import (
     MASK_INPUTS,
     SCORE_INPUTS,
@@ -105,6 +105,7 @@ class TracedMods:
     n_ints: int
     limits: tuple[tuple[str, int], ...]
     map_offset: int
+    mapped: bool
 
 
 def trace_mods(score_mod, mask_mod, block_map=None, dialect=Translator, device=None) -> TracedMods:
@@ -124,11 +125,27 @@ def trace_mods(score_mod, mask_mod, block_map=None, dialect=Translator, device=N
         cached = _lookup(key)
         if cached is not None:
             return cached
-        traced = _trace_all(score_mod, mask_mod, block_map, dialect, device)
+        traced = _stored_or_traced(score_mod, mask_mod, block_map, dialect, device)
         checks = snapshot((score_mod, mask_mod), _tensor_check)
         if checks is not None:  # else traced again on every call
             _store(key, (traced, checks))
         return traced
+
+
+def _stored_or_traced(score_mod, mask_mod, block_map, dialect, device) -> TracedMods:
+    """The mods' trace from :mod:`.trace_cache` (the same code capturing the
+    same layouts, traced before), else traced now and stored there."""
+    context = (block_map, f"{dialect.__module__}.{dialect.__qualname__}", str(device))
+    found = trace_cache.trace_key((score_mod, mask_mod), context)
+    if found is not None:
+        stored = trace_cache.load(*found, device)
+        if stored is not None:
+            return TracedMods(**stored)
+    traced = _trace_all(score_mod, mask_mod, block_map, dialect, device)
+    if found is not None:
+        plain = {f.name: getattr(traced, f.name) for f in fields(traced)}
+        trace_cache.store(*found, plain, plain.pop("tables"))
+    return traced
 
 
 def _trace_all(score_mod, mask_mod, block_map, dialect, device) -> TracedMods:
@@ -140,17 +157,18 @@ def _trace_all(score_mod, mask_mod, block_map, dialect, device) -> TracedMods:
         if any(translator.tables[t].tensor.requires_grad for _, t, _ in translator.reads):
             kinds.append("capture")
     if mask_mod is not None:
-        functions.append(_mask_function(mask_mod, translator, block_map, device))
+        functions.append(_mask_function(mask_mod, translator, device))
         kinds.append("mask")
     map_size = 0 if block_map is None else int(np.prod(block_map[:4]))
     n_floats, n_ints = _layout(translator.tables, map_size)
+    names = () if block_map is None else ("BM", "HM", "NQ", "NK", "BQ", "BK")
     offsets = translator.constants(
-        [*(f"T{n}" for n in range(len(translator.tables))), "MAP"],
-        [*(t.offset for t in translator.tables), n_ints - map_size],
+        [*(f"T{n}" for n in range(len(translator.tables))), "MAP", *names],
+        [*(t.offset for t in translator.tables), n_ints - map_size, *(block_map or ())],
     )
     return TracedMods(
         offsets + "\n".join(functions), tuple(kinds), translator.tables, n_floats, n_ints,
-        tuple(sorted(translator.direct)), n_ints - map_size,
+        tuple(sorted(translator.direct)), n_ints - map_size, block_map is not None,
     )  # fmt: skip
 
 
@@ -257,8 +275,9 @@ def _one_output(outputs, kind: str, what: str) -> Expr:
     return outputs[0]
 
 
-def _mask_function(mask_mod, tr: Translator, block_map, device) -> str:
-    """``_mask``: the mod's answer, and with a block map, its tile's state."""
+def _mask_function(mask_mod, tr: Translator, device) -> str:
+    """``_mask``: the mod's answer (a block map is read by the row loop:
+    :data:`flashtile.mods.LOOPS`)."""
 
     def positional(b, h, q_idx, kv_idx):  # (default arguments, bound methods)
         return mask_mod(b, h, q_idx, kv_idx)
@@ -267,15 +286,7 @@ def _mask_function(mask_mod, tr: Translator, block_map, device) -> str:
     tr.lines = []
     value = _one_output(tr.translate(gm, MASK_INPUTS), "b", "mask_mod")
     lines, tr.lines = tr.lines, []
-    if block_map is None:
-        return tr.function("_mask", "b, h, qi, kv, F, I", lines, value.text)
-    bm, hm, nq, nk, bq, bk = block_map
-    tile = f"((b % {bm}) * {hm} + h % {hm}) * {nq * nk} + (qi // {bq}) * {nk} + kv // {bk}"
-    # FlexAttention's rule: a full block keeps every key, a partial one asks
-    # mask_mod, an unlisted one hides its keys
-    lines.append(f"state = I[np.uintp(MAP + {tile})]")
-    keep = f"(state == {TILE_FULL}) or (state == {TILE_PARTIAL} and {value.text})"
-    return tr.function("_mask", "b, h, qi, kv, F, I", lines, keep)
+    return tr.function("_mask", "b, h, qi, kv, F, I", lines, value.text)
 
 
 def _split(key):
@@ -326,6 +337,7 @@ def compile_mods(traced: TracedMods, states=None) -> Mods:
 
     def load(bits: int) -> dict:
         args = (traced.source, traced.kinds, traced.n_floats, traced.n_ints, True, bits)
+        args += (traced.mapped,)
         return compiled_module(module_source(*args), directory)
 
     floats = np.zeros(traced.n_floats)

@@ -31,15 +31,15 @@ _UNARY = {
     "log10": "math.log10({0})",
     "log1p": "math.log1p({0})",
     "sqrt": "math.sqrt({0})",
-    "rsqrt": "(1.0 / math.sqrt({0}))",
-    "reciprocal": "(1.0 / {0})",
+    "rsqrt": "(WORK(1.0) / math.sqrt({0}))",
+    "reciprocal": "(WORK(1.0) / {0})",
     "sin": "math.sin({0})",
     "cos": "math.cos({0})",
     "tan": "math.tan({0})",
-    "tanh": "math.tanh({0})",
+    "tanh": "tanh_pair({0})[0]",  # (float32: vectorised, unlike libm's; float64: libm)
     "erf": "math.erf({0})",
     "erfc": "math.erfc({0})",
-    "sigmoid": "(1.0 / (1.0 + math.exp(-{0})))",
+    "sigmoid": "(WORK(1.0) / (WORK(1.0) + math.exp(-{0})))",
     "floor": "np.floor({0})",  # (math.floor gives an int64: wrong for inf, NaN, 1e30)
     "ceil": "np.ceil({0})",
     "trunc": "np.trunc({0})",
@@ -90,6 +90,7 @@ class Table:
     tensor: torch.Tensor
     kind: str  # "f" (float64 buffer) or "i" (int64 buffer, bools as 0/1)
     offset: int = 0
+    made: bool = False  # made by the mod's own code (torch.tensor(7)), not captured
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,8 @@ _BATCH = object()  # ``arange(0, 1)``: vmap's own batch index
 
 
 def dtype_kind(dtype: torch.dtype) -> str:
-    """A value's kind in the generated code: "f" (float64), "i" (int64) or "b" (bool)."""
+    """A value's kind in the generated code: "f" (the work float, ``WORK``:
+    float32 or float64), "i" (int64) or "b" (bool)."""
     if dtype == torch.bool:
         return "b"
     return "f" if dtype.is_floating_point else "i"
@@ -126,20 +128,29 @@ def _literal(value) -> Expr:
         return Expr(repr(value), "i")
     if isinstance(value, float):
         if math.isnan(value):
-            return Expr("math.nan", "f")
+            return Expr("WORK(math.nan)", "f")
         if math.isinf(value):
-            return Expr("math.inf" if value > 0 else "(-math.inf)", "f")
-        return Expr(repr(value), "f")
+            return Expr("WORK(math.inf)" if value > 0 else "WORK(-math.inf)", "f")
+        return Expr(f"WORK({value!r})", "f")
     raise Unsupported(f"a constant {value!r} of type {type(value).__name__}")
 
 
-_CAST = {"f": "float({0})", "i": "int({0})", "b": "bool({0})"}
+#: How the literal 1 is written (an int, or a float of the work dtype).
+_ONES = ("1", "WORK(1)", "WORK(1.0)")
+_CAST = {"f": "WORK({0})", "i": "int({0})", "b": "bool({0})"}
 #: Operations whose result is a bool whatever their arguments.
 _PREDICATES = {
     "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor",
     "logical_not", "isnan",
 }  # fmt: skip
 _ORDER = {"b": 0, "i": 1, "f": 2}
+#: Arithmetic whose integer or bool operands become the work float first
+#: when its result is a float (torch's promotion: an int64 tensor times a
+#: float32 one is float32; Numba's scalars would widen to float64).
+_PROMOTING = {
+    "add", "sub", "rsub", "mul", "div", "true_divide", "floor_divide", "remainder",
+    "maximum", "minimum",
+}  # fmt: skip
 
 
 def _natural_kind(op, args) -> str:
@@ -159,7 +170,8 @@ def _natural_kind(op, args) -> str:
 def _cast(text: str, natural: str, kind: str) -> str:
     """``text`` (of kind ``natural``) as ``kind``: Numba has no float(bool)."""
     if natural == "b" and kind != "b":
-        return f"({'1.0' if kind == 'f' else '1'} if {text} else {'0.0' if kind == 'f' else '0'})"
+        one, zero = ("WORK(1.0)", "WORK(0.0)") if kind == "f" else ("1", "0")
+        return f"({one} if {text} else {zero})"
     return _CAST[kind].format(text)
 
 
@@ -186,19 +198,21 @@ class Translator:
         # range is checked once per call instead of per element
         self.direct: set[tuple[str, int]] = set()
         self._count = 0
+        # value name -> its argument, for tanh values ("square NAME" for t*t)
+        self._tanhs: dict[str, Expr] = {}
 
     def _name(self, prefix: str) -> str:
         self._count += 1
         return f"{prefix}{self._count}"
 
-    def table(self, tensor: torch.Tensor) -> int:
+    def table(self, tensor: torch.Tensor, made: bool = False) -> int:
         for n, t in enumerate(self.tables):
             if t.tensor is tensor:
                 return n
         kind = "f" if tensor.dtype.is_floating_point else "i"
         if tensor.is_complex():
             raise Unsupported(f"{self.what} captures a complex tensor")
-        self.tables.append(Table(tensor, kind))
+        self.tables.append(Table(tensor, kind, made=made))
         return len(self.tables) - 1
 
     def translate(self, gm, inputs, read_inputs=None) -> list:
@@ -212,7 +226,9 @@ class Translator:
         for node in gm.graph.nodes:
             if node.op == "get_attr":
                 tensor = getattr(gm, node.target)
-                view = View(self.table(tensor), (), False)
+                # torch.tensor(...) in the mod's code: a constant lifted into the graph
+                made = any(u.target is torch.ops.aten.lift_fresh_copy.default for u in node.users)
+                view = View(self.table(tensor, made), (), False)
                 # a 0-d tensor (a learned temperature) is one element already
                 env[node] = self._extend(view, [], node) if tensor.dim() == 0 else view
             elif node.op == "call_function":
@@ -249,10 +265,30 @@ class Translator:
                 f"down to one element first (bias[h, q_idx - kv_idx])"
             )
         kind = _kind_of(node)
-        text = self._expression(op, args, kwargs, node)
+        if kind == "f" and op in _PROMOTING:
+            args = [self.promote(a) if isinstance(a, Expr) else a for a in args]
+        text = self._tanh_derivative(op, args) or self._expression(op, args, kwargs, node)
         name = self._name("v")
         self.lines.append(f"{name} = {self.cast(text, _natural_kind(op, args), kind)}")
+        if op == "tanh":
+            self._tanhs[name] = args[0]
+        elif op == "mul" and args[0] == args[1] and args[0].text in self._tanhs:
+            self._tanhs[f"square {name}"] = self._tanhs[args[0].text]
         return Expr(name, kind)
+
+    def _tanh_derivative(self, op, args) -> str | None:
+        """``1 - t*t`` of ``t = tanh(a)`` (torch's derivative of tanh) as
+        :meth:`tanh_derivative` writes it, or None for any other operation."""
+        if op == "sub" and len(args) == 2 and isinstance(args[1], Expr):
+            one, square = args
+        elif op == "rsub" and len(args) == 2 and isinstance(args[0], Expr):
+            square, one = args
+        else:
+            return None
+        a = self._tanhs.get(f"square {square.text}")
+        if a is None or not isinstance(one, Expr) or one.text not in _ONES:
+            return None
+        return self.tanh_derivative(a)
 
     def _expression(self, op, args, kwargs, node) -> str:
         texts = [a.text if isinstance(a, Expr) else a for a in args]
@@ -331,6 +367,16 @@ class Translator:
 
     def binary(self, op: str, a: Expr, b: Expr) -> str:
         return self.BINARY[op].format(a.text, b.text)
+
+    def promote(self, a: Expr) -> Expr:
+        """An operand of float arithmetic as the work float (torch's
+        promotion of an integer or bool operand)."""
+        return a if a.kind == "f" else Expr(self.cast(a.text, a.kind, "f"), "f")
+
+    def tanh_derivative(self, a: Expr) -> str | None:
+        """``1 - tanh(a)**2`` without the cancellation of ``1 - t*t`` (in
+        float32 it is 0 from ``|a|`` 9 on), or None to keep ``1 - t*t``."""
+        return f"tanh_pair({a.text})[1]"
 
     def where(self, cond: str, a: str, b: str) -> str:
         return f"({a} if {cond} else {b})"

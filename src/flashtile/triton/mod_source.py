@@ -126,6 +126,12 @@ class TritonTranslator(Translator):
             return self.power(a, b)
         return self.BINARY[op].format(a.text, b.text)
 
+    def promote(self, a: Expr) -> Expr:
+        return a  # (Triton promotes an integer operand of float arithmetic itself)
+
+    def tanh_derivative(self, a: Expr) -> None:
+        return None  # (1 - t*t, as torch's GPU kernels)
+
     def where(self, cond: str, a: str, b: str) -> str:
         return f"tl.where({cond}, {a}, {b})"
 
