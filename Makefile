@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 
-.PHONY: demo test fuzz lint bench clean
+.PHONY: demo test docs notebook fuzz lint bench clean
 
 # `make test` compiles the CPU kernels first, in two processes that share the
 # work (`flashtile precompile`), then runs two pytest workers, one test file
@@ -40,8 +40,22 @@ demo: $(VENV)/.installed
 test: $(VENV)/.dev-installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(MAKE) --no-print-directory docs
 	$(BIN)/flashtile precompile --jobs 2
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+# The documentation site (mkdocs.yml) into build/site: every public name must
+# have a docstring and a place in docs/api/ (scripts/check_docs.py), and the
+# build is strict (a broken link or anchor, a missing reference or a docstring
+# that does not parse fails it).
+docs: $(VENV)/.dev-installed
+	$(BIN)/python scripts/check_docs.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# The tutorial as a notebook, run top to bottom: docs/tutorial.ipynb (beside
+# the images it shows; not tracked: docs/tutorial.md is its source).
+notebook: $(VENV)/.dev-installed
+	$(BIN)/python scripts/tutorial_notebook.py docs/tutorial.ipynb
 
 # The fuzz tests with the long budget (a few minutes; `make test` runs a small one).
 fuzz: $(VENV)/.dev-installed

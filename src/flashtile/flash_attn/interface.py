@@ -166,6 +166,8 @@ def flash_attn_varlen_func(
 ):
     """Attention over packed variable-length sequences, differentiable.
 
+    The arguments not listed below are as in :func:`flash_attn_func`.
+
     Args:
         q: ``(total_q, nheads, headdim)``; k: ``(total_k, nheads_k, headdim)``;
             v: ``(total_k, nheads_k, headdim_v)``: the sequences' tokens
@@ -182,7 +184,6 @@ def flash_attn_varlen_func(
             copy first).
         alibi_slopes: ``(nheads,)`` or ``(batch, nheads)``; slopes that differ
             between sequences run one kernel call per sequence.
-        Others: as :func:`flash_attn_func`.
 
     Returns:
         ``out (total_q, nheads, headdim_v)``; with ``return_attn_probs``

@@ -122,10 +122,10 @@ def attention_backward(
     """Gradients ``(dq, dk, dv)`` of :func:`attention` from its ``out`` and ``lse``.
 
     The Triton counterpart of :func:`flashtile.attention_backward`, for callers
-    that keep ``(out, lse)`` themselves.
+    that keep ``(out, lse)`` themselves. ``q``, ``k``, ``v`` and the keywords
+    are exactly as passed to :func:`attention`.
 
     Args:
-        q, k, v and the keywords: exactly as passed to :func:`attention`.
         out: ``(B, Hq, Tq, dv)`` the output, in q's dtype; lse: ``(B, Hq, Tq)``
             float32 (``return_lse=True``). dout: the gradient w.r.t. ``out``.
 
@@ -200,9 +200,10 @@ def varlen_attention(
             on its own, causal/window/ALiBi positions bottom-right within it.
         max_seqlen_q, max_seqlen_k: the longest sequences (computed from the
             offsets when None; they are read on the host either way).
-        causal, scale, window, alibi_slopes (``(Hq,)``), softcap, return_lse,
-            sinks, dropout_p: as in :func:`attention` (dropout's counters read rows
-            of the packed arrays with ``b = 0``, as :func:`flashtile.varlen_attention`'s).
+        causal, scale, window, alibi_slopes, softcap, return_lse, sinks, dropout_p: as
+            in :func:`attention` (``alibi_slopes`` ``(Hq,)``; dropout's counters read
+            rows of the packed arrays with ``b = 0``, as
+            :func:`flashtile.varlen_attention`'s).
         dropout_seed, dropout_offset: the generator's seed (None: drawn from
             torch's default generator) and counter offset, as
             :func:`flashtile.varlen_attention` takes them: the same mask.
