@@ -43,6 +43,7 @@ import numpy as np
 from . import routes, tune
 from ._validate import BFLOAT16
 from .argtypes import positive_int
+from .progress import Progress
 
 #: Dtypes a task can be selected by (``--dtype``).
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -239,12 +240,13 @@ def _dtype_names(dtypes) -> list[str]:
 _SAME_KERNELS = {"forward float16": "forward float32", "backward float16": "backward float32"}
 
 
-def precompile(dtypes=DTYPES, jobs: int = 1, report=print) -> list[tuple[str, float]]:
+def precompile(dtypes=DTYPES, jobs: int = 1, report=None) -> list[tuple[str, float]]:
     """Compile the kernels of every task of ``dtypes`` (names from
     :data:`DTYPES`, or dtypes) in ``jobs`` processes (1: in this one);
-    ``report`` gets a line per task as it finishes. Returns ``(task name,
-    seconds)`` in task order. A task that fails raises ``RuntimeError``
-    naming it, at once (the other processes are stopped).
+    ``report`` gets a line per task as it finishes (default: printed, under a
+    progress bar on a terminal). Returns ``(task name, seconds)`` in task
+    order. A task that fails raises ``RuntimeError`` naming it, at once (the
+    other processes are stopped).
     """
     names = _dtype_names(dtypes)
     if isinstance(jobs, bool) or not hasattr(type(jobs), "__index__"):
@@ -257,16 +259,25 @@ def precompile(dtypes=DTYPES, jobs: int = 1, report=print) -> list[tuple[str, fl
         i for i, task in enumerate(TASKS)
         if task[0] in selected and _SAME_KERNELS.get(task[0]) not in selected
     ]  # fmt: skip
+    with Progress(len(chosen), "precompile") as progress:
+        seconds = _compile(chosen, jobs, report or progress.note, progress)
+    return [(TASKS[i][0], seconds[i]) for i in chosen]
+
+
+def _compile(chosen, jobs, report, progress) -> dict[int, float]:
+    """Seconds per task index of compiling the ``chosen`` tasks."""
     seconds = {}
 
     def finished(i, took):
         seconds[i] = took
+        progress.step()
         report(f"{TASKS[i][0]}: {took:.1f} s")
 
     if jobs == 1 or len(chosen) < 2:
         for i in chosen:
+            progress.show(TASKS[i][0])
             finished(i, _run(i))
-        return [(TASKS[i][0], seconds[i]) for i in chosen]
+        return seconds
     # Fresh interpreters: a forked child would inherit Numba's thread pool.
     context = multiprocessing.get_context("spawn")
     pool = concurrent.futures.ProcessPoolExecutor(min(jobs, len(chosen)), mp_context=context)
@@ -281,7 +292,7 @@ def precompile(dtypes=DTYPES, jobs: int = 1, report=print) -> list[tuple[str, fl
             for process in list((getattr(pool, "_processes", None) or {}).values()):
                 process.terminate()
         pool.shutdown(wait=not failed, cancel_futures=True)
-    return [(TASKS[i][0], seconds[i]) for i in chosen]
+    return seconds
 
 
 def cache_directory() -> str | None:

@@ -59,6 +59,8 @@ from pathlib import Path
 
 import numba
 
+from .progress import Progress
+
 #: The file that keeps the measured choices, in :func:`cache_dir`.
 CACHE_FILE = "routes.json"
 #: Bump when a route's candidates or measurement change meaning: older
@@ -278,11 +280,14 @@ def tune(names: list[str] | None = None) -> dict[str, dict]:
     """Measure routes ``names`` (all registered ones when None) now, store the
     results and use them in this process; returns each route's cache entry."""
     results = {}
-    with _lock:
-        for name in names if names is not None else list(_measures):
+    chosen = names if names is not None else list(_measures)
+    with _lock, Progress(len(chosen), "tune") as progress:
+        for name in chosen:
+            progress.show(name)
             _chosen.pop(name, None)
             _chosen[name] = _measure_and_store(ROUTES[name])
             results[name] = _read_cache().get(name, {})
+            progress.step()
         _moved()
     return results
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..argtypes import positive_float, positive_int
+from ..progress import Progress
 from .cases import DTYPES, Case, sweep
 from .generate import CACHE_KINDS, DEFAULT_NEW_TOKENS
 from .machine import header_lines, machine_info, sgemm_gflops
@@ -26,7 +27,7 @@ from .memory import rss_method
 from .presets import DEFAULT, PRESETS, Preset
 from .providers import OPT_IN, PROVIDERS, TorchSDPAProvider, _import_torch, make_providers
 from .report import footnotes, format_table, plot, require_matplotlib, to_json
-from .runner import Progress, ReferenceCache, run_case
+from .runner import ReferenceCache, run_case
 from .startup import measure_startup, startup_lines
 
 SWEEP_OPTIONS = ("T", "d", "causal", "mode")
@@ -307,7 +308,7 @@ def _torch_threads(providers) -> int | None:
 def _run_cases(cases, providers, args, reps: int) -> list:
     """Every case's results, in order, with a progress line on a terminal."""
     refs, results = ReferenceCache(), []
-    progress = Progress(len(cases))
+    progress = Progress(len(cases), "bench")
     try:
         for case in cases:
             results += run_case(

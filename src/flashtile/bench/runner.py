@@ -21,7 +21,6 @@ For one case the runner
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -29,6 +28,7 @@ import numpy as np
 
 import flashtile
 from flashtile._validate import BFLOAT16
+from flashtile.progress import Progress
 
 from . import variant_cases, variant_providers
 from .cases import Case, slow_skip_reason
@@ -157,29 +157,6 @@ def _verify(result: Result, call, ref) -> bool:
         result.note = f"{worst}: rel err {result.rel_err:.2e} >= {tolerance:.0e}, not timed"
         return False
     return True
-
-
-class Progress:
-    """A one-line ``\\r`` progress indicator on stderr; silent when not a tty."""
-
-    def __init__(self, total: int, stream=None):
-        self.total, self.done = total, 0
-        self.stream = stream or sys.stderr
-        self.enabled = total > 1 and getattr(self.stream, "isatty", lambda: False)()
-
-    def show(self, text: str) -> None:
-        if self.enabled:
-            line = f"[{self.done}/{self.total}] {text}"
-            self.stream.write("\r" + line[:100].ljust(100))
-            self.stream.flush()
-
-    def step(self) -> None:
-        self.done += 1
-
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\r" + " " * 100 + "\r")
-            self.stream.flush()
 
 
 def _prepare(
