@@ -431,8 +431,8 @@ def test_decode_is_a_preset_and_refuses_the_options_it_would_ignore(capsys):
     for argv in (["--decode"], ["--preset", "decode"]):
         plan = _plan(*argv, "--reps", "3")
         assert plan.name == "decode" and plan.preset.run is not None and not plan.cases
-    assert main(["bench", "--decode", "--json", "x.json", "--B", "2"]) == 2
-    assert "--preset decode does not use --B --json: drop them" in capsys.readouterr().err
+    assert main(["bench", "--decode", "--plot", "x.png", "--B", "2"]) == 2
+    assert "--preset decode does not use --B --plot: drop them" in capsys.readouterr().err
     assert main(["bench", "--decode", "--T", "64"]) == 2
     assert "--preset decode fixes the cases" in capsys.readouterr().err
     with pytest.raises(SystemExit):

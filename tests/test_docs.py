@@ -121,3 +121,21 @@ def test_the_strict_site_build_fails_on_a_broken_link(tmp_path):
         [str(mkdocs), "build", "--strict"], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert done.returncode != 0 and "missing.md" in done.stderr
+
+
+def test_the_benchmark_page_is_drawn_from_the_kept_runs(tmp_path):
+    """docs/benchmarks.md is `flashtile report docs/bench/*.json`, byte for
+    byte, and its plots are drawn from the same files."""
+    from flashtile.bench import page
+
+    runs = page.load(sorted((ROOT / "docs" / "bench").glob("*.json")))
+    presets = {run["config"]["preset"] for _, run in runs}
+    assert {"core", "torch-op", "calls", "variants", "decode", "flex", "generate"} <= presets
+    images = {caption: f"img/{name}" for caption, name in page.captions(runs).items()}
+    text = page.page(runs, images)
+    assert text == (ROOT / "docs" / "benchmarks.md").read_text()
+    assert len(text.splitlines()) < 300
+    for name in images.values():
+        assert (ROOT / "docs" / name).is_file()
+    page.plots(runs, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(page.captions(runs).values())

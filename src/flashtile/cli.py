@@ -1,5 +1,6 @@
-"""The ``flashtile`` command line: ``demo``, ``trace``, ``bench``, ``precompile``,
-``tune``, ``gpu``, and the learning lab's ``learn``, ``io`` and ``plot``.
+"""The ``flashtile`` command line: ``demo``, ``trace``, ``bench``, ``report``,
+``precompile``, ``tune``, ``gpu``, and the learning lab's ``learn``, ``io``
+and ``plot``.
 
 Every subcommand lives with the code it runs and registers itself through an
 ``add_parser(subparsers)`` function that sets ``func``, the function that runs
@@ -15,6 +16,7 @@ import sys
 
 from . import precompile, tune
 from .bench import cli as bench_cli
+from .bench import page as bench_page
 from .learn import cli as learn_cli
 from .learn import io_table, plots, walkthrough
 from .triton import cli as gpu_cli
@@ -23,6 +25,7 @@ from .triton import cli as gpu_cli
 SUBCOMMANDS = (
     walkthrough.add_parsers,  # demo, trace
     bench_cli.add_parser,
+    bench_page.add_parser,  # report: the benchmark page from bench's JSON
     precompile.add_parser,  # the CPU kernels into Numba's cache
     tune.add_parser,  # the CPU-dependent routes, measured
     gpu_cli.add_parser,  # gpu compile

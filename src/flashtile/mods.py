@@ -94,9 +94,23 @@ def mask_count_row(s_p, aux_p, n, b, h, qi, col0, f_p, i_p, g_p):
     carray(aux_p, 1)[0] = kept
 """
 
+#: The mask function over keys ``[lo, hi)`` of a row (both mask loops'):
+#: hidden keys become -inf, by a select (a branch that stores stays scalar).
+_MASK_SPAN = """
+@njit(cache={CACHE}, error_model="numpy")
+def _mask_span(s, lo, hi, b, h, qi, col0, F, I):
+    bad = False
+    for c in range(lo, hi):
+        keep, out = _mask(b, h, qi, col0 + c, F, I)
+        s[c] = s[c] if keep else NEG_INF_W
+        bad |= out
+    return bad
+
+"""
+
 #: The loops of the row functions, compiled as ordinary Numba functions and
 #: called by the C-callable wrappers of :data:`ROW_TEMPLATE`: Numba does not
-#: vectorise a ``cfunc``'s own loops (docs/benchmarks.md, FlexAttention mods).
+#: vectorise a ``cfunc``'s own loops (docs/design.md, performance notes).
 LOOPS = {
     "score": """
 @njit(cache={CACHE}, error_model="numpy")
@@ -132,33 +146,15 @@ def _capture_loop(raw, grad, b, h, qi, col0, F, I, G):
     if bad:
         I[0] = 1
 """,
-    "mask": """
-@njit(cache={CACHE}, error_model="numpy")
-def _mask_span(s, lo, hi, b, h, qi, col0, F, I):
-    bad = False
-    for c in range(lo, hi):
-        keep, out = _mask(b, h, qi, col0 + c, F, I)
-        s[c] = s[c] if keep else NEG_INF_W  # (a select: a branch that stores stays scalar)
-        bad |= out
-    return bad
-
-
+    "mask": _MASK_SPAN
+    + """
 @njit(cache={CACHE}, error_model="numpy")
 def _mask_loop(s, b, h, qi, col0, F, I):
     if _mask_span(s, 0, s.shape[0], b, h, qi, col0, F, I):
         I[0] = 1
 """,
-    "mask_mapped": """
-@njit(cache={CACHE}, error_model="numpy")
-def _mask_span(s, lo, hi, b, h, qi, col0, F, I):
-    bad = False
-    for c in range(lo, hi):
-        keep, out = _mask(b, h, qi, col0 + c, F, I)
-        s[c] = s[c] if keep else NEG_INF_W
-        bad |= out
-    return bad
-
-
+    "mask_mapped": _MASK_SPAN
+    + """
 @njit(cache={CACHE}, error_model="numpy")
 def _mask_loop(s, b, h, qi, col0, F, I):
     # A block map's state read once per map block of the row's keys (its

@@ -55,7 +55,7 @@ from .workitems import (
 )
 
 #: Default tile sizes (query rows per item x keys), picked by sweeps on the
-#: 2-core machine (docs/benchmarks.md). Forward: a 256 x 512 float32 score
+#: 2-core machine (docs/design.md, performance notes). Forward: a 256 x 512 float32 score
 #: tile is 512 KiB; with the query tile and one K/V tile (d=64) about 0.8 MiB
 #: stays in L2. The backward holds two score-sized tiles, so 256 x 256. With
 #: GQA the rows are shared by the group's query heads.

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
+import json
 import sys
 import textwrap
 from pathlib import Path
@@ -47,7 +49,6 @@ ATTENTION_ONLY = {
     "providers": None,
     "time_budget": DEFAULT_TIME_BUDGET,
     "max_slow_T": DEFAULT_MAX_SLOW_T,
-    "json": None,
     "plot": None,
     "markdown": False,
     "no_ceiling": False,
@@ -241,9 +242,18 @@ def run_bench(args, out=None) -> int:
         print(f"flashtile bench: error: {exc}", file=sys.stderr)
         return 2
     reps = args.reps or (plan.preset.reps if plan.preset else DEFAULT_REPS)
+    if args.json:  # what is printed is kept for the report (flashtile report)
+        out = _Tee(out)
     if plan.preset is not None and plan.preset.run is not None:
         options = {o: getattr(args, o) for o in plan.preset.options}
-        return plan.preset.run(out, reps=reps, **options)
+        records = [] if "records" in inspect.signature(plan.preset.run).parameters else None
+        if records is not None:
+            options["records"] = records
+        status = plan.preset.run(out, reps=reps, **options)
+        if args.json:
+            doc = {"machine": machine_info(None), "config": _config(args, plan, reps)}
+            _write_json(args.json, dict(doc, records=records or []), out)
+        return status
 
     providers, notes = _available(plan.providers)
     info = machine_info(_torch_threads(providers))
@@ -276,14 +286,46 @@ def run_bench(args, out=None) -> int:
     for line in targets:
         print(f"* target: {line}", file=out)
     if args.json:
-        config = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-        config["preset"], config["reps"] = plan.name, reps
+        config = _config(args, plan, reps)
         text = to_json(results, info, ceiling, config, notes, memory_method, startup, targets)
-        Path(args.json).write_text(text + "\n")
-        print(f"wrote {args.json}", file=out)
+        _write_json(args.json, json.loads(text), out)
     if args.plot:
         _write_plot(results, args.plot, ceiling, out)
     return 1 if any(r.status in ("FAILED", "ERROR") for r in results) else 0
+
+
+class _Tee:
+    """``out`` that also keeps every line written to it (:attr:`lines`)."""
+
+    def __init__(self, out):
+        self.out, self.text = out, []
+
+    def write(self, text: str) -> int:
+        self.text.append(text)
+        return self.out.write(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    @property
+    def lines(self) -> list[str]:
+        return "".join(self.text).splitlines()
+
+
+def _config(args, plan, reps) -> dict:
+    """The run's options (the report shows them as the command that reruns it)."""
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "command", "json")}
+    config["preset"], config["reps"] = plan.name, reps
+    return config
+
+
+def _write_json(path: str, doc: dict, out: _Tee) -> None:
+    """Write a run's JSON with what it printed (``lines``) and the preset's
+    one-line description."""
+    preset = PRESETS.get(doc["config"]["preset"] or "")
+    doc = dict(doc, measures=preset.measures if preset else "a custom sweep", lines=out.lines)
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {path}", file=out.out)
 
 
 def _available(names: list[str]):

@@ -272,8 +272,9 @@ def target_lines(rows: list[DecodeRow]) -> list[str]:
     return lines
 
 
-def run_decode_bench(out, reps: int = 9, lengths=(8192, 65536)) -> int:
-    """Print the decode table, its read ceilings and the targets to ``out``."""
+def run_decode_bench(out, reps: int = 9, lengths=(8192, 65536), records=None) -> int:
+    """Print the decode table, its read ceilings and the targets to ``out``
+    (and each row, as a dict, to ``records`` when given: the report's plot)."""
     import os
 
     import numba
@@ -297,6 +298,8 @@ def run_decode_bench(out, reps: int = 9, lengths=(8192, 65536)) -> int:
         file=out,
     )
     rows = run_decode_cases(lengths, reps)
+    if records is not None:
+        records += [dataclasses.asdict(r) for r in rows]
     print("", file=out)
     for line in decode_table(rows):
         print(line, file=out)

@@ -82,8 +82,8 @@ CASES: tuple[ModelCase, ...] = (
         "gpt2",
         {"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 2048},
         prompt=1024,
-        floor=1.1,
-        stretch=1.3,
+        floor=1.0,  # (issue 29: with attention at zero cost this shape gains 1.04x)
+        stretch=1.04,
     ),
     ModelCase(
         "Llama shape (4 layers, GQA 16/4, d 64)",
@@ -98,8 +98,8 @@ CASES: tuple[ModelCase, ...] = (
             "max_position_embeddings": 16384,
         },
         prompt=8192,
-        floor=1.3,
-        stretch=1.6,
+        floor=1.15,  # (issue 29: the bound with attention at zero cost is 1.25x)
+        stretch=1.25,
     ),
 )
 

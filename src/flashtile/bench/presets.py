@@ -1,11 +1,11 @@
 """The named benchmarks of ``flashtile bench --preset NAME``, as one table.
 
 A preset names what it measures, builds its cases from ``(B, H)``, and says
-which target lines its results are judged by. Two presets build and time
-their own cases instead: ``decode`` (:mod:`.decode`, KV-cache decoding in
-GB/s against a read ceiling), ``flex`` (:mod:`.flex`, FlexAttention's mods)
-and ``generate`` (:mod:`.generate`, greedy
-decoding of transformers models in tokens/s).
+which target lines its results are judged by. Some presets build and time
+their own cases instead: ``calls`` (:mod:`.calls`, small calls' fixed
+cost), ``decode`` (:mod:`.decode`, KV-cache decoding in GB/s against a read
+ceiling), ``flex`` (:mod:`.flex`, FlexAttention's mods) and ``generate``
+(:mod:`.generate`, greedy decoding of transformers models in tokens/s).
 Adding a benchmark is one entry in :data:`PRESETS`. Only the command line
 (:mod:`.cli`) reads this module; nothing in the bench imports it back.
 """
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from . import decode, flex, generate, torch_op, variant_cases, variant_providers
+from . import calls, decode, flex, generate, torch_op, variant_cases, variant_providers
 from .cases import Case, sweep
 
 
@@ -90,6 +90,12 @@ PRESETS: dict[str, Preset] = {
         "(the torch layer's cost)",
         torch_op.torch_op_cases,
         targets=torch_op.target_lines,
+    ),
+    "calls": Preset(
+        "the fixed cost of small calls (T=1, a decoding step, a tiny causal call) vs "
+        "torch SDPA, and the front door's cost above the kernel",
+        reps=15,
+        run=calls.run_calls_bench,
     ),
     "decode": Preset(
         "KV-cache decoding in GB/s vs torch SDPA and a measured memory-read ceiling",

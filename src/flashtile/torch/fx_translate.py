@@ -465,9 +465,9 @@ class Translator:
                 continue
             t = self._name("t")
             low = self.BINARY["maximum"].format(t, 0)
-            # No branch that stores: a flag store inside the row loop kept
-            # it scalar (docs/benchmarks.md). Out of range is noted in ``bad`` (the loop
-            # sets the flag once) and the index clamped to a safe read.
+            # No branch that stores: a flag store inside the row loop kept it
+            # scalar (docs/design.md, performance notes). Out of range is noted
+            # in ``bad`` (the loop sets the flag once), the index clamped.
             self.lines += [
                 f"{t} = {text}",
                 f"{t} = {self.where(f'{t} < 0', f'{t} + {size}', t)}",

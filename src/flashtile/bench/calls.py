@@ -1,0 +1,153 @@
+"""``flashtile bench --preset calls``: what a small call costs, against torch SDPA.
+
+Per call (float32; medians over shuffled interleaved rounds, each round the
+median of its calls):
+
+- the fixed cost: a T=1 call, q, k, v of (1, 12, 1, 64), through
+  ``flashtile.attention`` (NumPy), ``flashtile.decode_attention`` and
+  ``flashtile.torch.attention``, against SDPA;
+- a decoding step, q (1, 12, 1, 64) against 2048 keys, and a tiny causal
+  call (1, 4, 16, 32), forward and forward+backward, through the torch op
+  against SDPA;
+- the tiny call through ``flashtile.attention`` against its kernel alone (a
+  ready plan's ``run_forward``): the difference is the front door's cost.
+
+On a busy small machine torch's and Numba's thread pools spin against each
+other and the parallel cases measure the scheduler (docs/decoding.md).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import time
+
+#: Calls per round.
+CALLS = 100
+
+
+def _per_call(fn, calls: int) -> float:
+    """Median microseconds of ``calls`` calls of ``fn``."""
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+    return statistics.median(times) / 1e3
+
+
+def _cases(torch) -> dict:
+    """``case -> {provider: zero-argument call}``."""
+    import flashtile
+    import flashtile.torch as ftt
+    from flashtile.cpu.launch import run_forward
+    from flashtile.frontdoor import check_call
+    from flashtile.planning import plan_forward
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    g = torch.Generator().manual_seed(0)
+    one = [torch.randn(1, 12, 1, 64, generator=g) for _ in range(3)]
+    step = [torch.randn(1, 12, 1, 64, generator=g)]
+    step += [torch.randn(1, 12, 2048, 64, generator=g) for _ in range(2)]
+    tiny = [torch.randn(1, 4, 16, 32, generator=g) for _ in range(3)]
+    grads = [t.clone().requires_grad_() for t in tiny]
+    n_one, n_tiny = [t.numpy() for t in one], [t.numpy() for t in tiny]
+    plan = plan_forward(check_call(*n_tiny, True, None, {}))
+
+    def backward(fn):
+        return lambda: fn(*grads, is_causal=True).sum().backward()
+
+    def op(*a, is_causal=False):
+        return ftt.attention(*a, causal=is_causal)
+
+    return {
+        "T=1, flashtile.attention (NumPy)": {
+            "flashtile": lambda: flashtile.attention(*n_one), "SDPA": lambda: sdpa(*one),
+        },
+        "T=1, flashtile.decode_attention": {
+            "flashtile": lambda: flashtile.decode_attention(*n_one), "SDPA": lambda: sdpa(*one),
+        },
+        "T=1, torch op": {"flashtile": lambda: op(*one), "SDPA": lambda: sdpa(*one)},
+        "step (1, 12, 1, 64) vs 2048 keys, torch op": {
+            "flashtile": lambda: op(*step), "SDPA": lambda: sdpa(*step),
+        },
+        "tiny (1, 4, 16, 32) causal, torch op": {
+            "flashtile": lambda: op(*tiny, is_causal=True),
+            "SDPA": lambda: sdpa(*tiny, is_causal=True),
+        },
+        "tiny causal fwd+bwd, torch op": {"flashtile": backward(op), "SDPA": backward(sdpa)},
+        "tiny causal, flashtile.attention vs its kernel alone": {
+            "flashtile": lambda: flashtile.attention(*n_tiny, causal=True),
+            "kernel": lambda: run_forward(plan),
+        },
+    }  # fmt: skip
+
+
+def measure(reps: int) -> list[dict]:
+    """``[{"case", "flashtile", "other", "other_name"}]`` in microseconds."""
+    import torch
+
+    cases = _cases(torch)
+    calls = {(case, who): fn for case, pair in cases.items() for who, fn in pair.items()}
+    for fn in calls.values():  # compile and warm up
+        for _ in range(20):
+            fn()
+    times = {key: [] for key in calls}
+    rng = random.Random(0)
+    for _ in range(reps):
+        keys = list(calls)
+        rng.shuffle(keys)
+        for key in keys:
+            times[key].append(_per_call(calls[key], CALLS))
+    rows = []
+    for case, pair in cases.items():
+        other = next(w for w in pair if w != "flashtile")
+        rows.append({
+            "case": case,
+            "flashtile": statistics.median(times[(case, "flashtile")]),
+            "other": statistics.median(times[(case, other)]),
+            "other_name": other,
+        })  # fmt: skip
+    return rows
+
+
+def table(rows: list[dict]) -> list[str]:
+    """Markdown table lines."""
+    lines = [
+        "| case | flashtile us | against | its us | ratio |",
+        "| --- | ---: | --- | ---: | ---: |",
+    ]
+    for r in rows:
+        ratio = r["other"] / r["flashtile"]
+        lines.append(
+            f"| {r['case']} | {r['flashtile']:.1f} | {r['other_name']} | {r['other']:.1f} "
+            f"| {ratio:.2f}x |"
+        )
+    return lines
+
+
+def run_calls_bench(out, reps: int = 15, records=None) -> int:
+    """Print the small calls' table and the front door's cost to ``out``."""
+    import torch
+
+    from .machine import header_lines, machine_info
+
+    for line in header_lines(machine_info(torch.get_num_threads()), None):
+        print(line, file=out)
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(
+        f"calls   : float32, {reps} shuffled rounds of {CALLS} calls, medians; ratio = the "
+        f"other's time / flashtile's (above 1: flashtile is faster); load {load}",
+        file=out,
+    )
+    rows = measure(reps)
+    if records is not None:
+        records += rows
+    print("", file=out)
+    for line in table(rows):
+        print(line, file=out)
+    front = rows[-1]["flashtile"] - rows[-1]["other"]
+    print("", file=out)
+    print(f"* the front door's cost (tiny call above its kernel): {front:.1f} us", file=out)
+    return 0
