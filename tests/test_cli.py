@@ -6,7 +6,7 @@ import pytest
 
 from flashtile.cli import build_parser, main
 
-COMMANDS = ("demo", "trace", "bench", "precompile", "tune", "gpu", "learn", "io", "plot")
+COMMANDS = ("demo", "trace", "bench", "report", "precompile", "tune", "gpu", "learn", "io", "plot")
 
 
 def _leaves(parser, name):

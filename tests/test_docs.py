@@ -139,3 +139,13 @@ def test_the_benchmark_page_is_drawn_from_the_kept_runs(tmp_path):
         assert (ROOT / "docs" / name).is_file()
     page.plots(runs, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(page.captions(runs).values())
+
+
+def test_the_rerun_command_names_every_option_that_is_not_a_default():
+    from flashtile.bench import page
+
+    config = {"preset": "core", "reps": 5, "dtype": "bfloat16", "no_memory": True, "B": 2}
+    line = page.command("x", {"config": config})
+    assert line == (
+        "flashtile bench --preset core --B 2 --dtype bfloat16 --no-memory --json docs/bench/x.json"
+    )

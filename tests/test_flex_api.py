@@ -153,6 +153,53 @@ def test_stored_traces_keep_numbers_aliases_and_constants(monkeypatch):
     assert made.pop(id(t)) is False and made.pop(id(u)) is False and list(made.values()) == [True]
 
 
+def test_what_a_mod_reads_elsewhere_is_part_of_its_trace():
+    """Values a mod reads through keyword-only defaults, its own attributes, a
+    class, a helper in the user's module, or a captured tensor's ``.item()``
+    change the trace: a second value is seen (review of the trace cache)."""
+    import types
+
+    helpers = types.ModuleType("user_helpers")  # a user's module with a helper function
+    exec("def scaled(s):\n    return s * SCALE\n", helpers.__dict__)
+
+    class Config:
+        scale = 0.0
+
+    def keyword(sc):
+        def mod(s, b, h, q_idx, kv_idx, *, scale=sc):
+            return s * scale
+
+        return mod
+
+    def attribute(sc):
+        def mod(s, b, h, q_idx, kv_idx):
+            return s * mod.scale
+
+        mod.scale = sc
+        return mod
+
+    def in_class(sc):
+        Config.scale = sc
+        return lambda s, b, h, q_idx, kv_idx: s * Config.scale
+
+    def in_module(sc):
+        helpers.SCALE = sc
+        return lambda s, b, h, q_idx, kv_idx: helpers.scaled(s)
+
+    def item(sc):
+        w = torch.tensor(sc)
+        return lambda s, b, h, q_idx, kv_idx: s * w.item()
+
+    q, k, v = (
+        torch.randn(1, 2, 24, 8, generator=torch.Generator().manual_seed(n)) for n in (1, 2, 3)
+    )
+    for make in (keyword, attribute, in_class, in_module, item):
+        for sc in (2.0, 3.0):
+            out = flex_attention(q, k, v, score_mod=make(sc))
+            ref = torch.softmax((q @ k.transpose(-1, -2)).double() * sc / 8**0.5, -1) @ v.double()
+            assert rel(out.double(), ref) < 1e-5, (make.__name__, sc)
+
+
 # --- the NumPy API ----------------------------------------------------------------
 
 
@@ -222,6 +269,11 @@ TRANSLATED = {
     "maximum": lambda s, b, h, qi, kv: torch.maximum(s, torch.zeros_like(s)),
     "clamp": lambda s, b, h, qi, kv: s.clamp(-0.5, 0.5),
     "round decimals": lambda s, b, h, qi, kv: torch.round(s, decimals=1),
+    # 1 - t*t of a tanh is written as tanh's own derivative; with alpha it is not
+    "one minus tanh squared": lambda s, b, h, qi, kv: (lambda t: 1 - t * t)(torch.tanh(s)),
+    "sub alpha of tanh squared": lambda s, b, h, qi, kv: (lambda t: torch.sub(1, t * t, alpha=2))(
+        torch.tanh(s)
+    ),
 }
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import marshal
+import sys
 import types
 
 #: Values compared by equality (their value is baked into the trace).
@@ -28,17 +29,22 @@ _NAMED = (types.FunctionType, types.BuiltinFunctionType, type)
 
 def captured(functions):
     """Yield ``(get, value, kind, text)`` for every value ``functions`` read
-    besides their arguments: closure cells, defaults, and the globals their
-    code names, looked into through the functions and tuples they hold
-    (``and_masks``' closures) and the module attributes they read.
+    besides their arguments: closure cells, defaults (keyword-only too),
+    attributes of the function itself, and the globals their code names,
+    looked into through the user's functions, classes, modules and tuples
+    they hold (``and_masks``' closures; a helper in the user's module and
+    the globals it reads). Library code (the standard library, torch,
+    NumPy, Numba, flashtile) is named, not walked: its versions key the
+    caches that use this.
 
     ``get()`` reads the value's place again; ``kind`` is ``"equal"`` (a
     number or string: compare values), ``"same"`` (a function, module, type
     or tuple: compare identity), ``"attribute"`` (another attribute of a
-    module: identity, or the caller's description), ``"leaf"`` (anything
-    else: the caller decides) or ``"opaque"`` (no code to look into:
-    nothing can be said); ``text`` describes the place and, for the first
-    two kinds, the value."""
+    module or class: identity, or the caller's description), ``"leaf"``
+    (anything else: the caller decides), ``"opaque"`` (no code to look into:
+    nothing can be said) or ``"deep"`` (nested past the walk's depth: not
+    looked into); ``text`` describes the place and, for the first two
+    kinds, the value."""
     seen: set[int] = set()
 
     def names(code) -> set[str]:
@@ -49,33 +55,38 @@ def captured(functions):
                 found |= names(const)
         return found
 
-    def value(get, where, v, depth, read):
+    def value(get, where, v, depth, read, member=False):
         if isinstance(v, _PLAIN):
             yield get, v, "equal", f"{where}={type(v).__name__}:{v!r}"
-        elif isinstance(v, types.FunctionType):
+        elif isinstance(v, types.FunctionType) and not _library(v):
             yield get, v, "same", f"{where}=function {_code_digest(v)}"
             yield from visit(v, depth + 1, where)
+        elif isinstance(v, types.ModuleType | type) and not _library(v):
+            yield get, v, "same", f"{where}={_describe_object(v)}"
+            yield from members(v, where, depth + 1, read)
         elif isinstance(v, types.ModuleType):
             yield get, v, "same", f"{where}=module {v.__name__}"
-            for name in sorted(read):  # the module's attributes the code may read
-                attr = getattr(v, name, _MISSING)
-                if attr is _MISSING or isinstance(attr, types.ModuleType):
-                    continue
-                fetch, at = functools.partial(getattr, v, name, _MISSING), f"{where}.{name}"
-                if isinstance(attr, _PLAIN):
-                    yield fetch, attr, "equal", f"{at}={type(attr).__name__}:{attr!r}"
-                elif isinstance(attr, _NAMED):
-                    yield fetch, attr, "same", f"{at}={_describe_object(attr)}"
-                else:  # (a tensor, a dtype: compared as the same object)
-                    yield fetch, attr, "attribute", at
-        elif isinstance(v, types.BuiltinFunctionType | type):
+            yield from members(v, where, depth + 1, read, library=True)
+        elif isinstance(v, _NAMED):
             yield get, v, "same", f"{where}={_describe_object(v)}"
         elif isinstance(v, tuple | frozenset):
             yield get, v, "same", f"{where}={type(v).__name__} of {len(v)}"
             for n, item in enumerate(v):
                 yield from value(lambda item=item: item, f"{where}[{n}]", item, depth, read)
-        else:
-            yield get, v, "leaf", where
+        else:  # (a module's or class's tensor, dtype: compared as the same object)
+            yield get, v, "attribute" if member else "leaf", where
+
+    def members(holder, where, depth, read, library=False):
+        """The attributes of a module or class that the code may read."""
+        if depth > _DEPTH:
+            yield None, holder, "deep", where
+            return
+        for name in sorted(read):
+            attr = getattr(holder, name, _MISSING)
+            if attr is _MISSING or (library and isinstance(attr, types.ModuleType)):
+                continue
+            fetch = functools.partial(getattr, holder, name, _MISSING)
+            yield from value(fetch, f"{where}.{name}", attr, depth, read, member=True)
 
     def visit(fn, depth, where="mod"):
         fn = getattr(fn, "py_func", fn)  # a Numba dispatcher: its Python function
@@ -83,7 +94,10 @@ def captured(functions):
         if code is None:
             yield None, fn, "opaque", where
             return
-        if depth > 6 or id(fn) in seen:
+        if id(fn) in seen:
+            return
+        if depth > _DEPTH:
+            yield None, fn, "deep", where
             return
         seen.add(id(fn))
         read = names(code)
@@ -93,6 +107,11 @@ def captured(functions):
         ]
         if getattr(fn, "__defaults__", None):  # (a tuple: replaced, never changed)
             cells.append((functools.partial(getattr, fn, "__defaults__"), f"{where}:defaults"))
+        for name in sorted(getattr(fn, "__kwdefaults__", None) or ()):
+            kw = functools.partial(_item, fn, "__kwdefaults__", name)
+            cells.append((kw, f"{where}:kw {name}"))
+        for name in sorted(read & vars(fn).keys()):  # (fn.scale read as mod.scale)
+            cells.append((functools.partial(_item, fn, "__dict__", name), f"{where}.{name}"))
         for name in sorted(read & getattr(fn, "__globals__", {}).keys()):
             cells.append((functools.partial(fn.__globals__.get, name, _MISSING), f"{where}:{name}"))
         for get, at in cells:
@@ -103,6 +122,24 @@ def captured(functions):
     for n, fn in enumerate(functions):
         if fn is not None:
             yield from visit(fn, 0, f"mod{n}")
+
+
+#: How deep the walk looks into functions, modules and classes.
+_DEPTH = 6
+#: Packages whose code is named, not walked (besides the standard library).
+_LIBRARIES = frozenset({"torch", "numpy", "numba", "llvmlite", "flashtile", "triton", "scipy"})
+
+
+def _library(v) -> bool:
+    """Whether ``v`` (a function, module or class) is library code."""
+    name = v.__name__ if isinstance(v, types.ModuleType) else getattr(v, "__module__", None)
+    root = (name or "builtins").split(".")[0]
+    return root in _LIBRARIES or root in sys.stdlib_module_names
+
+
+def _item(holder, attribute: str, name: str):
+    """``getattr(holder, attribute)[name]``, or :data:`_MISSING`."""
+    return (getattr(holder, attribute, None) or {}).get(name, _MISSING)
 
 
 def snapshot(functions, leaf) -> list | None:
@@ -117,6 +154,8 @@ def snapshot(functions, leaf) -> list | None:
     for get, v, kind, _ in captured(functions):
         if kind == "opaque":
             return None
+        if kind == "deep":
+            continue
         if kind == "equal":
             checks.append(functools.partial(_equal, get, v))
         elif kind in ("same", "attribute"):
@@ -141,7 +180,7 @@ def fingerprint(functions, describe) -> tuple[str, list] | None:
     parts = [f"mod{n}={'none' if f is None else _code_digest(f)}" for n, f in enumerate(functions)]
     leaves: list = []
     for _, v, kind, text in captured(functions):
-        if kind == "opaque":
+        if kind in ("opaque", "deep"):
             return None
         if kind in ("leaf", "attribute"):
             described = describe(v)
@@ -162,12 +201,15 @@ def _equal(get, value) -> bool:
 
 def _code_digest(fn) -> str:
     """A digest of a function's code (its constants and nested code too)."""
-    return hashlib.sha256(marshal.dumps(fn.__code__)).hexdigest()[:20]
+    # (version 2: no references, whose use depends on reference counts)
+    return hashlib.sha256(marshal.dumps(fn.__code__, 2)).hexdigest()[:20]
 
 
 def _describe_object(v) -> str:
-    """A module attribute, type or builtin by its name (a Python function
-    also by its code's digest)."""
+    """A module, type or builtin by its name (a Python function also by its
+    code's digest)."""
+    if isinstance(v, types.ModuleType):
+        return f"module {v.__name__}"
     name = f"{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', type(v).__qualname__)}"
     return f"{name} {_code_digest(v)}" if isinstance(v, types.FunctionType) else name
 

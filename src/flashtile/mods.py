@@ -414,7 +414,7 @@ def module_source(
 def _helpers_digest() -> str:
     """A digest of the flashtile sources a generated module imports."""
     here = Path(__file__).resolve().parent
-    files = ("mods.py", "units.py", "cpu/rowops.py")
+    files = ("mods.py", "units.py", "cpu/rowops.py", "cpu/__init__.py")
     sources = b"".join((here / f).read_bytes() for f in files)
     return hashlib.sha256(sources).hexdigest()[:16]
 

@@ -28,8 +28,6 @@ from pathlib import Path
 SETUP = ("machine", "software", "bfloat16", "route", "ceiling", "cases", "note", "startup")
 #: The order presets appear on the page (others follow, by name).
 ORDER = ("core", "torch-op", "calls", "variants", "decode", "flex", "generate")
-#: Options of ``flashtile bench`` that a run's config records, as flags.
-_FLAGS = ("dtype", "reps", "new_tokens", "cache", "markdown")
 
 
 def load(paths) -> list[tuple[str, dict]]:
@@ -47,19 +45,29 @@ def load(paths) -> list[tuple[str, dict]]:
 
 
 def command(name: str, run: dict) -> str:
-    """The command line that reruns ``run`` (kept as ``docs/bench/NAME.json``)."""
+    """The command line that reruns ``run`` (kept as ``docs/bench/NAME.json``):
+    every option of ``flashtile bench`` whose recorded value is not its
+    default (a preset's own ``reps`` counts as its default)."""
+    import flashtile.cli
+
     config = run["config"]
+    parser = next(
+        a.choices["bench"] for a in flashtile.cli.build_parser()._actions
+        if isinstance(a, argparse._SubParsersAction)
+    )  # fmt: skip
     parts = ["flashtile bench", f"--preset {config['preset']}"]
-    for flag in _FLAGS:
-        value = config.get(flag)
-        if flag == "dtype" and value == "float32":
-            continue
-        if flag == "reps" and value == _default_reps(config["preset"]):
+    for action in parser._actions:
+        key, flag = action.dest, (action.option_strings or [""])[-1]
+        value = config.get(key, action.default)
+        default = _default_reps(config["preset"]) if key == "reps" else action.default
+        if key in ("preset", "help") or not flag.startswith("--") or value == default:
             continue
         if value is True:
-            parts.append(f"--{flag.replace('_', '-')}")
+            parts.append(flag)
+        elif isinstance(value, list | tuple):
+            parts.append(f"{flag} {' '.join(str(v) for v in value)}")
         elif value not in (None, False):
-            parts.append(f"--{flag.replace('_', '-')} {value}")
+            parts.append(f"{flag} {value}")
     parts.append(f"--json docs/bench/{name}.json")
     return " ".join(parts)
 

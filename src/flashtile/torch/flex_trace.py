@@ -140,9 +140,11 @@ def _stored_or_traced(score_mod, mask_mod, block_map, dialect, device) -> Traced
     if found is not None:
         stored = trace_cache.load(*found, device)
         if stored is not None:
-            return TracedMods(**stored)
-    traced = _trace_all(score_mod, mask_mod, block_map, dialect, device)
-    if found is not None:
+            with contextlib.suppress(TypeError):  # (an entry of other fields: traced again)
+                return TracedMods(**stored)
+    with trace_cache.ValueReads() as reads:
+        traced = _trace_all(score_mod, mask_mod, block_map, dialect, device)
+    if found is not None and not reads.seen:  # (a value read, w.item(), is baked in)
         plain = {f.name: getattr(traced, f.name) for f in fields(traced)}
         trace_cache.store(*found, plain, plain.pop("tables"))
     return traced

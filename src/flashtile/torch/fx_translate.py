@@ -137,6 +137,7 @@ def _literal(value) -> Expr:
 
 #: How the literal 1 is written (an int, or a float of the work dtype).
 _ONES = ("1", "WORK(1)", "WORK(1.0)")
+_ONE = Expr("1", "i")
 _CAST = {"f": "WORK({0})", "i": "int({0})", "b": "bool({0})"}
 #: Operations whose result is a bool whatever their arguments.
 _PREDICATES = {
@@ -267,7 +268,7 @@ class Translator:
         kind = _kind_of(node)
         if kind == "f" and op in _PROMOTING:
             args = [self.promote(a) if isinstance(a, Expr) else a for a in args]
-        text = self._tanh_derivative(op, args) or self._expression(op, args, kwargs, node)
+        text = self._tanh_derivative(op, args, kwargs) or self._expression(op, args, kwargs, node)
         name = self._name("v")
         self.lines.append(f"{name} = {self.cast(text, _natural_kind(op, args), kind)}")
         if op == "tanh":
@@ -276,19 +277,15 @@ class Translator:
             self._tanhs[f"square {name}"] = self._tanhs[args[0].text]
         return Expr(name, kind)
 
-    def _tanh_derivative(self, op, args) -> str | None:
+    def _tanh_derivative(self, op, args, kwargs) -> str | None:
         """``1 - t*t`` of ``t = tanh(a)`` (torch's derivative of tanh) as
         :meth:`tanh_derivative` writes it, or None for any other operation."""
-        if op == "sub" and len(args) == 2 and isinstance(args[1], Expr):
-            one, square = args
-        elif op == "rsub" and len(args) == 2 and isinstance(args[0], Expr):
-            square, one = args
-        else:
+        if op not in ("sub", "rsub") or len(args) != 2 or kwargs.get("alpha", _ONE) != _ONE:
             return None
-        a = self._tanhs.get(f"square {square.text}")
-        if a is None or not isinstance(one, Expr) or one.text not in _ONES:
-            return None
-        return self.tanh_derivative(a)
+        one, square = args if op == "sub" else args[::-1]
+        ok = all(isinstance(x, Expr) for x in args) and one.text in _ONES
+        a = self._tanhs.get(f"square {square.text}") if ok else None
+        return None if a is None else self.tanh_derivative(a)
 
     def _expression(self, op, args, kwargs, node) -> str:
         texts = [a.text if isinstance(a, Expr) else a for a in args]

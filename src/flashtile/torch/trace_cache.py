@@ -6,11 +6,14 @@ that defines its ``mask_mod`` anew on every step (a closure over the batch's
 document ids) would pay that on every step, and every new process would pay
 the first. The trace depends only on the mods' code, the numbers they read,
 and the layout of the tensors they capture, never on those tensors' values
-(the kernels read them at each call; ``make_fx`` refuses to read a captured
-tensor's value while tracing). So the trace is stored under a digest of
-exactly that (:func:`flashtile.mod_snapshot.fingerprint`), in memory and in
-``$FLASHTILE_CACHE_DIR/traces``, each table named by its place among the
-captured tensors, and bound to the new mods' own tensors when found.
+(the kernels read them at each call; a trace that read one into Python,
+``w.item()``, is not stored: :class:`ValueReads`). So the trace is stored
+under a digest of exactly that (:func:`flashtile.mod_snapshot.fingerprint`),
+in memory and in ``$FLASHTILE_CACHE_DIR/traces``, each table named by its
+place among the captured tensors, and bound to the new mods' own tensors
+when found. What the digest cannot see (an object it cannot describe, a
+bound method, code nested past the walk's depth) leaves the mods untraced
+by it: traced on each new closure, as without this cache.
 
 A missing, unreadable or corrupt entry is traced again; nothing here makes a
 call fail.
@@ -26,6 +29,7 @@ import threading
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..mod_snapshot import fingerprint
 from ..routes import cache_dir
@@ -38,6 +42,22 @@ CONSTANT_LIMIT = 4096
 MEMORY_ENTRIES = 256
 
 _MEMORY: dict[str, dict] = {}
+
+
+class ValueReads(TorchDispatchMode):
+    """While tracing, notes whether a tensor's value was read into Python
+    (``w.item()``, ``float(w)``): ``make_fx`` lets that happen to a captured
+    tensor and bakes the number into the graph, so such a trace depends on
+    the tensor's values and is not stored (:attr:`seen`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.seen = True
+        return func(*args, **(kwargs or {}))
 
 
 def describe(value) -> str | None:
@@ -153,6 +173,7 @@ def _sources_digest() -> str:
     here = Path(__file__).resolve().parent
     files = [
         here / "fx_translate.py", here / "flex_trace.py", here / "trace_cache.py",
-        here.parent / "mod_snapshot.py", here.parent / "triton" / "mod_source.py",
+        here.parent / "mod_snapshot.py", here.parent / "mods.py",
+        here.parent / "triton" / "mod_source.py",
     ]  # fmt: skip
     return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
