@@ -24,6 +24,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from .cli import add_parser as bench_parser
+
 #: Lines of a run's printout that describe its setup (shown as one block).
 SETUP = ("machine", "software", "bfloat16", "route", "ceiling", "cases", "note", "startup")
 #: The order presets appear on the page (others follow, by name).
@@ -48,13 +50,8 @@ def command(name: str, run: dict) -> str:
     """The command line that reruns ``run`` (kept as ``docs/bench/NAME.json``):
     every option of ``flashtile bench`` whose recorded value is not its
     default (a preset's own ``reps`` counts as its default)."""
-    import flashtile.cli
-
     config = run["config"]
-    parser = next(
-        a.choices["bench"] for a in flashtile.cli.build_parser()._actions
-        if isinstance(a, argparse._SubParsersAction)
-    )  # fmt: skip
+    parser = bench_parser(argparse.ArgumentParser().add_subparsers())
     parts = ["flashtile bench", f"--preset {config['preset']}"]
     for action in parser._actions:
         key, flag = action.dest, (action.option_strings or [""])[-1]
