@@ -139,8 +139,8 @@ def page(runs, images: dict[str, str]) -> str:
         "Every figure here comes from a `flashtile bench --json` run kept in",
         "`docs/bench/`; `flashtile report docs/bench/*.json` draws this page and its",
         "plots from them. Times are medians of interleaved rounds in one process, on",
-        "the machine each section names: the CPU matters (Intel Xeons with AMX and",
-        "AMD EPYCs rank the routes differently), so rerun on yours. What moved the",
+        "the machine named below: the CPU matters (Intel Xeons with AMX and AMD",
+        "EPYCs rank the routes differently), so rerun on yours. What moved the",
         "numbers, and why, is in [design notes](design.md#performance-notes).",
         "",
     ]
