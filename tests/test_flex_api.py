@@ -190,14 +190,39 @@ def test_what_a_mod_reads_elsewhere_is_part_of_its_trace():
         w = torch.tensor(sc)
         return lambda s, b, h, q_idx, kv_idx: s * w.item()
 
+    def tolist(sc):  # (a value read that tracing does not see: the tensor is no table)
+        w = torch.tensor(sc)
+        return lambda s, b, h, q_idx, kv_idx: s * w.tolist()
+
     q, k, v = (
         torch.randn(1, 2, 24, 8, generator=torch.Generator().manual_seed(n)) for n in (1, 2, 3)
     )
-    for make in (keyword, attribute, in_class, in_module, item):
+    for make in (keyword, attribute, in_class, in_module, item, tolist):
         for sc in (2.0, 3.0):
             out = flex_attention(q, k, v, score_mod=make(sc))
             ref = torch.softmax((q @ k.transpose(-1, -2)).double() * sc / 8**0.5, -1) @ v.double()
             assert rel(out.double(), ref) < 1e-5, (make.__name__, sc)
+
+
+def test_masks_combined_by_library_functions_keep_their_numbers():
+    """and_masks/or_masks are library closures: the user's masks inside them,
+    and the window each captures, are part of the trace (review of the
+    trace cache: the second window reused the first's trace)."""
+    from flashtile.torch.flex import and_masks, or_masks
+
+    def sliding(w):
+        return lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= w
+
+    def sink(b, h, q_idx, kv_idx):
+        return kv_idx == 0
+
+    q, k, v = _inputs(grad=False, tq=40, tk=40)
+    for w in (4, 8):
+        mask = or_masks(and_masks(causal, sliding(w)), sink)
+        block = create_block_mask(mask, None, None, 40, 40, BLOCK_SIZE=16)
+        out = flex_attention(q, k, v, block_mask=block, enable_gqa=True)
+        ref, _ = dense_flex(*(x.double() for x in (q, k, v)), None, mask)
+        _check(out, dense_flex(q, k, v, None, mask)[0], ref, f"window {w}")
 
 
 # --- the NumPy API ----------------------------------------------------------------

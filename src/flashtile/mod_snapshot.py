@@ -15,10 +15,13 @@ One walk over those values (:func:`captured`) serves two purposes:
 
 from __future__ import annotations
 
+import enum
 import functools
 import hashlib
 import marshal
+import os
 import sys
+import sysconfig
 import types
 
 #: Values compared by equality (their value is baked into the trace).
@@ -31,11 +34,11 @@ def captured(functions):
     """Yield ``(get, value, kind, text)`` for every value ``functions`` read
     besides their arguments: closure cells, defaults (keyword-only too),
     attributes of the function itself, and the globals their code names,
-    looked into through the user's functions, classes, modules and tuples
-    they hold (``and_masks``' closures; a helper in the user's module and
-    the globals it reads). Library code (the standard library, torch,
-    NumPy, Numba, flashtile) is named, not walked: its versions key the
-    caches that use this.
+    looked into through the functions, classes, modules and tuples they
+    hold (``and_masks``' closures and the masks in them; a helper in the
+    user's module and the globals it reads). Library code (the standard
+    library, torch, NumPy, Numba, flashtile) is named and its closures
+    walked, but not its globals: its versions key the caches that use this.
 
     ``get()`` reads the value's place again; ``kind`` is ``"equal"`` (a
     number or string: compare values), ``"same"`` (a function, module, type
@@ -45,83 +48,106 @@ def captured(functions):
     nothing can be said) or ``"deep"`` (nested past the walk's depth: not
     looked into); ``text`` describes the place and, for the first two
     kinds, the value."""
-    seen: set[int] = set()
+    walk = _Walk()
+    for n, fn in enumerate(functions):
+        if fn is not None:
+            yield from walk.visit(fn, 0, f"mod{n}")
 
+
+class _Walk:
+    """:func:`captured`'s walk; ``seen`` holds what it has looked into."""
+
+    def __init__(self):
+        self.seen: set = set()
+
+    @staticmethod
     def names(code) -> set[str]:
         """The names ``code`` reads, nested code (lambdas, comprehensions) too."""
         found = set(code.co_names)
         for const in code.co_consts:
             if isinstance(const, types.CodeType):
-                found |= names(const)
+                found |= _Walk.names(const)
         return found
 
-    def value(get, where, v, depth, read, member=False):
-        if isinstance(v, _PLAIN):
+    def value(self, get, where, v, depth, read, member=False):
+        if isinstance(v, (*_PLAIN, enum.Enum)):
             yield get, v, "equal", f"{where}={type(v).__name__}:{v!r}"
-        elif isinstance(v, types.FunctionType) and not _library(v):
-            yield get, v, "same", f"{where}=function {_code_digest(v)}"
-            yield from visit(v, depth + 1, where)
-        elif isinstance(v, types.ModuleType | type) and not _library(v):
+        elif isinstance(v, types.FunctionType):
+            library = _library(v)  # (its closure is still walked: and_masks' masks)
             yield get, v, "same", f"{where}={_describe_object(v)}"
-            yield from members(v, where, depth + 1, read)
-        elif isinstance(v, types.ModuleType):
-            yield get, v, "same", f"{where}=module {v.__name__}"
-            yield from members(v, where, depth + 1, read, library=True)
+            yield from self.visit(v, depth + 1, where, library)
+        elif isinstance(v, types.ModuleType | type):
+            library = _library(v)
+            yield get, v, "same", f"{where}={_describe_object(v)}"
+            yield from self.members(v, where, depth + 1, read, library)
         elif isinstance(v, _NAMED):
             yield get, v, "same", f"{where}={_describe_object(v)}"
         elif isinstance(v, tuple | frozenset):
             yield get, v, "same", f"{where}={type(v).__name__} of {len(v)}"
             for n, item in enumerate(v):
-                yield from value(lambda item=item: item, f"{where}[{n}]", item, depth, read)
-        else:  # (a module's or class's tensor, dtype: compared as the same object)
-            yield get, v, "attribute" if member else "leaf", where
+                yield from self.value(lambda item=item: item, f"{where}[{n}]", item, depth, read)
+        else:  # (a library's dtype: the same object; a user's object: the caller decides)
+            yield get, v, "attribute" if member == "library" else "leaf", where
 
-    def members(holder, where, depth, read, library=False):
+    def members(self, holder, where, depth, read, library):
         """The attributes of a module or class that the code may read."""
+        if (id(holder), library) in self.seen:  # (modules that import each other)
+            return
+        self.seen.add((id(holder), library))
         if depth > _DEPTH:
             yield None, holder, "deep", where
             return
         for name in sorted(read):
-            attr = getattr(holder, name, _MISSING)
+            fetch = functools.partial(_attribute, holder, name)
+            attr = fetch()
+            if attr is _RAISED:  # (a metaclass's __getattr__ or property that raised)
+                yield None, holder, "opaque", f"{where}.{name}"
+                return
             if attr is _MISSING or (library and isinstance(attr, types.ModuleType)):
                 continue
-            fetch = functools.partial(getattr, holder, name, _MISSING)
-            yield from value(fetch, f"{where}.{name}", attr, depth, read, member=True)
+            if isinstance(attr, types.MethodType):  # (a classmethod: a new bound method each time)
+                fetch = functools.partial(_function_of, fetch)
+                attr = fetch()
+            kind = "library" if library else True
+            yield from self.value(fetch, f"{where}.{name}", attr, depth, read, member=kind)
 
-    def visit(fn, depth, where="mod"):
+    def visit(self, fn, depth, where, library=False):
+        """A function's cells, defaults and attributes, and (for the user's
+        code) the globals it reads."""
         fn = getattr(fn, "py_func", fn)  # a Numba dispatcher: its Python function
         code = getattr(fn, "__code__", None)
         if code is None:
             yield None, fn, "opaque", where
             return
-        if id(fn) in seen:
+        if id(fn) in self.seen:
             return
         if depth > _DEPTH:
             yield None, fn, "deep", where
             return
-        seen.add(id(fn))
-        read = names(code)
-        cells = [
-            (functools.partial(getattr, cell, "cell_contents", _MISSING), f"{where}:cell{n}")
-            for n, cell in enumerate(getattr(fn, "__closure__", None) or ())
-        ]
-        if getattr(fn, "__defaults__", None):  # (a tuple: replaced, never changed)
-            cells.append((functools.partial(getattr, fn, "__defaults__"), f"{where}:defaults"))
-        for name in sorted(getattr(fn, "__kwdefaults__", None) or ()):
-            kw = functools.partial(_item, fn, "__kwdefaults__", name)
-            cells.append((kw, f"{where}:kw {name}"))
-        for name in sorted(read & vars(fn).keys()):  # (fn.scale read as mod.scale)
-            cells.append((functools.partial(_item, fn, "__dict__", name), f"{where}.{name}"))
-        for name in sorted(read & getattr(fn, "__globals__", {}).keys()):
-            cells.append((functools.partial(fn.__globals__.get, name, _MISSING), f"{where}:{name}"))
-        for get, at in cells:
+        self.seen.add(id(fn))
+        read = self.names(code)
+        for get, at in _places(fn, read, where, library):
             v = get()
             if v is not _MISSING:  # (an empty cell; a name the code reads as an attribute only)
-                yield from value(get, at, v, depth, read)
+                yield from self.value(get, at, v, depth, read)
 
-    for n, fn in enumerate(functions):
-        if fn is not None:
-            yield from visit(fn, 0, f"mod{n}")
+
+def _places(fn, read, where, library) -> list:
+    """``(get, where)`` of what ``fn`` reads: closure cells, defaults, its
+    own attributes, and (unless ``library``) its globals."""
+    places = [
+        (functools.partial(getattr, cell, "cell_contents", _MISSING), f"{where}:cell{n}")
+        for n, cell in enumerate(getattr(fn, "__closure__", None) or ())
+    ]
+    if getattr(fn, "__defaults__", None):  # (a tuple: replaced, never changed)
+        places.append((functools.partial(getattr, fn, "__defaults__"), f"{where}:defaults"))
+    for name in sorted(getattr(fn, "__kwdefaults__", None) or ()):
+        places.append((functools.partial(_item, fn, "__kwdefaults__", name), f"{where}:kw {name}"))
+    for name in sorted(read & vars(fn).keys()):  # (fn.scale read as mod.scale)
+        places.append((functools.partial(_item, fn, "__dict__", name), f"{where}.{name}"))
+    for name in [] if library else sorted(read & getattr(fn, "__globals__", {}).keys()):
+        places.append((functools.partial(fn.__globals__.get, name, _MISSING), f"{where}:{name}"))
+    return places
 
 
 #: How deep the walk looks into functions, modules and classes.
@@ -131,10 +157,42 @@ _LIBRARIES = frozenset({"torch", "numpy", "numba", "llvmlite", "flashtile", "tri
 
 
 def _library(v) -> bool:
-    """Whether ``v`` (a function, module or class) is library code."""
+    """Whether ``v`` (a function, module or class) is library code: from
+    :data:`_LIBRARIES`, or the standard library's own files (a user's module
+    that shares a standard name is the user's; code without a module is)."""
     name = v.__name__ if isinstance(v, types.ModuleType) else getattr(v, "__module__", None)
-    root = (name or "builtins").split(".")[0]
-    return root in _LIBRARIES or root in sys.stdlib_module_names
+    if not isinstance(name, str) or not name:
+        return False
+    root = name.split(".")[0]
+    if root in _LIBRARIES:
+        return True
+    if root not in sys.stdlib_module_names:
+        return False
+    if isinstance(v, types.FunctionType):  # (its own file: a user's module may be "signal")
+        file = v.__code__.co_filename
+    else:
+        file = getattr(
+            v if isinstance(v, types.ModuleType) else sys.modules.get(name), "__file__", None
+        )
+    return file is None or os.path.realpath(file).startswith(_STDLIB)
+
+
+_STDLIB = os.path.realpath(sysconfig.get_paths()["stdlib"])
+
+
+def _attribute(holder, name: str):
+    """``getattr(holder, name)``: :data:`_MISSING` when absent, :data:`_RAISED`
+    when looking it up raised something else."""
+    try:
+        return getattr(holder, name, _MISSING)
+    except Exception:
+        return _RAISED
+
+
+def _function_of(fetch):
+    """The function of the bound method ``fetch()`` gives (a classmethod)."""
+    method = fetch()
+    return getattr(method, "__func__", method)
 
 
 def _item(holder, attribute: str, name: str):
@@ -152,10 +210,8 @@ def snapshot(functions, leaf) -> list | None:
     its work)."""
     checks: list = []
     for get, v, kind, _ in captured(functions):
-        if kind == "opaque":
+        if kind in ("opaque", "deep"):  # (nothing to check by, or too deep to look)
             return None
-        if kind == "deep":
-            continue
         if kind == "equal":
             checks.append(functools.partial(_equal, get, v))
         elif kind in ("same", "attribute"):
@@ -215,3 +271,4 @@ def _describe_object(v) -> str:
 
 
 _MISSING = object()
+_RAISED = object()

@@ -314,7 +314,8 @@ class _Tee:
 
 def _config(args, plan, reps) -> dict:
     """The run's options (the report shows them as the command that reruns it)."""
-    config = {k: v for k, v in vars(args).items() if k not in ("func", "command", "json")}
+    skip = ("func", "command", "json", "plot")  # (outputs of the run, not what it measures)
+    config = {k: v for k, v in vars(args).items() if k not in skip}
     config["preset"], config["reps"] = plan.name, reps
     return config
 

@@ -52,7 +52,7 @@ def command(name: str, run: dict) -> str:
     default (a preset's own ``reps`` counts as its default)."""
     config = run["config"]
     parser = bench_parser(argparse.ArgumentParser().add_subparsers())
-    parts = ["flashtile bench", f"--preset {config['preset']}"]
+    parts = ["flashtile bench"] + ([f"--preset {config['preset']}"] if config["preset"] else [])
     for action in parser._actions:
         key, flag = action.dest, (action.option_strings or [""])[-1]
         value = config.get(key, action.default)
@@ -63,7 +63,7 @@ def command(name: str, run: dict) -> str:
             parts.append(flag)
         elif isinstance(value, list | tuple):
             parts.append(f"{flag} {' '.join(str(v) for v in value)}")
-        elif value not in (None, False):
+        elif value is not None and value is not False:
             parts.append(f"{flag} {value}")
     parts.append(f"--json docs/bench/{name}.json")
     return " ".join(parts)

@@ -125,29 +125,37 @@ def trace_mods(score_mod, mask_mod, block_map=None, dialect=Translator, device=N
         cached = _lookup(key)
         if cached is not None:
             return cached
-        traced = _stored_or_traced(score_mod, mask_mod, block_map, dialect, device)
-        checks = snapshot((score_mod, mask_mod), _tensor_check)
+        traced, reusable = _stored_or_traced(score_mod, mask_mod, block_map, dialect, device)
+        checks = snapshot((score_mod, mask_mod), _tensor_check) if reusable else None
         if checks is not None:  # else traced again on every call
             _store(key, (traced, checks))
         return traced
 
 
-def _stored_or_traced(score_mod, mask_mod, block_map, dialect, device) -> TracedMods:
-    """The mods' trace from :mod:`.trace_cache` (the same code capturing the
-    same layouts, traced before), else traced now and stored there."""
+def _stored_or_traced(score_mod, mask_mod, block_map, dialect, device):
+    """``(traced, reusable)``: the mods' trace from :mod:`.trace_cache` (the
+    same code capturing the same layouts, traced before), else traced now
+    and stored there; ``reusable`` is False for a trace that depends on a
+    captured tensor's values (read into Python: ``w.item()`` is seen while
+    tracing; ``w.tolist()`` is not, but leaves the tensor out of the
+    tables), which is then traced again on every call."""
     context = (block_map, f"{dialect.__module__}.{dialect.__qualname__}", str(device))
     found = trace_cache.trace_key((score_mod, mask_mod), context)
     if found is not None:
         stored = trace_cache.load(*found, device)
         if stored is not None:
             with contextlib.suppress(TypeError):  # (an entry of other fields: traced again)
-                return TracedMods(**stored)
+                return TracedMods(**stored), True
     with trace_cache.ValueReads() as reads:
         traced = _trace_all(score_mod, mask_mod, block_map, dialect, device)
-    if found is not None and not reads.seen:  # (a value read, w.item(), is baked in)
+    tables = {id(t.tensor) for t in traced.tables}
+    leaves = [] if found is None else found[1]
+    unread = [x for x in leaves if isinstance(x, torch.Tensor) and id(x) not in tables]
+    reusable = not reads.seen and not unread
+    if found is not None and reusable:
         plain = {f.name: getattr(traced, f.name) for f in fields(traced)}
         trace_cache.store(*found, plain, plain.pop("tables"))
-    return traced
+    return traced, reusable
 
 
 def _trace_all(score_mod, mask_mod, block_map, dialect, device) -> TracedMods:
