@@ -6,7 +6,9 @@ BIN     = $(VENV)/bin
 .PHONY: demo test docs notebook fuzz lint bench clean
 
 # `make test` compiles the CPU kernels first, in two processes that share the
-# work (`flashtile precompile`), then runs two pytest workers, one test file
+# work (`flashtile precompile`), and builds the documentation site meanwhile
+# (`make docs`: a failed build prints its log and fails the run); then it
+# runs two pytest workers, one test file
 # each at a time (loadfile: a file's module fixtures, such as the distributed
 # tests' process groups, are built once); the workers load the kernels from
 # Numba's on-disk cache instead of both compiling the same ones at the start.
@@ -40,8 +42,9 @@ demo: $(VENV)/.installed
 test: $(VENV)/.dev-installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(MAKE) --no-print-directory docs
-	$(BIN)/flashtile precompile --jobs 2
+	@mkdir -p build
+	$(MAKE) --no-print-directory docs > build/docs.log 2>&1 & docs=$$!; \
+	$(BIN)/flashtile precompile --jobs 2 && wait $$docs || { cat build/docs.log; exit 1; }
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # The documentation site (mkdocs.yml) into build/site: every public name must
@@ -50,7 +53,7 @@ test: $(VENV)/.dev-installed
 # that does not parse fails it).
 docs: $(VENV)/.dev-installed
 	$(BIN)/python scripts/check_docs.py
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict  # (not --quiet: it hides the warnings strict counts)
 
 # The tutorial as a notebook, run top to bottom: docs/tutorial.ipynb (beside
 # the images it shows; not tracked: docs/tutorial.md is its source).
