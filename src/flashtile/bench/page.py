@@ -9,7 +9,8 @@ command that reruns it, its tables and target lines; at the top, the plots:
 - flashtile's speed-up over torch SDPA against T, forward and forward +
   backward, float32 and bfloat16 (the ``core`` runs);
 - decoding bandwidth against the measured read ceiling (``decode``);
-- bfloat16 against float32 time, for both libraries (``core`` in each dtype).
+- bfloat16 against float32 time, for both libraries (``core`` in each dtype);
+- small calls' time per call against torch SDPA (``calls``).
 
 The page is a pure function of the JSON files (no dates or paths of its
 own), so the same files give the same bytes; the PNGs are drawn by
@@ -156,15 +157,19 @@ def page(runs, images: dict[str, str]) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def _core_speedups(run: dict) -> dict:
-    """``(mode, causal, d) -> [(T, speed-up over SDPA)]`` of a core run."""
-    by_case = defaultdict(dict)
+def _times(run: dict) -> dict:
+    """``(mode, causal, d, T) -> {provider: median ms}`` of a run's timed results."""
+    out = defaultdict(dict)
     for r in run.get("results", []):
         if r["median_ms"]:
-            key = (r["mode"], r["causal"], r["d"], r["T"])
-            by_case[key][r["provider"]] = r["median_ms"]
+            out[(r["mode"], r["causal"], r["d"], r["T"])][r["provider"]] = r["median_ms"]
+    return out
+
+
+def _core_speedups(run: dict) -> dict:
+    """``(mode, causal, d) -> [(T, speed-up over SDPA)]`` of a core run."""
     lines = defaultdict(list)
-    for (mode, causal, d, t), times in sorted(by_case.items()):
+    for (mode, causal, d, t), times in sorted(_times(run).items()):
         if "flashtile" in times and "torch-sdpa" in times:
             lines[(mode, causal, d)].append((t, times["torch-sdpa"] / times["flashtile"]))
     return lines
@@ -227,51 +232,53 @@ def plots(runs, directory: Path) -> None:
         _save(fig, directory / files[_CORE])
     if _DECODE in files:
         rows = _records(runs, "decode")
-        fig, ax = plt.subplots(figsize=(10, 3.6))
-        xs = range(len(rows))
-        gbps = [r["kv_bytes"] / r["flashtile"] / 1e9 for r in rows]
-        ceiling = [r["kv_bytes"] / r["read"] / 1e9 if r["read"] else 0.0 for r in rows]
-        ax.bar([x - 0.2 for x in xs], gbps, 0.4, label="flashtile")
-        ax.bar([x + 0.2 for x in xs], ceiling, 0.4, label="read ceiling (same bytes)")
-        ax.set_xticks(list(xs), [r["case"] for r in rows], rotation=20, ha="right", fontsize=7)
-        ax.set(ylabel="GB/s", title="decoding: bandwidth against the read ceiling")
-        ax.legend(fontsize=7)
-        _save(fig, directory / files[_DECODE])
+        series = {
+            "flashtile": [r["kv_bytes"] / r["flashtile"] / 1e9 for r in rows],
+            "read ceiling (same bytes)": [
+                r["kv_bytes"] / r["read"] / 1e9 if r["read"] else 0.0 for r in rows
+            ],
+        }
+        _bars(plt, [r["case"] for r in rows], series, directory / files[_DECODE],
+              ylabel="GB/s", title="decoding: bandwidth against the read ceiling")  # fmt: skip
     if _BF16 in files:
-        fig, ax = plt.subplots(figsize=(10, 3.6))
-        labels, ratios = [], defaultdict(list)
         times = {dtype: _times(run) for dtype, run in cores.items()}
-        for case in sorted(times["float32"].keys() & times["bfloat16"].keys()):
-            labels.append(f"{case[0]} T={case[3]} {'causal' if case[1] else 'full'} d={case[2]}")
-            for provider in ("flashtile", "torch-sdpa"):
-                a, b = times["float32"][case].get(provider), times["bfloat16"][case].get(provider)
-                ratios[provider].append(a / b if a and b else 0.0)
-        xs = range(len(labels))
-        for n, (provider, ys) in enumerate(sorted(ratios.items())):
-            ax.bar([x - 0.2 + 0.4 * n for x in xs], ys, 0.4, label=provider)
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=7)
-        ax.set(ylabel="float32 time / bfloat16 time", title="bfloat16 against float32")
-        ax.legend(fontsize=7)
-        _save(fig, directory / files[_BF16])
+        cases = sorted(times["float32"].keys() & times["bfloat16"].keys())
+        labels = [f"{m} T={t} {'causal' if c else 'full'} d={d}" for m, c, d, t in cases]
+        series = {
+            provider: [
+                _ratio(times["float32"][case].get(provider), times["bfloat16"][case].get(provider))
+                for case in cases
+            ]
+            for provider in ("flashtile", "torch-sdpa")
+        }
+        _bars(plt, labels, series, directory / files[_BF16], one=True,
+              ylabel="float32 time / bfloat16 time", title="bfloat16 against float32")  # fmt: skip
     if _CALLS in files:
         rows = _records(runs, "calls")
-        fig, ax = plt.subplots(figsize=(10, 3.6))
-        xs = range(len(rows))
-        ax.bar([x - 0.2 for x in xs], [r["flashtile"] for r in rows], 0.4, label="flashtile")
-        ax.bar([x + 0.2 for x in xs], [r["other"] for r in rows], 0.4,
-               label="torch SDPA (last: the kernel alone)")  # fmt: skip
-        ax.set_xticks(list(xs), [r["case"] for r in rows], rotation=20, ha="right", fontsize=7)
-        ax.set(ylabel="us per call", yscale="log", title="small calls: time per call")
-        ax.legend(fontsize=7)
-        _save(fig, directory / files[_CALLS])
+        series = {
+            "flashtile": [r["flashtile"] for r in rows],
+            "torch SDPA (last: the kernel alone)": [r["other"] for r in rows],
+        }
+        _bars(plt, [r["case"] for r in rows], series, directory / files[_CALLS],
+              ylabel="us per call", yscale="log", title="small calls: time per call")  # fmt: skip
 
 
-def _times(run: dict) -> dict:
-    out = defaultdict(dict)
-    for r in run.get("results", []):
-        out[(r["mode"], r["causal"], r["d"], r["T"])][r["provider"]] = r["median_ms"]
-    return out
+def _ratio(a, b) -> float:
+    return a / b if a and b else 0.0
+
+
+def _bars(plt, labels, series: dict, path: Path, one: bool = False, **axes) -> None:
+    """Two bars per label (``series``: legend -> values), a line at 1 with ``one``."""
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    xs = range(len(labels))
+    for n, (name, ys) in enumerate(series.items()):
+        ax.bar([x - 0.2 + 0.4 * n for x in xs], ys, 0.4, label=name)
+    if one:
+        ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=7)
+    ax.set(**axes)
+    ax.legend(fontsize=7)
+    _save(fig, path)
 
 
 def _save(fig, path: Path) -> None:
