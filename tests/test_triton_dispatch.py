@@ -7,8 +7,9 @@ Without a GPU the device test (``_support.is_cuda_call``) is forced to True
 for CPU tensors and the kernels run in Triton's interpreter; with
 ``TRITON_INTERPRET=0`` on a GPU machine the same tests run on CUDA tensors
 (tests/triton_device.py).
-The entry points are wrapped to record which kernel ran; the results are
-checked against the NumPy reference. Shapes are tiny: the interpreter is slow.
+The Triton front door's run is wrapped to record which op its plan chose
+(``attention``: the forward, ``decode_attention``: the split-KV decode); the
+results are checked against the NumPy reference. Shapes are tiny: the interpreter is slow.
 """
 
 import numpy as np
@@ -21,7 +22,7 @@ from triton_device import DEVICE, ft, torch
 import flashtile
 import flashtile.torch as ftt
 import flashtile.torch._support as support
-import flashtile.triton.api as triton_api
+import flashtile.triton.frontdoor as triton_frontdoor
 from flashtile.torch.hf import tiled_attention_forward
 
 F = torch.nn.functional
@@ -29,17 +30,17 @@ F = torch.nn.functional
 
 @pytest.fixture
 def ran(monkeypatch):
-    """The names of the Triton entry points called, in order; CPU tensors count as CUDA
-    under the interpreter."""
+    """The Triton ops the front door ran, in order ("attention" for the forward,
+    "decode_attention" for the decode op); CPU tensors count as CUDA under the
+    interpreter."""
     calls = []
-    for name in ("attention", "decode_attention"):
-        real = getattr(triton_api, name)
+    real = triton_frontdoor.run_plan
 
-        def spy(*args, _real=real, _name=name, **kw):
-            calls.append(_name)
-            return _real(*args, **kw)
+    def spy(call, plan, return_lse):
+        calls.append("decode_attention" if plan.decode else "attention")
+        return real(call, plan, return_lse)
 
-        monkeypatch.setattr(triton_api, name, spy)
+    monkeypatch.setattr(triton_frontdoor, "run_plan", spy)
     if ft.INTERPRET:
         monkeypatch.setattr(support, "is_cuda_call", lambda q, k, v: True)
     return calls

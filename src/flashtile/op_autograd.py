@@ -55,6 +55,16 @@ def has_tangent(*tensors) -> bool:
     return any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
+def wants_grad(q, k, v, sinks=None) -> bool:
+    """Whether autograd will want gradients of an attention call of these
+    tensors (``sinks``: learned sinks, or None): both backends' routing reads
+    it (a decoding step without gradients may take another kernel)."""
+    learned = isinstance(sinks, torch.Tensor) and sinks.requires_grad
+    return torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or learned
+    )
+
+
 #: The refusal of forward-mode AD (torch.func.jvp, jacfwd, torch.autograd.forward_ad).
 NO_FORWARD_AD = (
     "flashtile's attention has no forward-mode AD (torch.func.jvp, jacfwd, "

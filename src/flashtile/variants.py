@@ -55,7 +55,15 @@ MASK_LIMIT = float(np.finfo(np.float32).max) / LOG2E
 
 @dataclass(frozen=True)
 class Variants:
-    """Normalised variant keywords (see the module docstring for semantics).
+    """Normalised variant keywords (see the module docstring for semantics):
+    the one record of both backends. :func:`resolve_variants` fills it with
+    NumPy arrays for the CPU kernels (:mod:`flashtile.frontdoor`);
+    :func:`flashtile.triton.frontdoor.check_variants` with tensors on the
+    inputs' device for the Triton kernels (``alibi (B or 1, Hq)`` float32,
+    ``kv_lengths`` int32, ``sinks`` float32, ``dropout_seed`` None when the
+    plan draws it; no masks or mods there). Each backend encodes it for its
+    kernels: :class:`flashtile.cpu.tiles.KernelVariants`,
+    :class:`flashtile.triton.launch.KernelArgs`.
 
     Attributes:
         causal: bottom-right causal mask.

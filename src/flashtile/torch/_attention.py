@@ -20,7 +20,6 @@ from torch.autograd import forward_ad
 from .. import op_autograd
 from .._validate import AttentionShapes, tensors_as_numpy
 from ..cpu.launch import numba_threads
-from ..decode_planning import TRITON_DECODE_MAX_QUERIES
 from ..frontdoor import check_call, prepare, prepared, run_call, run_prepared
 from ..masks import normalize_window
 from ..planning import Call
@@ -171,7 +170,7 @@ def attention(
         as_constant(sinks),
     )  # fmt: skip
     if _eager(q, k, v):
-        run = _ops.EagerAttention.apply if _wants_grad(q, k, v, sinks) else _ops.forward
+        run = _ops.EagerAttention.apply if op_autograd.wants_grad(q, k, v, sinks) else _ops.forward
         out, lse = run(*args)
     elif op_autograd.functorch_active():  # the op's own autograd does not run under torch.func
         out, lse = op_autograd.FuncAttention.apply(_ops.OPS, *args)
@@ -262,14 +261,6 @@ def _plain_key(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengt
     )  # fmt: skip
 
 
-def _wants_grad(q, k, v, sinks=None) -> bool:
-    """Whether autograd will want gradients of this call."""
-    learned = sinks is not None and isinstance(sinks, torch.Tensor) and sinks.requires_grad
-    return torch.is_grad_enabled() and (
-        q.requires_grad or k.requires_grad or v.requires_grad or learned
-    )
-
-
 def _eager(q, k, v) -> bool:
     """Whether the op may run without the dispatcher (its implementation, or
     with a gradient wanted :class:`._ops.EagerAttention`): plain tensors and
@@ -285,26 +276,14 @@ def _eager(q, k, v) -> bool:
 
 
 def _on_gpu(q, k, v, **keywords):
-    """CUDA tensors (accepted by :func:`~._support.refusal`): the Triton kernels.
+    """CUDA tensors (accepted by :func:`~._support.refusal`): the Triton
+    backend's check, plan and run (:mod:`flashtile.triton.frontdoor`), whose
+    plan sends a decoding step without gradients to the split-KV decode
+    kernel, and everything else to the differentiable forward."""
+    from ..triton import frontdoor  # imported on first use: it needs triton
 
-    A decoding step (4-D, at most
-    :data:`flashtile.decode_planning.TRITON_DECODE_MAX_QUERIES` queries, no gradient
-    wanted) goes to :func:`flashtile.triton.decode_attention`, whose split-KV
-    schedule keeps the GPU busy over a long cache where the forward would run
-    one program per (head, sequence); the whole of ``k``/``v`` is the cache
-    and the semantics are the same. Everything else goes to the
-    differentiable :func:`flashtile.triton.attention`.
-    """
-    from .. import triton as gpu  # imported on first use: it needs triton
-
-    wants_grad = _wants_grad(q, k, v, keywords["sinks"])
-    # kv_lengths keeps positions aligned with Tk; decoding's cache_seqlens would not.
-    # (Not under torch.func: the decode op has no batching rule, the forward has.)
-    plain = keywords["kv_lengths"] is None and not op_autograd.functorch_active()
-    plain = plain and not keywords["dropout_p"]
-    if q.ndim == 4 and q.shape[-2] <= TRITON_DECODE_MAX_QUERIES and not wants_grad and plain:
-        keywords.pop("enable_gqa")  # checked by the refusal; decoding always groups
-        keywords.pop("kv_lengths")
-        keywords.pop("dropout_p")
-        return gpu.decode_attention(q, k, v, **keywords)
-    return gpu.attention(q, k, v, **keywords)
+    causal, scale = keywords.pop("causal"), keywords.pop("scale")
+    enable_gqa, return_lse = keywords.pop("enable_gqa"), keywords.pop("return_lse")
+    call = frontdoor.check_call(q, k, v, causal, scale, keywords, enable_gqa=enable_gqa)
+    grad = op_autograd.wants_grad(q, k, v, keywords["sinks"])
+    return frontdoor.run_plan(call, frontdoor.plan_call(call, grad), return_lse)

@@ -1,4 +1,5 @@
-"""The entry points on torch tensors: validate, lay out, call the custom ops.
+"""The entry points on GPU tensors: each one check, plan and run of the
+Triton backend's front door (:mod:`.frontdoor`).
 
 Semantics are flashtile's everywhere (:mod:`flashtile.masks`,
 :mod:`flashtile.variants`): causal aligns bottom-right, a query that sees no
@@ -11,36 +12,11 @@ from __future__ import annotations
 import torch
 
 from flashtile import op_autograd
-from flashtile._validate import (
-    check_flag,
-    check_num_splits,
-    check_sdpa_layout,
-    check_softcap,
-    resolve_scale,
-)
-from flashtile.dropout import check_counter_range, check_dropout
-from flashtile.masks import normalize_window
+from flashtile._validate import AttentionShapes, check_num_splits, resolve_scale
 from flashtile.merge import add_sinks
 
-from . import checks, launch, ops  # (ops also registers torch.ops.flashtile.triton_*)
+from . import checks, frontdoor, launch, ops
 from .launch import auto_splits, cdiv, decode_rows_block
-
-
-def _qkv(q, k, v, enable_gqa: bool, mask=None, varlen=False):
-    """q, k, v checked by the shared layout rule and the kernels' limits, last dim unit-stride."""
-    q, k, v = (checks.check_tensor(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
-    if varlen:
-        layout, who = "packed (H, total, d) tensors", "flashtile.triton.varlen_attention"
-        check_sdpa_layout(q, k, v, enable_gqa=True, ranks=(3,), layout=layout, who=who)
-    else:
-        check_sdpa_layout(q, k, v, enable_gqa=enable_gqa, who="flashtile.triton.attention")
-    checks.check_gpu_call(q, k, v, mask)
-    return q, k, v
-
-
-def _scalars(causal, scale, window, softcap, d):
-    left, right = normalize_window(window, check_flag(causal, "causal"))
-    return resolve_scale(scale, d), left, right, check_softcap(softcap)
 
 
 def attention(
@@ -87,32 +63,13 @@ def attention(
     Returns:
         ``out (B, Hq, Tq, dv)`` in the input dtype, and ``lse`` if asked.
     """
-    q, k, v, unbatched, variants = _prepare(
-        q, k, v, causal, scale, window, alibi_slopes, softcap, kv_lengths, mask, enable_gqa
-    )
-    dropout = _dropout(dropout_p, q.shape[:2])
-    out, lse = _forward(q, k, v, *variants, *dropout, checks.sinks(sinks, q.shape[1], q.device))
-    if unbatched:
-        out, lse = out[0], lse[0]
-    return (out, lse) if return_lse else out
-
-
-def _prepare(q, k, v, causal, scale, window, alibi_slopes, softcap, kv_lengths, mask, enable_gqa):
-    """Checked 4-D ``q, k, v``, whether they were 3-D, and the ops' variant arguments."""
-    q, k, v = _qkv(q, k, v, enable_gqa, mask)
-    unbatched = q.ndim == 3
-    if unbatched:
-        q, k, v = q[None], k[None], v[None]
-    batch, heads = q.shape[:2]
-    scale, left, right, cap = _scalars(causal, scale, window, softcap, q.shape[-1])
-    alibi = checks.slopes(alibi_slopes, batch, heads, q.device, per_batch_ok=not unbatched)
-    lengths = None
-    if kv_lengths is not None:
-        if unbatched:
-            raise ValueError("kv_lengths needs 4-D (B, H, T, d) inputs, one length per batch entry")
-        lengths = checks.int_tensor(kv_lengths, "kv_lengths", (batch,), q.device)
-        checks.check_range(lengths, "kv_lengths", 0, k.shape[2], f"Tk = {k.shape[2]}")
-    return q, k, v, unbatched, (alibi, lengths, None, None, 0, 0, scale, left, right, cap)
+    keywords = dict(
+        window=window, alibi_slopes=alibi_slopes, softcap=softcap, kv_lengths=kv_lengths,
+        mask=mask, sinks=sinks, dropout_p=dropout_p,
+    )  # fmt: skip
+    call = frontdoor.check_call(q, k, v, causal, scale, keywords, enable_gqa=enable_gqa)
+    grad = op_autograd.wants_grad(call.q, call.k, call.v, call.variants.sinks)
+    return frontdoor.run_plan(call, frontdoor.plan_call(call, grad), return_lse)
 
 
 def attention_backward(
@@ -136,15 +93,15 @@ def attention_backward(
         backward's precision rule fails (an ``lse`` below its scores', or
         too large for float32 scores: :func:`flashtile.triton.ops.poisoned`).
     """
-    args = _gradient_args(
-        q, k, v, out, lse, dout, causal, scale, window, alibi_slopes, softcap, kv_lengths,
-        enable_gqa,
+    call, dout, out, lse = _gradient_call(
+        q, k, v, out, lse, dout, causal=causal, scale=scale, window=window,
+        alibi_slopes=alibi_slopes, softcap=softcap, kv_lengths=kv_lengths, enable_gqa=enable_gqa,
     )  # fmt: skip
-    unbatched, (dout, q, k, v, out, lse, variants) = args
+    plan = frontdoor.plan_call(call, wants_grad=True)  # the forward's arguments
     grads = torch.ops.flashtile.triton_attention_bwd(
-        dout, q, k, v, out, lse, None, *variants, 0.0, None
+        dout, plan.q, plan.k, plan.v, out, lse, None, *plan.args
     )
-    return tuple(g[0] for g in grads) if unbatched else grads
+    return tuple(g[0] for g in grads) if len(call.shapes.batch) == 1 else grads
 
 
 def block_gradients(q, k, v, out, lse, dout, **kw):
@@ -153,24 +110,21 @@ def block_gradients(q, k, v, out, lse, dout, **kw):
     :func:`flashtile.gradients.block_gradients`): :func:`attention_backward`'s
     arguments and results for 4-D inputs, and each row's sum of ``P`` (its
     share of the whole row's, whose ``lse`` it is)."""
-    _, (dout, q, k, v, out, lse, variants) = _gradient_args(
-        q, k, v, out, lse, dout, kw.get("causal", False), kw.get("scale"), kw.get("window"),
-        kw.get("alibi_slopes"), kw.get("softcap"), kw.get("kv_lengths"),
-        kw.get("enable_gqa", False),
-    )  # fmt: skip
-    with ops.on_device(q):
-        return launch.backward(dout, q, k, v, out, lse, ops.op_variants(*variants, 0.0, None))
+    call, dout, out, lse = _gradient_call(q, k, v, out, lse, dout, **kw)
+    plan = frontdoor.plan_call(call, wants_grad=True)
+    with ops.on_device(plan.q):
+        args = ops.kernel_args(*plan.args)
+        return launch.backward(dout, plan.q, plan.k, plan.v, out, lse, args)
 
 
-def _gradient_args(
-    q, k, v, out, lse, dout, causal, scale, window, alibi_slopes, softcap, kv_lengths, enable_gqa
-):  # fmt: skip
-    """``(unbatched, (dout, q, k, v, out, lse, variants))`` checked for the backward op."""
-    q, k, v, unbatched, variants = _prepare(
-        q, k, v, causal, scale, window, alibi_slopes, softcap, kv_lengths, None, enable_gqa
-    )
-    lead = (1,) if unbatched else ()
-    want = (*q.shape[:3], v.shape[3])
+def _gradient_call(q, k, v, out, lse, dout, causal=False, scale=None, enable_gqa=False, **kw):
+    """``(call, dout, out, lse)``: the call checked by the front door
+    (:func:`.frontdoor.check_call`, ``kw`` its variant keywords) and the
+    forward's ``out``/``lse`` and ``dout`` checked against it, 4-D, in the
+    dtypes the backward op takes."""
+    call = frontdoor.check_call(q, k, v, causal, scale, kw, enable_gqa=enable_gqa)
+    lead = (1,) if len(call.shapes.batch) == 1 else ()
+    want = (*lead, *call.shapes.batch, call.shapes.tq, call.shapes.dv)
     out, lse, dout = (
         checks.check_tensor(t, name).reshape(lead + tuple(t.shape))
         for t, name in ((out, "out"), (lse, "lse"), (dout, "dout"))
@@ -180,8 +134,8 @@ def _gradient_args(
             f"out {tuple(out.shape)}, dout {tuple(dout.shape)}, lse {tuple(lse.shape)}: expected "
             f"out and dout {want} and lse {want[:3]} (the forward's, return_lse=True)"
         )
-    tensors = (dout.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype), lse.float().contiguous())
-    return unbatched, (*tensors, variants)
+    dtype = call.q.dtype
+    return call, dout.to(dtype).contiguous(), out.to(dtype), lse.float().contiguous()
 
 
 def varlen_attention(
@@ -211,55 +165,15 @@ def varlen_attention(
     Returns:
         ``out (Hq, total_q, dv)`` and, if asked, ``lse (Hq, total_q)`` float32.
     """
-    q, k, v = _qkv(q, k, v, True, varlen=True)
-    cu_q, cu_k = (
-        checks.int_tensor(c, n, (torch.as_tensor(c).numel(),), q.device)
-        for c, n in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"))
-    )
-    if cu_q.numel() != cu_k.numel():
-        raise ValueError(
-            f"cu_seqlens_q has {cu_q.numel() - 1} sequences but cu_seqlens_k has {cu_k.numel() - 1}"
-        )
-    longest_q = checks.check_cu_seqlens(cu_q, "cu_seqlens_q", q.shape[1])
-    longest_k = checks.check_cu_seqlens(cu_k, "cu_seqlens_k", k.shape[1])
-    for name, given, longest in (("q", max_seqlen_q, longest_q), ("k", max_seqlen_k, longest_k)):
-        if given is not None and given < longest:
-            raise ValueError(f"max_seqlen_{name} = {given} but a sequence has {longest}")
-    scale, left, right, cap = _scalars(causal, scale, window, softcap, q.shape[-1])
-    alibi = checks.slopes(alibi_slopes, 1, q.shape[0], q.device, per_batch_ok=False)
-    dropout = _dropout(dropout_p, (1, q.shape[0]), dropout_seed, dropout_offset)
-    out, lse = _forward(
-        q[None], k[None], v[None], alibi, None, cu_q, cu_k, longest_q, longest_k,
-        scale, left, right, cap, *dropout, checks.sinks(sinks, q.shape[0], q.device),
+    keywords = dict(
+        window=window, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
     )  # fmt: skip
-    return (out[0], lse[0]) if return_lse else out[0]
-
-
-def _dropout(dropout_p, batch_heads, seed=None, offset=0) -> tuple[float, torch.Tensor | None]:
-    """``(dropout_p, seed words)`` as the ops take them (the rule of
-    :func:`flashtile.dropout.check_dropout`): the seed drawn from torch's
-    default CPU generator when None (a 0-d tensor, as
-    :func:`flashtile.torch.attention` draws it), or ``[seed, offset]``."""
-    p = check_dropout(dropout_p, 0 if seed is None else seed, offset)[0]
-    if p == 0.0:
-        return 0.0, None
-    check_counter_range(*batch_heads)
-    if seed is None and offset == 0:
-        return p, op_autograd.dropout_seed()
-    drawn = int(op_autograd.dropout_seed()) if seed is None else seed
-    return p, torch.tensor([drawn - (1 << 64) if drawn >= 1 << 63 else drawn, offset])
-
-
-def _forward(q, k, v, *variants):
-    """The forward op (``variants`` end with the sinks), differentiable also
-    under ``torch.func``, where the op's own
-    autograd does not run (:class:`flashtile.op_autograd.FuncAttention` there);
-    forward-mode AD dual tensors are refused (their tangent would be dropped)."""
-    if op_autograd.has_tangent(q, k, v):
-        raise NotImplementedError(op_autograd.NO_FORWARD_AD)
-    if op_autograd.functorch_active():
-        return op_autograd.FuncAttention.apply(ops.OPS, q, k, v, *variants)
-    return torch.ops.flashtile.triton_attention_fwd(q, k, v, *variants)
+    call = frontdoor.check_call(
+        q, k, v, causal, scale, keywords, (cu_seqlens_q, cu_seqlens_k),
+        max_seqlens=(max_seqlen_q, max_seqlen_k),
+    )  # fmt: skip
+    return frontdoor.run_plan(call, frontdoor.plan_call(call), return_lse)
 
 
 def _cache(q, k_cache, v_cache, block_table):
@@ -368,11 +282,15 @@ def decode_attention(
         longest = capacity if cache_seqlens is None or not batch else int(seqlens.max())
         row_blocks = cdiv(heads // hk * tq, decode_rows_block(heads // hk * tq))
         num_splits = auto_splits(batch, hk, row_blocks, longest, q.device)
-    scale, left, right, cap = _scalars(causal, scale, window, softcap, d)
-    alibi = checks.slopes(alibi_slopes, batch, heads, q.device, per_batch_ok=True)
+    shapes = AttentionShapes((batch, heads), tq, capacity, d, v_cache.shape[3], heads // hk)
+    va = frontdoor.check_variants(
+        shapes, q.device, causal=causal, window=window, alibi_slopes=alibi_slopes,
+        softcap=softcap, sinks=sinks,
+    )  # fmt: skip
     out, lse = torch.ops.flashtile.triton_decode(
-        q, k_cache, v_cache, seqlens, table, num_splits, alibi, scale, left, right, cap
-    )
-    if sinks is not None:
-        out, lse = add_sinks(torch, out, lse, checks.sinks(sinks, heads, q.device))
+        q, k_cache, v_cache, seqlens, table, num_splits, va.alibi, resolve_scale(scale, d),
+        va.left, va.right, va.softcap,
+    )  # fmt: skip
+    if va.sinks is not None:
+        out, lse = add_sinks(torch, out, lse, va.sinks)
     return (out, lse) if return_lse else out

@@ -59,7 +59,7 @@ class _Flex(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, mod_args, *table_tensors):
-        var = launch.Variants(scale, mods=mod_args)
+        var = launch.KernelArgs(scale, mods=mod_args)
         fns = mod_args.fns
         fns.clear_flag()
         out, lse = launch.forward(q, k, v, var)
@@ -80,7 +80,7 @@ class _Flex(torch.autograd.Function):
             mod_args = launch.ModArgs(
                 fns, mod_args.kv_lists, mod_args.q_lists, mod_args.block, grads
             )
-        var = launch.Variants(ctx.scale, mods=mod_args)
+        var = launch.KernelArgs(ctx.scale, mods=mod_args)
         fns.clear_flag()
         dout = dout.contiguous().to(q.dtype)
         *qkv, sums = launch.backward(dout, q, k, v, out, lse, var)

@@ -24,8 +24,13 @@ from .tuning import pick
 
 
 @dataclass(frozen=True)
-class Variants:
-    """A call's variant arguments, validated (see :mod:`.api`).
+class KernelArgs:
+    """A call's variant arguments as the kernels take them: the Triton
+    kernels' encoding of the one variants record
+    (:class:`flashtile.variants.Variants`, checked by :mod:`.frontdoor`),
+    rebuilt inside the ops from their schema arguments
+    (:func:`.ops.kernel_args`), as :class:`flashtile.cpu.tiles.KernelVariants`
+    is the CPU kernels' encoding.
 
     ``left``/``right`` = -1 mean unbounded (causal is ``right = 0``);
     ``alibi`` is ``(B or 1, Hq)`` float32, ``kv_lengths`` ``(B,)`` int32,
@@ -149,7 +154,7 @@ def _or(t, default):
     return default if t is None else t
 
 
-def _sequences(var: Variants, batch: int, tq: int, tk: int) -> tuple[int, int, int]:
+def _sequences(var: KernelArgs, batch: int, tq: int, tk: int) -> tuple[int, int, int]:
     """``(sequences, longest Tq, longest Tk)``: packed ones count from ``cu_seqlens``."""
     if var.cu_q is None:
         return batch, tq, tk
@@ -161,7 +166,7 @@ def _blocks(q, v) -> dict[str, int]:
     return {"HEAD_D": d, "HEAD_DV": dv, "BLOCK_D": head_block(d), "BLOCK_DV": head_block(dv)}
 
 
-def _tune_key(var: Variants, q, longest: int) -> tuple:
+def _tune_key(var: KernelArgs, q, longest: int) -> tuple:
     """Shape class for the tuner: dtype, head dims, switches, sequence length
     bucket, and the mods (their functions and map blocks)."""
     flags = tuple(sorted(var.flags(q.dtype).items()))
@@ -170,7 +175,7 @@ def _tune_key(var: Variants, q, longest: int) -> tuple:
     return (q.dtype, q.shape[-1], flags, var.cu_q is not None, bucket, mods)
 
 
-def _run(kernel, name, q, block_d, key, grid_of, args, consts, var: Variants):
+def _run(kernel, name, q, block_d, key, grid_of, args, consts, var: KernelArgs):
     """Pick a configuration (tuning on first use on a GPU) and launch ``kernel``."""
 
     def launch(c):
@@ -190,7 +195,7 @@ def _strides(*tensors, dims=3):
     return [s for t in tensors for s in t.stride()[:dims]]
 
 
-def forward(q, k, v, var: Variants):
+def forward(q, k, v, var: KernelArgs):
     """``(out (B, Hq, Tq, dv), lse (B, Hq, Tq) float32)``."""
     batch, heads, tq, _ = q.shape
     out = torch.empty((*q.shape[:3], v.shape[3]), dtype=q.dtype, device=q.device)
@@ -213,7 +218,7 @@ def forward(q, k, v, var: Variants):
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, var: Variants):
+def backward(dout, q, k, v, out, lse, var: KernelArgs):
     """``(dq, dk, dv, sums)``: the gradients shaped like ``q, k, v``
     (contiguous, input dtype) and each query row's sum of the recomputed
     probabilities, shaped like ``lse`` (the precision rule's,
@@ -286,7 +291,7 @@ def auto_splits(batch: int, heads_kv: int, row_blocks: int, longest: int, device
     return max(1, min(cdiv(PROGRAMS_PER_SM * sms, programs), cdiv(longest, 256)))
 
 
-def decode(q, k_cache, v_cache, seqlens, table, num_splits: int, var: Variants):
+def decode(q, k_cache, v_cache, seqlens, table, num_splits: int, var: KernelArgs):
     """``(out (B, Hq, Tq, dv), lse (B, Hq, Tq) float32)`` against a (paged) cache.
 
     ``seqlens (B,)`` int32; ``table (B, pages)`` int32 or None (contiguous).

@@ -64,9 +64,10 @@ def on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def op_variants(
+def kernel_args(
     alibi, kv_lengths, cu_q, cu_k, max_q, max_k, scale, left, right, softcap, dropout_p, seed
 ):
+    """The :class:`.launch.KernelArgs` of the ops' variant arguments (schema order)."""
     # The kernels index lengths and offsets densely (no strides passed for them).
     kv_lengths, cu_q, cu_k = (
         None if t is None else t.contiguous() for t in (kv_lengths, cu_q, cu_k)
@@ -74,7 +75,7 @@ def op_variants(
     # The seed (0-d), or [seed, offset] (int64 words; a CPU tensor: no device sync).
     words = [0] if seed is None else [int(x) for x in seed.reshape(-1).tolist()]
     seed, offset = words[0] % (1 << 64), (words[1] if len(words) > 1 else 0)
-    return launch.Variants(
+    return launch.KernelArgs(
         scale, left, right, softcap, alibi, kv_lengths, cu_q, cu_k, max_q, max_k, dropout_p, seed,
         offset,
     )  # fmt: skip
@@ -86,7 +87,7 @@ def attention_fwd(q, k, v, *variants):
     the attention sinks (the last argument) merged in."""
     *variants, sinks = variants  # the callers pass every argument
     with on_device(q):
-        out, lse = launch.forward(q, k, v, op_variants(*variants))
+        out, lse = launch.forward(q, k, v, kernel_args(*variants))
     if sinks is None:
         return out, lse
     return add_sinks(torch, out, lse, sinks)
@@ -106,7 +107,7 @@ def attention_bwd(dout, q, k, v, out, lse, sinks, *variants):
     # dout arrives with any strides (an expanded gradient has stride 0).
     dout = dout.contiguous()
     with on_device(q):
-        *grads, sums = launch.backward(dout, q, k, v, out, lse.contiguous(), op_variants(*variants))
+        *grads, sums = launch.backward(dout, q, k, v, out, lse.contiguous(), kernel_args(*variants))
         return poisoned(grads, sums, lse, dout, sinks)
 
 
@@ -170,7 +171,7 @@ op_batching.register(
 def decode(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, alibi, scale, left,
            right, softcap):  # fmt: skip
     """``(out, lse)`` of the split-KV decoding kernels."""
-    var = launch.Variants(scale, left, right, softcap, alibi)
+    var = launch.KernelArgs(scale, left, right, softcap, alibi)
     with on_device(q):
         return launch.decode(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, var)
 
