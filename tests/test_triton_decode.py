@@ -138,3 +138,32 @@ def test_cache_dtype_must_match_the_queries():
     k = torch.zeros(1, 2, 4, 8, dtype=torch.float16, device=DEVICE)
     with pytest.raises(TypeError, match="cast q"):
         ft.decode_attention(q, k, k)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "table", "lengths"),
+    [
+        (((2, 4, 1, 8), (3, 2, 40, 8)), None, None),  # a contiguous cache of 3 rows for B = 2
+        (((2, 3, 1, 8), (2, 2, 40, 8)), None, None),  # Hkv does not divide Hq
+        (((2, 4, 1, 8), (2, 2, 40, 4)), None, None),  # head dims differ
+        (((2, 4, 1, 8), (4, 2, 20, 8)), [[0, 1]], None),  # one table row for B = 2
+        (((2, 4, 1, 8), (4, 2, 20, 8)), [[0, 1], [2, 7]], [40, 30]),  # page 7 of 4
+        (((2, 4, 1, 8), (4, 2, 20, 8)), [[0, 1], [2, -1]], None),  # full rows without lengths
+    ],
+)
+def test_both_backends_refuse_a_bad_cache_with_one_message(shapes, table, lengths):
+    """The cache rule is written once (flashtile.kvlayout): the CPU's decode_attention and
+    the Triton kernels' refuse the same cache with the same words."""
+    import flashtile
+
+    (qs, ks), errors = shapes, []
+    for xp in (np, torch):
+        q, k = (xp.zeros(s, dtype=xp.float32) for s in (qs, ks))
+        if xp is torch:
+            q, k = q.to(DEVICE), k.to(DEVICE)
+        call = flashtile.decode_attention if xp is np else ft.decode_attention
+        table_in = None if table is None else (np if xp is np else torch).asarray(table)
+        with pytest.raises(ValueError) as info:
+            call(q, k, k, block_table=table_in, cache_seqlens=lengths)
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]

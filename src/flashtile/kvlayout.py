@@ -88,45 +88,89 @@ def _check_ints(x, name: str, shape: tuple[int, ...]) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def check_cache(q, k_cache, v_cache, cache_seqlens=None, block_table=None):
-    """Validate a decode call; return ``(q, CacheLayout)``.
+def check_cache_shapes(q, k_cache, v_cache, block_table=None) -> None:
+    """The cache layout rule of both backends, on shapes alone (NumPy arrays
+    or tensors on any device: only ``.shape`` is read): ``q (B, Hq, Tq, d)``
+    with no empty axis, ``k_cache``/``v_cache`` 4-D alike but for the last
+    dim, ``d`` shared with ``k_cache``, ``Hkv`` dividing ``Hq``, no empty
+    axis in the cache, and ``B`` cache rows for a contiguous cache or
+    ``block_table (B, max_pages)`` for a paged one. Raises ValueError."""
+    qs, ks, vs = tuple(q.shape), tuple(k_cache.shape), tuple(v_cache.shape)
+    if len(qs) != 4 or 0 in qs:
+        raise ValueError(f"q has shape {qs}; decoding takes q (B, Hq, Tq, d) with Tq >= 1")
+    if len(ks) != 4 or len(vs) != 4 or ks[:3] != vs[:3]:
+        raise ValueError(
+            f"k_cache {ks} and v_cache {vs}: expected (B, Hkv, T_max, d / dv) for a contiguous "
+            f"cache, or (num_pages, Hkv, page_size, d / dv) with a block_table; both alike but "
+            f"for the last dim"
+        )
+    batch, hq, _, d = qs
+    if ks[3] != d:
+        raise ValueError(f"q has head dim d={d} but k_cache has {ks[3]} ({ks})")
+    if ks[1] == 0 or hq % ks[1]:
+        raise ValueError(
+            f"Hq={hq} query heads and Hkv={ks[1]} cache heads: Hkv must divide Hq (GQA/MQA)"
+        )
+    if ks[2] == 0 or vs[3] == 0:
+        raise ValueError(f"the cache has an empty axis: k_cache {ks}, v_cache {vs}")
+    if block_table is None:
+        if ks[0] != batch:
+            raise ValueError(
+                f"q has B={batch} sequences but the contiguous cache has {ks[0]} "
+                f"(k_cache {ks}); for a paged cache pass block_table"
+            )
+        return
+    table = tuple(block_table.shape)
+    if len(table) != 2 or table[0] != batch:
+        raise ValueError(f"block_table has shape {table}; expected (B, max_pages) with B={batch}")
 
-    ``q (B, Hq, Tq, d)``; ``Hkv`` (the cache's heads) must divide ``Hq``.
+
+def table_problem(xp, table, seqlens, page: int, pages: int, lengths_given: bool) -> str | None:
+    """What is wrong with a block table's entries (NumPy, or torch with ``xp =
+    torch``: read on the host), or None: every page a sequence reads (the
+    first ``ceil(seqlens[b] / page)`` of its row) must be one of the cache's
+    ``pages``; the entries past them are never read. ``lengths_given``: the
+    caller passed ``cache_seqlens`` (else every sequence fills its row)."""
+    if (table.numel() if xp is not np else table.size) == 0:
+        return None
+    columns = xp.arange(table.shape[1])[None, :]
+    if xp is not np:
+        columns = columns.to(table.device)
+    bad = (columns * page < seqlens[:, None]) & ((table < 0) | (table >= pages))
+    if not bool(bad.any()):
+        return None
+    b, p = (int(i) for i in xp.argwhere(bad)[0])
+    why = (
+        f"sequence {b} has {int(seqlens[b])} keys"
+        if lengths_given
+        else "without cache_seqlens every sequence fills all its table's pages; "
+        "pass cache_seqlens for shorter sequences"
+    )
+    return (
+        f"block_table[{b}, {p}] = {int(table[b, p])} is not a page of the cache "
+        f"(0..{pages - 1}), but {why}"
+    )
+
+
+def check_cache(q, k_cache, v_cache, cache_seqlens=None, block_table=None):
+    """Validate a decode call on the CPU; return ``(q, CacheLayout)``: the
+    layout rule (:func:`check_cache_shapes`), NumPy caches of a CPU dtype
+    read in place, the lengths and the table's entries (:func:`table_problem`).
     """
     q = as_float_array(q, "q")
-    if q.ndim != 4 or 0 in q.shape:
-        raise ValueError(f"q has shape {q.shape}; decoding takes q (B, Hq, Tq, d) with Tq >= 1")
-    batch, hq, _, d = q.shape
     k = _check_cache_array(k_cache, "k_cache")
     v = _check_cache_array(v_cache, "v_cache")
-    if k.dtype != v.dtype or k.shape[:3] != v.shape[:3]:
+    block_table = None if block_table is None else np.asarray(block_table)
+    check_cache_shapes(q, k, v, block_table)
+    if k.dtype != v.dtype:
         raise ValueError(
-            f"k_cache {k.shape} {k.dtype} and v_cache {v.shape} {v.dtype} must share the "
-            f"dtype and every dim but the last"
+            f"k_cache has dtype {k.dtype} but v_cache {v.dtype}: the caches must share the dtype"
         )
-    if k.shape[3] != d:
-        raise ValueError(f"q has head dim d={d} but k_cache has {k.shape[3]} ({k.shape})")
-    hkv, page = k.shape[1], k.shape[2]
-    if hkv == 0 or hq % hkv:
-        raise ValueError(
-            f"Hq={hq} query heads and Hkv={hkv} cache heads: Hkv must divide Hq (GQA/MQA)"
-        )
-    if page == 0 or v.shape[3] == 0:
-        raise ValueError(f"the cache has an empty axis: k_cache {k.shape}, v_cache {v.shape}")
+    batch, page = q.shape[0], k.shape[2]
     if block_table is None:
-        if k.shape[0] != batch:
-            raise ValueError(
-                f"q has B={batch} sequences but the contiguous cache has {k.shape[0]} "
-                f"(k_cache {k.shape}); for a paged cache pass block_table"
-            )
         table = np.arange(batch, dtype=np.int64)[:, None]
     else:
-        table = np.asarray(block_table)
-        if table.ndim != 2 or table.shape[0] != batch:
-            raise ValueError(
-                f"block_table has shape {table.shape}; expected (B, max_pages) with B={batch}"
-            )
-        table = _check_ints(table, "block_table", table.shape)
+        table = _check_ints(block_table, "block_table", block_table.shape)
     capacity = table.shape[1] * page
     if cache_seqlens is None:
         seqlens = np.full(batch, capacity, dtype=np.int64)
@@ -138,20 +182,9 @@ def check_cache(q, k_cache, v_cache, cache_seqlens=None, block_table=None):
                 f"sequence), got min {seqlens.min()} and max {seqlens.max()}"
             )
     if block_table is not None:
-        used = np.arange(table.shape[1])[None, :] < -(-seqlens[:, None] // page)
-        bad = used & ((table < 0) | (table >= k.shape[0]))
-        if bad.any():
-            b, p = np.argwhere(bad)[0]
-            why = (
-                f"sequence {b} has {seqlens[b]} keys"
-                if cache_seqlens is not None
-                else "without cache_seqlens every sequence fills all its table's pages; "
-                "pass cache_seqlens for shorter sequences"
-            )
-            raise ValueError(
-                f"block_table[{b}, {p}] = {table[b, p]} is not a page of the cache "
-                f"(0..{k.shape[0] - 1}), but {why}"
-            )
+        problem = table_problem(np, table, seqlens, page, k.shape[0], cache_seqlens is not None)
+        if problem:
+            raise ValueError(problem)
     return q, CacheLayout(k, v, np.ascontiguousarray(table), seqlens, page, block_table is not None)
 
 

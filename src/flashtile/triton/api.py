@@ -13,6 +13,7 @@ import torch
 
 from flashtile import op_autograd
 from flashtile._validate import AttentionShapes, check_num_splits, resolve_scale
+from flashtile.kvlayout import check_cache_shapes, table_problem
 from flashtile.merge import add_sinks
 
 from . import checks, frontdoor, launch, ops
@@ -177,49 +178,24 @@ def varlen_attention(
 
 
 def _cache(q, k_cache, v_cache, block_table):
-    """Validated ``(q, k_cache, v_cache, table or None)`` of a decoding call."""
+    """Validated ``(q, k_cache, v_cache, table or None)`` of a decoding call:
+    the layout rule of both backends (:func:`flashtile.kvlayout.check_cache_shapes`)
+    and the kernels' limits."""
     q = checks.check_tensor(q, "q").contiguous()
     k_cache = checks.check_tensor(k_cache, "k_cache")
     v_cache = checks.check_tensor(v_cache, "v_cache")
-    if q.ndim != 4 or 0 in q.shape[2:]:
-        raise ValueError(f"q has shape {tuple(q.shape)}; decoding takes q (B, Hq, Tq, d), Tq >= 1")
-    if k_cache.ndim != 4 or v_cache.ndim != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
-        raise ValueError(
-            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}: expected "
-            f"(B, Hkv, T_max, d / dv), or (num_pages, Hkv, page_size, d / dv) with block_table"
-        )
+    table = None if block_table is None else torch.as_tensor(block_table)
+    check_cache_shapes(q, k_cache, v_cache, table)
     checks.check_gpu_call(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
-    batch, hq, _, d = q.shape
-    hk = k_cache.shape[1]
-    if k_cache.shape[3] != d:
-        raise ValueError(f"q has head dim d={d} but k_cache has {k_cache.shape[3]}")
-    if hk == 0 or hq % hk or k_cache.shape[2] == 0:
-        raise ValueError(
-            f"Hq={hq} query heads and Hkv={hk} cache heads of {k_cache.shape[2]} rows: Hkv must "
-            f"divide Hq (GQA/MQA) and the cache needs rows"
-        )
-    if block_table is None:
-        if k_cache.shape[0] != batch:
-            raise ValueError(
-                f"q has B={batch} sequences but the contiguous cache has {k_cache.shape[0]}; "
-                f"for a paged cache pass block_table"
-            )
-        return q, k_cache, v_cache, None
-    table = torch.as_tensor(block_table)
-    if table.ndim != 2 or table.shape[0] != batch:
-        raise ValueError(
-            f"block_table has shape {tuple(table.shape)}; expected (B, max_pages) with B={batch}"
-        )
-    return (
-        q,
-        k_cache,
-        v_cache,
-        checks.int_tensor(table, "block_table", tuple(table.shape), q.device),
-    )
+    if table is not None:
+        table = checks.int_tensor(table, "block_table", tuple(table.shape), q.device)
+    return q, k_cache, v_cache, table
 
 
-def _seqlens(cache_seqlens, table, batch, capacity, pages, device):
-    """``cache_seqlens`` as int32 (default: full), checked against the cache and the table."""
+def _seqlens(cache_seqlens, table, batch, page_size, pages, device):
+    """``cache_seqlens`` as int32 (default: full), checked against the cache
+    and the table (:func:`flashtile.kvlayout.table_problem`, read on the host)."""
+    capacity = page_size if table is None else page_size * table.shape[1]
     if cache_seqlens is None:
         seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=device)
     else:
@@ -227,16 +203,11 @@ def _seqlens(cache_seqlens, table, batch, capacity, pages, device):
         checks.check_range(
             seqlens, "cache_seqlens", 0, capacity, "the cache's capacity per sequence"
         )
-    if table is not None and table.numel():
-        page_size = capacity // table.shape[1]
-        used = torch.arange(table.shape[1], device=device)[None, :] * page_size < seqlens[:, None]
-        bad = used & ((table < 0) | (table >= pages))
-        if bool(bad.any()):
-            b, p = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(
-                f"block_table[{b}, {p}] = {int(table[b, p])} is not a page of the cache "
-                f"(0..{pages - 1}), but sequence {b} has {int(seqlens[b])} keys"
-            )
+    if table is not None:
+        given = cache_seqlens is not None
+        problem = table_problem(torch, table, seqlens, page_size, pages, given)
+        if problem:
+            raise ValueError(problem)
     return seqlens
 
 
@@ -276,7 +247,7 @@ def decode_attention(
     batch, heads, tq, d = q.shape
     pages, hk, page_size = k_cache.shape[:3]
     capacity = page_size if table is None else page_size * table.shape[1]
-    seqlens = _seqlens(cache_seqlens, table, batch, capacity, pages, q.device)
+    seqlens = _seqlens(cache_seqlens, table, batch, page_size, pages, q.device)
     num_splits = check_num_splits(num_splits)
     if num_splits is None:
         longest = capacity if cache_seqlens is None or not batch else int(seqlens.max())
