@@ -131,3 +131,22 @@ def test_hook_sends_a_cuda_prefill_and_a_decoding_step_to_triton(ran):
         out, _ = tiled_attention_forward(module, step, k, v, None)
     assert_matches(out.transpose(1, 2), reference(step, k, v)[0])
     assert ran == ["attention", "decode_attention"]
+
+
+def test_the_triton_entry_point_and_the_operator_share_one_routing(ran):
+    """flashtile.triton.attention takes the front door's plan too: a 4-D decoding step
+    without gradients runs the decode op; 3-D inputs (the forward: the decode op takes
+    4-D) give 3-D results; the same step wanting gradients runs the forward."""
+    q, k, v = qkv(2, 4, 2, 2, 12, 16)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    kw = {"window": (5, 0), "alibi_slopes": slopes}
+    out, lse = ft.attention(q, k, v, causal=True, enable_gqa=True, return_lse=True, **kw)
+    want, want_lse = reference(q, k, v, causal=True, window=(5, 0), alibi_slopes=slopes.numpy())
+    assert_matches(out, want)
+    assert_matches(lse, want_lse)
+    out3 = ft.attention(q[0], k[0], v[0], causal=True, enable_gqa=True)
+    assert out3.shape == q.shape[1:] and ran == ["decode_attention", "attention"]
+    assert_matches(out3, reference(q[0], k[0], v[0], causal=True)[0])
+    q.requires_grad_()
+    ft.attention(q, k, v, causal=True, enable_gqa=True).sum().backward()
+    assert ran[-1] == "attention" and torch.isfinite(q.grad).all()
