@@ -26,8 +26,7 @@ from .cpu.launch import numba_threads
 from .cpu.tiles import KernelVariants
 from .kvlayout import CacheLayout
 from .masks import block_key_range
-from .planning import SERIAL_WORK, Call, as_4d, bf16_products, kernel_variants
-from .precision import bf16_products_fit
+from .planning import SERIAL_WORK, Call, as_4d, bf16_allowed, kernel_variants
 from .variants import Variants
 from .workitems import (
     DECODE_TILE,
@@ -136,18 +135,17 @@ def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> Deco
 
 def decode_operands(q_dtype, layout: CacheLayout, scale: float, row_walk: bool) -> np.dtype:
     """The dtype of the decode kernel's tile products: bfloat16 when the
-    queries and the cache are bf16, the CPU has bf16 products and they fit
-    the scale (the forward's rule, :func:`bf16_products` and
-    :func:`flashtile.precision.bf16_products_fit`: scores of bf16 operands,
-    ``P`` rounded to bf16), else the work dtype (a 16-bit cache widened).
+    queries and the cache are bf16 and the forward's rule allows it
+    (:func:`flashtile.planning.bf16_allowed`: scores of bf16 operands, ``P``
+    rounded to bf16), else the work dtype (a 16-bit cache widened).
     Not for items that read rows in place (``row_walk``): they widen in
     registers, faster than a bf16 gather and gemv per tile (12 heads, d 64,
     16-key pages: the bf16 products took 1.09-1.10x the time). The unscaled
     products' range is checked after the step
     (:func:`flashtile.precision.decode_bound`)."""
     k, v = layout.k.dtype, layout.v.dtype
-    bf16 = q_dtype == BFLOAT16 and k == BFLOAT16 and v == BFLOAT16 and not row_walk
-    if bf16 and bf16_products_fit(scale, layout.k.shape[3]) and bf16_products(q_dtype):
+    bf16 = k == BFLOAT16 and v == BFLOAT16 and not row_walk
+    if bf16 and bf16_allowed(q_dtype, scale, layout.k.shape[3]):
         return BFLOAT16
     return compute_dtype(k)
 

@@ -384,7 +384,7 @@ def _step(call: Call, plan) -> Step | None:
     work = plan.q4.dtype
     if work == np.float64 and dtype != np.float64:
         return None  # float32 scores could overflow for these values
-    if dtype == BFLOAT16 and work != BFLOAT16 and bf16_allowed(call):
+    if work != BFLOAT16 and bf16_allowed(dtype, call.scale, call.shapes.d):
         return None  # widened for these values (the range of their products)
     shapes4 = (plan.q4.shape, plan.k4.shape, plan.v4.shape)
     template = plan._replace(q4=None, k4=None, v4=None)

@@ -278,19 +278,21 @@ def kernel_arrays(call: Call):
     shapes = call.shapes
     bound, products = bounds(call.scale, call.q, call.k, call.variants, shapes.tq, shapes.tk)
     work = work_dtype(call.q.dtype, bound)
-    if work == np.float32 and products < FLOAT32_SCORE_LIMIT and bf16_allowed(call):
+    allowed = bf16_allowed(call.q.dtype, call.scale, shapes.d)
+    if work == np.float32 and products < FLOAT32_SCORE_LIMIT and allowed:
         work = BFLOAT16
     return as_4d(call.q, work), as_4d(call.k, work), as_4d(call.v, work)
 
 
-def bf16_allowed(call: Call) -> bool:
-    """Whether the call's metadata lets bfloat16 inputs keep bf16 tile products:
-    the CPU and BLAS have them (:func:`bf16_products`) and the scale fits
-    (:func:`flashtile.precision.bf16_products_fit`). :func:`kernel_arrays`
-    adds the one condition on the values: the unscaled products inside
-    float32's range."""
-    dtype, fit = call.q.dtype, bf16_products_fit
-    return dtype == BFLOAT16 and fit(call.scale, call.shapes.d) and bf16_products(dtype)
+def bf16_allowed(dtype, scale: float, d: int) -> bool:
+    """Whether operands of ``dtype`` at score multiplier ``scale`` and head
+    dim ``d`` may keep bf16 tile products, by their metadata (the one rule of
+    the forward, :func:`kernel_arrays`, and decoding,
+    :func:`flashtile.decode_planning.decode_operands`): bfloat16, the CPU and
+    BLAS have bf16 products (:func:`bf16_products`) and the scale fits
+    (:func:`flashtile.precision.bf16_products_fit`). The one condition on the
+    values, the unscaled products inside float32's range, is the caller's."""
+    return dtype == BFLOAT16 and bf16_products_fit(scale, d) and bf16_products(dtype)
 
 
 def _batch_table(n, tq, tk, lengths):
