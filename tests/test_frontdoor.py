@@ -126,6 +126,26 @@ def test_bad_arrays_on_a_prepared_key_are_refused():
         ft.attention(q, k[:, :, :0], v[:, :, :0])
 
 
+@pytest.mark.parametrize("shape_q, shape_k, kw", CASES[:4])
+def test_the_backward_reuses_its_forwards_check(monkeypatch, shape_q, shape_k, kw):
+    """attention_backward after attention(..., return_lse=True) takes the forward's
+    prepared record (no check runs: the check is made to fail) and gives exactly the
+    gradients of a checked call; bad out, lse or dout are still refused."""
+    q, k, v = _arrays(shape_q, shape_k, np.float32, seed=3)
+    out, lse = ft.attention(q, k, v, return_lse=True, **kw)
+    dout = np.random.default_rng(4).standard_normal(out.shape).astype(np.float32)
+    causal, scale = kw.get("causal", False), kw.get("scale")
+    rest = {n: x for n, x in kw.items() if n not in ("causal", "scale")}
+    want = ft.api._backward(check_call(q, k, v, causal, scale, rest), out, lse, dout, None, None)
+    monkeypatch.setattr(ft.api, "check_call", lambda *a: pytest.fail("checked again"))
+    for _ in range(2):
+        got = ft.attention_backward(q, k, v, out, lse, dout, **kw)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+    with pytest.raises(ValueError, match="dout has shape"):
+        ft.attention_backward(q, k, v, out, lse, dout[..., :1, :], **kw)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, BF16], ids=str)
 def test_prepared_decode_attention_matches_the_general_path(dtype):
     q, k, v = _arrays((2, 8, 1, 16), (2, 2, 300, 16), dtype, seed=9)

@@ -31,7 +31,15 @@ import numpy as np
 
 from ._validate import check_flag
 from .cpu.launch import run_forward
-from .frontdoor import check_call, plain_key, prepare, prepared, run_call, run_prepared
+from .frontdoor import (
+    check_call,
+    plain_key,
+    prepare,
+    prepared,
+    prepared_call,
+    run_call,
+    run_prepared,
+)
 from .gradients import check_gradient_inputs, checked_gradients, in_dtype
 from .merge import sink_gradient
 from .planning import plan_forward
@@ -135,7 +143,16 @@ def attention_backward(
         deterministic (bit-identical from run to run). Not differentiated:
         masks and ALiBi slopes (constants).
     """
-    call = check_call(q, k, v, causal, scale, variants)
+    # The forward's key (return_lse=True, as training calls it): a backward
+    # after its forward, or a repeated one, skips the check.
+    key = plain_key(q, k, v, causal, scale, True, block_q, block_k, variants)
+    entry = None if key is None else prepared(key)
+    if entry is not None:
+        call = prepared_call(entry, q, k, v)
+    else:
+        call = check_call(q, k, v, causal, scale, variants)
+        if key is not None:
+            prepare(key, call, block_q, block_k)
     return _backward(call, out, lse, dout, block_q, block_k)
 
 

@@ -356,10 +356,7 @@ def run_prepared(entry: Prepared, q, k, v, return_lse: bool):
             step = None  # float64 (or widened bf16) for these values: the general path
     if step is not None:
         return _run_step(step, entry.variants, q, k, v, return_lse)
-    shapes = entry.shapes
-    if shapes.tk != tk:  # AttentionShapes(...) rather than _replace: a few microseconds less
-        shapes = AttentionShapes(shapes.batch, shapes.tq, tk, *shapes[3:])
-    call = Call(q, k, v, shapes, entry.variants, entry.scale)
+    call = prepared_call(entry, q, k, v)
     plan = plan_call(call, entry.block_q, entry.block_k)
     step = _step(call, plan)
     if step is not None:
@@ -367,6 +364,17 @@ def run_prepared(entry: Prepared, q, k, v, return_lse: bool):
             entry.steps.clear()
         entry.steps[tk] = step
     return run_plan(call, plan, return_lse)
+
+
+def prepared_call(entry: Prepared, q, k, v) -> Call:
+    """The :class:`~flashtile.planning.Call` of arrays whose key
+    :func:`prepare` stored, without the check: the entry's record with this
+    call's key count (the backward's, :func:`flashtile.attention_backward`,
+    and a key count's first forward)."""
+    shapes, tk = entry.shapes, k.shape[-2]
+    if shapes.tk != tk:  # AttentionShapes(...) rather than _replace: a few microseconds less
+        shapes = AttentionShapes(shapes.batch, shapes.tq, tk, *shapes[3:])
+    return Call(q, k, v, shapes, entry.variants, entry.scale)
 
 
 def _step(call: Call, plan) -> Step | None:
