@@ -44,6 +44,15 @@ from .vectors import wide_vectors
 
 #: Each key's row prefetches the row this many keys on (the same stream).
 AHEAD = 16
+#: Only pages shorter than this are prefetched row by row. Longer pages (a
+#: contiguous cache is one page per sequence) are long sequential runs that
+#: the hardware prefetcher follows by itself, and software prefetches there
+#: only cost issue slots: GQA 32/8, d 128, Tk = 65536, float32, 2 threads,
+#: four processes each way on the 2-core AVX2 AMD EPYC VM: 21.9-22.9 ms
+#: without them, 26.5-27.8 ms with (a GQA 16/4 d 64 four-layer cache of 8192
+#: keys: 3.4-3.8 ms against 4.1-5.7). Small pages (16 keys, one-token pages)
+#: are separate streams, where the prefetch pays (docs/decoding.md).
+PREFETCH_BELOW_PAGE = 256
 
 
 class TileWalk(NamedTuple):
@@ -171,7 +180,7 @@ def page_run(table_row, heads, hk, page, width, j, left):
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def prefetch_row(flat, table_row, heads, hk, page, width, j, j_end):
     """Prefetch key ``j``'s row (:func:`row_offset`) if ``j < j_end``."""
-    if j < j_end:
+    if j < j_end and page < PREFETCH_BELOW_PAGE:
         o = row_offset(table_row, heads, hk, page, width, j)
         step = np.uint64(max(1, CACHE_LINE // flat.itemsize))
         for c in range(np.uint64(0), np.uint64(width), step):
