@@ -22,13 +22,18 @@ ITEMS_PER_THREAD = 4
 #: Decoding: keys per tile. A 256-key K tile of d=128 float32 is 128 KiB, so
 #: the tile, its V tile and the prefetched next pair stay in L2.
 DECODE_TILE = 256
-#: Decoding items of one query row (MHA, one query) in a contiguous cache or
-#: pages of at least this many keys take tiles of this many: the two tile
+#: Decoding items of one query row (MHA, one query), and items that read the
+#: rows in place (the ``rows`` walk), in a contiguous cache or pages of at
+#: least this many keys take tiles of this many. One row: the two tile
 #: products are then a gemv each, whose fixed cost a longer tile spreads
 #: (12 heads, d 64, Tk 2048-8192, 2 threads: 0.88-0.90x the time of 256-key
-#: tiles in bf16, 0.93-0.95x in float32). Items of several rows keep 256
-#: (GQA 32/8, d 128, float32: 512-key tiles took 2x the time), and smaller
-#: pages too (a longer tile would gather pages that a 256-key one reads in place).
+#: tiles in bf16, 0.93-0.95x in float32). The rows walk: its K and V reads
+#: alternate once per tile, and longer runs stream better (AVX2 AMD EPYC,
+#: three processes each way: GQA 32/8 d 128 Tk=65536 21.4-21.8 ms against
+#: 22.1-22.3, GQA 16/4 d 64 8192 keys 3.05-3.18 ms against 3.38-3.45).
+#: BLAS tiles of several rows keep 256 (GQA 32/8, d 128, float32: 512-key
+#: tiles took 2x the time), and smaller pages too (a longer tile would gather
+#: pages that a 256-key one reads in place).
 DECODE_ROW_TILE = 1024
 #: A decode chunk is never shorter than this (unless the sequence is), or
 #: than this divided by the kv heads of an item of every head: below it the
@@ -190,7 +195,8 @@ def decode_tile(rows: int, page: int, walk: str = TILES, head_bytes: int = 0) ->
     if walk in HEAD_WALKS:
         keys = max(1, HEADS_TILE_BYTES // head_bytes)
         return min(DECODE_TILE, max(16, 1 << (keys.bit_length() - 1)))
-    return DECODE_ROW_TILE if rows == 1 and page >= DECODE_ROW_TILE else DECODE_TILE
+    long_tiles = rows == 1 or walk == ROWS
+    return DECODE_ROW_TILE if long_tiles and page >= DECODE_ROW_TILE else DECODE_TILE
 
 
 def plan_splits(ranges, kv_heads, num_splits, threads, tile=DECODE_TILE, item_heads=1):
