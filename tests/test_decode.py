@@ -7,6 +7,8 @@ decode_attention`` is checked against it, and the fast path against both.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -200,6 +202,7 @@ def test_the_walk_is_the_route_of_the_layout_and_rows_class(rng):
     # Tile lengths: one-row items in long pages take longer tiles; the heads
     # walk's tiles hold every head's rows in HEADS_TILE_BYTES.
     assert decode_tile(1, 1300) == 1024 and decode_tile(4, 1300) == decode_tile(1, 300) == 256
+    assert decode_tile(4, 1300, "rows") == 1024 and decode_tile(4, 1000, "rows") == 256
     assert decode_tile(4, 1, "head-tiles", 8 * 256 * 4) == 32
     assert decode_tile(4, 1, "head-tiles", 64) == 256
     assert decode_tile(4, 1, "head-tiles", 1 << 20) == 16 == decode_tile(4, 1, "head-rows", 1 << 20)
@@ -480,3 +483,24 @@ def test_num_splits_beyond_the_length_costs_no_memory(rng):
     assert len(items) == 2 * (40 + 3)
     out = flashtile.decode_attention(q, k, v, num_splits=10**6)
     np.testing.assert_allclose(out, flashtile.decode_attention(q, k, v), **TOL32)
+
+
+def test_the_row_walk_of_a_long_contiguous_cache(rng):
+    """Rows read in place in 1024-key tiles (a contiguous cache of 1024 keys or more):
+    GQA rows, several queries, causal and a window, sequences that end inside a tile,
+    against the reference."""
+    q, k, v = _problem(rng, batch=3, hq=6, hkv=2, tq=3, d=16, t_max=2300)
+    lengths = np.array([2300, 1500, 1030])
+    with contextlib.ExitStack() as forced:
+        for name, route in routes.ROUTES.items():
+            if name.startswith("decode.contiguous") and "rows" in route.candidates:
+                forced.enter_context(routes.force(name, "rows"))
+        layout = check_cache(q, k, v, lengths, None)[1]
+        plan = plan_decode(q, layout, decode_variants(q, layout, causal=True), 0.25, None)
+        assert plan.walk == "rows" and plan.tile_keys == 1024
+        for kw in ({"causal": True}, {"causal": True, "window": (700, 0)}):
+            out = flashtile.decode_attention(q, k, v, cache_seqlens=lengths, **kw)
+            wide = (a.astype(np.float64) for a in (q, k, v))
+            np.testing.assert_allclose(
+                out, reference_decode(*wide, cache_seqlens=lengths, **kw), **TOL32
+            )

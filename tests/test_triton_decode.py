@@ -167,3 +167,11 @@ def test_both_backends_refuse_a_bad_cache_with_one_message(shapes, table, length
             call(q, k, k, block_table=table_in, cache_seqlens=lengths)
         errors.append(str(info.value))
     assert errors[0] == errors[1]
+
+
+def test_an_empty_batch_decodes_to_empty_results():
+    """B = 0 or Hq = 0: empty results, as the forward gives (the CPU's decoding refuses)."""
+    for qs, ks in (((0, 4, 1, 8), (0, 2, 12, 8)), ((1, 0, 1, 8), (1, 2, 12, 8))):
+        q, k = torch.zeros(qs, device=DEVICE), torch.zeros(ks, device=DEVICE)
+        out, lse = ft.decode_attention(q, k, k, return_lse=True)
+        assert out.shape == qs and lse.shape == qs[:3]

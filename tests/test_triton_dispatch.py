@@ -150,3 +150,8 @@ def test_the_triton_entry_point_and_the_operator_share_one_routing(ran):
     q.requires_grad_()
     ft.attention(q, k, v, causal=True, enable_gqa=True).sum().backward()
     assert ran[-1] == "attention" and torch.isfinite(q.grad).all()
+    # Forward-mode dual tensors never take the decode op, which would drop their tangent.
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(k.detach(), torch.ones_like(k))
+        with pytest.raises(NotImplementedError, match="no forward-mode AD"):
+            ft.attention(q.detach(), dual, v, causal=True, enable_gqa=True)

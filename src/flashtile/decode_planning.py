@@ -54,8 +54,10 @@ DECODE_MAX_QUERIES = 16
 DECODE_MAX_ROWS = 16
 DECODE_MIN_KEYS = 512
 #: The Triton backend's cut-off, beside the CPU's: CUDA calls of at most this
-#: many queries (4-D, no gradient wanted, no ``kv_lengths``) run the split-KV
-#: decode kernel (``flashtile.torch.attention``'s GPU route). Not measured
+#: many queries (4-D, no gradient wanted, no ``kv_lengths`` or dropout) run
+#: the split-KV decode kernel (the rule: :mod:`flashtile.triton.frontdoor`,
+#: the GPU route of ``flashtile.torch.attention`` and
+#: ``flashtile.triton.attention``). Not measured
 #: yet (no session that set it had a GPU); kept here so that a measurement
 #: changes one line, next to the CPU's measured one.
 TRITON_DECODE_MAX_QUERIES = 8

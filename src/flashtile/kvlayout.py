@@ -91,13 +91,15 @@ def _check_ints(x, name: str, shape: tuple[int, ...]) -> np.ndarray:
 def check_cache_shapes(q, k_cache, v_cache, block_table=None) -> None:
     """The cache layout rule of both backends, on shapes alone (NumPy arrays
     or tensors on any device: only ``.shape`` is read): ``q (B, Hq, Tq, d)``
-    with no empty axis, ``k_cache``/``v_cache`` 4-D alike but for the last
+    with ``Tq, d >= 1`` (an empty batch is each backend's to take or refuse:
+    the Triton kernels return empty results, the CPU's refuses), ``k_cache``/
+    ``v_cache`` 4-D alike but for the last
     dim, ``d`` shared with ``k_cache``, ``Hkv`` dividing ``Hq``, no empty
     axis in the cache, and ``B`` cache rows for a contiguous cache or
     ``block_table (B, max_pages)`` for a paged one. Raises ValueError."""
     qs, ks, vs = tuple(q.shape), tuple(k_cache.shape), tuple(v_cache.shape)
-    if len(qs) != 4 or 0 in qs:
-        raise ValueError(f"q has shape {qs}; decoding takes q (B, Hq, Tq, d) with Tq >= 1")
+    if len(qs) != 4 or 0 in qs[2:]:
+        raise ValueError(f"q has shape {qs}; decoding takes q (B, Hq, Tq, d) with Tq, d >= 1")
     if len(ks) != 4 or len(vs) != 4 or ks[:3] != vs[:3]:
         raise ValueError(
             f"k_cache {ks} and v_cache {vs}: expected (B, Hkv, T_max, d / dv) for a contiguous "
@@ -133,9 +135,8 @@ def table_problem(xp, table, seqlens, page: int, pages: int, lengths_given: bool
     caller passed ``cache_seqlens`` (else every sequence fills its row)."""
     if (table.numel() if xp is not np else table.size) == 0:
         return None
-    columns = xp.arange(table.shape[1])[None, :]
-    if xp is not np:
-        columns = columns.to(table.device)
+    on = {} if xp is np else {"device": table.device}
+    columns = xp.arange(table.shape[1], **on)[None, :]
     bad = (columns * page < seqlens[:, None]) & ((table < 0) | (table >= pages))
     if not bool(bad.any()):
         return None
@@ -162,6 +163,11 @@ def check_cache(q, k_cache, v_cache, cache_seqlens=None, block_table=None):
     v = _check_cache_array(v_cache, "v_cache")
     block_table = None if block_table is None else np.asarray(block_table)
     check_cache_shapes(q, k, v, block_table)
+    if 0 in q.shape[:2]:
+        raise ValueError(
+            f"q has shape {q.shape}; the CPU's decoding takes at least one sequence and one "
+            f"query head (B, Hq >= 1)"
+        )
     if k.dtype != v.dtype:
         raise ValueError(
             f"k_cache has dtype {k.dtype} but v_cache {v.dtype}: the caches must share the dtype"

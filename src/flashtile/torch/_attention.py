@@ -111,9 +111,10 @@ def attention(
 
     Devices: CPU tensors run the Numba kernels; CUDA tensors (q, k and v all
     on CUDA, one GPU) run the Triton kernels (:mod:`flashtile.triton`) with the
-    same semantics: :func:`flashtile.triton.attention`, or for a decoding
-    step without gradients (at most 8 queries) the split-KV
-    :func:`flashtile.triton.decode_attention`. There ``mask`` and float64 are
+    same semantics, through the Triton backend's front door
+    (:mod:`flashtile.triton.frontdoor`): the differentiable forward, or for a
+    decoding step without gradients (at most 8 queries, no ``kv_lengths`` or
+    dropout) the split-KV decode kernel. There ``mask`` and float64 are
     refused (ValueError, TypeError), head dims go up to 256, and without
     Triton installed an ImportError names the extra to install. Other
     devices (meta, ...) and mixed devices raise a ValueError naming the

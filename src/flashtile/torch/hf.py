@@ -17,10 +17,11 @@ kernel (from the ``flash_attn`` package or the kernels hub) and refuses or
 redirects it, so flashtile registers as ``"tiled"``.
 
 On a GPU the layers' CUDA tensors go, through the operator, to flashtile's
-Triton kernels: prefill and training to :func:`flashtile.triton.attention`,
-a decoding step without gradients (at most 8 new queries) to the split-KV
-:func:`flashtile.triton.decode_attention` (a static cache's step, which
-passes its filled length as ``kv_lengths``, runs the forward kernel). Those
+Triton kernels (:mod:`flashtile.triton.frontdoor`'s plan): prefill and
+training to the differentiable forward, a decoding step without gradients
+(at most 8 new queries) to the split-KV decode kernel (a static cache's
+step, which passes its filled length as ``kv_lengths``, runs the forward
+kernel). Those
 kernels take no mask: a call with one (transformers builds a 4-D mask for
 padded batches and for patterns other than plain causal) raises the
 operator's ValueError, which says so; run such batches unpadded or with

@@ -27,7 +27,11 @@ def attention(
     """Exact attention with the Triton kernels, differentiable w.r.t. ``q``, ``k``, ``v``.
 
     The keywords of :func:`flashtile.torch.attention`, on CUDA tensors (CPU
-    tensors under ``TRITON_INTERPRET=1``).
+    tensors under ``TRITON_INTERPRET=1``). The call is checked, planned and
+    run by :mod:`flashtile.triton.frontdoor`, as the torch operator's CUDA
+    calls are: a decoding step (4-D, at most 8 queries, no gradient wanted,
+    no ``kv_lengths`` or dropout) runs the split-KV decode kernel, with the
+    same result up to rounding.
 
     Args:
         q: ``(B, Hq, Tq, d)`` (SDPA layout) or ``(Hq, Tq, d)``; float16, bfloat16
@@ -118,12 +122,19 @@ def block_gradients(q, k, v, out, lse, dout, **kw):
         return launch.backward(dout, plan.q, plan.k, plan.v, out, lse, args)
 
 
-def _gradient_call(q, k, v, out, lse, dout, causal=False, scale=None, enable_gqa=False, **kw):
+def _gradient_call(
+    q, k, v, out, lse, dout, causal=False, scale=None, enable_gqa=False, window=None,
+    alibi_slopes=None, softcap=None, kv_lengths=None,
+):  # fmt: skip
     """``(call, dout, out, lse)``: the call checked by the front door
-    (:func:`.frontdoor.check_call`, ``kw`` its variant keywords) and the
+    (:func:`.frontdoor.check_call`; the backward's variants only: no
+    dropout or sinks, whose gradients are the forward op's) and the
     forward's ``out``/``lse`` and ``dout`` checked against it, 4-D, in the
     dtypes the backward op takes."""
-    call = frontdoor.check_call(q, k, v, causal, scale, kw, enable_gqa=enable_gqa)
+    keywords = dict(
+        window=window, alibi_slopes=alibi_slopes, softcap=softcap, kv_lengths=kv_lengths
+    )
+    call = frontdoor.check_call(q, k, v, causal, scale, keywords, enable_gqa=enable_gqa)
     lead = (1,) if len(call.shapes.batch) == 1 else ()
     want = (*lead, *call.shapes.batch, call.shapes.tq, call.shapes.dv)
     out, lse, dout = (

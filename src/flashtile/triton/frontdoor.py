@@ -19,8 +19,9 @@ is the CPU kernels')::
 - :func:`plan_call` owns the routing: a decoding step (at most
   :data:`flashtile.decode_planning.TRITON_DECODE_MAX_QUERIES` queries of a
   4-D call, no gradient wanted, no ``kv_lengths`` or dropout, not under a
-  ``torch.func`` transform) runs the split-KV decode op against the whole of
-  ``k``/``v`` as its cache, any other call the differentiable forward op. A
+  ``torch.func`` transform, no forward-mode dual tensors) runs the split-KV
+  decode op against the whole of ``k``/``v`` as its cache, any other call
+  the differentiable forward op. A
   :class:`TritonPlan` holds the op's arguments, from the record by one
   function (:func:`op_arguments`); dropout's seed is drawn here.
 - :func:`run_plan` calls the op, merges the sinks where the decode op
@@ -204,7 +205,8 @@ def _decode_step(call: Call, wants_grad: bool) -> bool:
     """Whether ``call`` runs the decode op: see the module docstring. The
     decode op has no gradient and no batching rule (hence no ``torch.func``),
     and its ``cache_seqlens`` would move the queries' positions, which
-    ``kv_lengths`` keeps aligned with ``Tk``."""
+    ``kv_lengths`` keeps aligned with ``Tk``; forward-mode dual tensors go to
+    the forward, which refuses them (their tangent would be dropped)."""
     va = call.variants
     return (
         len(call.shapes.batch) == 2
@@ -213,6 +215,7 @@ def _decode_step(call: Call, wants_grad: bool) -> bool:
         and va.kv_lengths is None
         and va.dropout_p == 0.0
         and not op_autograd.functorch_active()
+        and not op_autograd.has_tangent(call.q, call.k, call.v)  # the forward refuses them
     )
 
 
