@@ -85,7 +85,9 @@ SERIAL_WORK = 1 << 19
 
 
 class Call(NamedTuple):
-    """One validated attention call: the planner's input (built by :mod:`flashtile.api`).
+    """One validated attention call: the planner's input, on either backend
+    (:func:`flashtile.frontdoor.check_call` with NumPy arrays,
+    :func:`flashtile.triton.frontdoor.check_call` with GPU tensors).
 
     Attributes:
         q, k, v: the caller's arrays, validated (float dtype, shapes, layout).
@@ -93,7 +95,10 @@ class Call(NamedTuple):
         variants: the resolved variant keywords.
         scale: the score multiplier.
         cu_seqlens: ``(cu_q, cu_k)`` int64 offsets of a packed varlen batch,
-            or None for a batched call.
+            or None for a batched call (the Triton backend's record,
+            :func:`flashtile.triton.frontdoor.check_call`, holds int32
+            tensors and the longest sequences, ``(cu_q, cu_k, max_q,
+            max_k)``, read on the host once).
     """
 
     q: np.ndarray
