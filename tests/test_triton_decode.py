@@ -12,6 +12,7 @@ import pytest
 from triton_device import DEVICE, ft, torch
 
 # isort: split
+import flashtile
 from dense import rel_err
 from flashtile.reference import decode_attention as reference_decode
 
@@ -154,8 +155,6 @@ def test_cache_dtype_must_match_the_queries():
 def test_both_backends_refuse_a_bad_cache_with_one_message(shapes, table, lengths):
     """The cache rule is written once (flashtile.kvlayout): the CPU's decode_attention and
     the Triton kernels' refuse the same cache with the same words."""
-    import flashtile
-
     (qs, ks), errors = shapes, []
     for xp in (np, torch):
         q, k = (xp.zeros(s, dtype=xp.float32) for s in (qs, ks))

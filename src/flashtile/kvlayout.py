@@ -92,11 +92,11 @@ def check_cache_shapes(q, k_cache, v_cache, block_table=None) -> None:
     """The cache layout rule of both backends, on shapes alone (NumPy arrays
     or tensors on any device: only ``.shape`` is read): ``q (B, Hq, Tq, d)``
     with ``Tq, d >= 1`` (an empty batch is each backend's to take or refuse:
-    the Triton kernels return empty results, the CPU's refuses), ``k_cache``/
-    ``v_cache`` 4-D alike but for the last
-    dim, ``d`` shared with ``k_cache``, ``Hkv`` dividing ``Hq``, no empty
-    axis in the cache, and ``B`` cache rows for a contiguous cache or
-    ``block_table (B, max_pages)`` for a paged one. Raises ValueError."""
+    the Triton kernels return empty results, the CPU's refuses),
+    ``k_cache``/``v_cache`` 4-D alike but for the last dim, ``d`` shared
+    with ``k_cache``, ``Hkv`` dividing ``Hq``, no empty axis in the cache,
+    and ``B`` cache rows for a contiguous cache or ``block_table (B,
+    max_pages)`` for a paged one. Raises ValueError."""
     qs, ks, vs = tuple(q.shape), tuple(k_cache.shape), tuple(v_cache.shape)
     if len(qs) != 4 or 0 in qs[2:]:
         raise ValueError(f"q has shape {qs}; decoding takes q (B, Hq, Tq, d) with Tq, d >= 1")

@@ -17,7 +17,7 @@ from flashtile.kvlayout import check_cache_shapes, table_problem
 from flashtile.merge import add_sinks
 
 from . import checks, frontdoor, launch, ops
-from .launch import auto_splits, cdiv, decode_rows_block
+from .launch import auto_splits
 
 
 def attention(
@@ -262,8 +262,7 @@ def decode_attention(
     num_splits = check_num_splits(num_splits)
     if num_splits is None:
         longest = capacity if cache_seqlens is None or not batch else int(seqlens.max())
-        row_blocks = cdiv(heads // hk * tq, decode_rows_block(heads // hk * tq))
-        num_splits = auto_splits(batch, hk, row_blocks, longest, q.device)
+        num_splits = auto_splits(batch, hk, heads // hk * tq, longest, q.device)
     shapes = AttentionShapes((batch, heads), tq, capacity, d, v_cache.shape[3], heads // hk)
     va = frontdoor.check_variants(
         shapes, q.device, causal=causal, window=window, alibi_slopes=alibi_slopes,

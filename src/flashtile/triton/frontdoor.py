@@ -57,7 +57,7 @@ from flashtile.planning import Call
 from flashtile.variants import Variants
 
 from . import checks, ops  # (ops also registers torch.ops.flashtile.triton_*)
-from .launch import auto_splits, cdiv, decode_rows_block
+from .launch import auto_splits
 
 
 class TritonPlan(NamedTuple):
@@ -171,8 +171,8 @@ def check_variants(
             raise ValueError("kv_lengths needs 4-D (B, H, T, d) inputs, one length per batch entry")
         lengths = checks.int_tensor(kv_lengths, "kv_lengths", (batch,), device)
         checks.check_range(lengths, "kv_lengths", 0, shapes.tk, f"Tk = {shapes.tk}")
-    p, seed, offset = check_dropout(dropout_p, 0 if dropout_seed is None else dropout_seed,
-                                    dropout_offset)  # fmt: skip
+    given = 0 if dropout_seed is None else dropout_seed  # None: the plan draws one
+    p, seed, offset = check_dropout(dropout_p, given, dropout_offset)
     if p > 0.0:
         check_counter_range(batch, heads)
     return Variants(
@@ -195,8 +195,7 @@ def plan_call(call: Call, wants_grad: bool = False) -> TritonPlan:
     batch, heads, tq = q.shape[:3]
     hk, tk = k.shape[1], k.shape[2]
     seqlens = torch.full((batch,), tk, dtype=torch.int32, device=q.device)
-    rows = heads // hk * tq
-    splits = auto_splits(batch, hk, cdiv(rows, decode_rows_block(rows)), tk, q.device)
+    splits = auto_splits(batch, hk, heads // hk * tq, tk, q.device)
     args = (seqlens, None, splits, va.alibi, call.scale, va.left, va.right, va.softcap)
     return TritonPlan(True, q, k, v, args, va.sinks)
 

@@ -283,11 +283,12 @@ def decode_rows_block(rows: int) -> int:
 PROGRAMS_PER_SM = 8
 
 
-def auto_splits(batch: int, heads_kv: int, row_blocks: int, longest: int, device) -> int:
-    """Key chunks per sequence: about PROGRAMS_PER_SM programs per multiprocessor, each
-    chunk at least four 64-key tiles."""
+def auto_splits(batch: int, heads_kv: int, rows: int, longest: int, device) -> int:
+    """Key chunks per sequence for ``rows`` stacked query rows per kv head
+    (a GQA group times the queries): about PROGRAMS_PER_SM programs per
+    multiprocessor, each chunk at least four 64-key tiles."""
     sms = 4 if INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
-    programs = max(1, batch * heads_kv * row_blocks)
+    programs = max(1, batch * heads_kv * cdiv(rows, decode_rows_block(rows)))
     return max(1, min(cdiv(PROGRAMS_PER_SM * sms, programs), cdiv(longest, 256)))
 
 
