@@ -51,6 +51,7 @@ else
         "bf16-window-varlen|$A|bfloat16_window or varlen_matches"
         "variants|$A|mqa or window_both or kv_lengths"
         "ops|$A|compile or round or fake or bad"
+        "training|$A|kept_out or dropout_and_sinks or precision_rule or torch_func"
         "decode|$D|"
         "dispatch|$R|"
         "flex|tests/test_triton_flex.py|"

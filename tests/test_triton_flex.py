@@ -194,9 +194,29 @@ def test_per_head_block_masks_from_pytorch_and_broadcast():
     _check(out.cpu(), dense_flex(*cpu, None, by_head)[0], ref, "per-head block mask")
 
 
+def test_blocks_smaller_than_the_tiles_shrink_the_tiles():
+    # 16-row blocks hold no whole tile of any kernel's configuration (the
+    # interpreter's are 16 x 32 and 32 x 16, a GPU's larger): the launch
+    # halves its tiles until they fit, forward and backward.
+    causal = _mods({})["causal"]
+    q, k, v = _qkv(T, seed=3)
+    block = create_block_mask(causal, None, None, T, T, device=DEVICE, BLOCK_SIZE=16)
+    out = flex_attention(q, k, v, block_mask=block, enable_gqa=True)
+    cpu = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
+    wide = [t.detach().double().requires_grad_() for t in cpu]
+    (ref, _), (base, _) = dense_flex(*wide, None, causal), dense_flex(*cpu, None, causal)
+    _check(out.cpu(), base, ref, "16-row blocks")
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    grads = torch.autograd.grad(out, (q, k, v), dout.to(DEVICE))
+    base_grads = torch.autograd.grad(base, cpu, dout)
+    ref_grads = torch.autograd.grad(ref, wide, dout.double())
+    for name, *g in zip("qkv", grads, base_grads, ref_grads, strict=True):
+        _check(g[0].cpu(), g[1], g[2], f"16-row blocks d{name}")
+
+
 def test_errors_name_the_problem():
     q, k, v = _qkv(T)
-    small = create_block_mask(_mods({})["causal"], None, None, T, T, BLOCK_SIZE=16)
+    small = create_block_mask(_mods({})["causal"], None, None, T, T, BLOCK_SIZE=8)
     with pytest.raises(ValueError, match="BLOCK_SIZE a multiple of"):
         flex_attention(q, k, v, block_mask=small, enable_gqa=True)
     short = torch.zeros(HQ, 10, device=DEVICE)

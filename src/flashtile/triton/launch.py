@@ -315,7 +315,10 @@ def decode(q, k_cache, v_cache, seqlens, table, num_splits: int, var: KernelArgs
     paged = table is not None
     table_arg = table if paged else seqlens
     blocks = _blocks(q, v_cache)
-    consts = {**blocks, **var.flags(q.dtype), "PAGED": paged}
+    flags = var.flags(q.dtype)
+    if flags.pop("DROPOUT"):  # (the front door sends a call with dropout to the forward)
+        raise ValueError("the decode kernel has no dropout: run the forward (dropout_p > 0)")
+    consts = {**blocks, **flags, "PAGED": paged}
     args = (
         q.reshape(batch, rows, d), k_cache, v_cache, *targets[:2], table_arg, seqlens,
         var.pointers(q.device)[0], rows * d, *_strides(k_cache, v_cache), *targets[2:],

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Hashable
+from dataclasses import replace
 
 from .configs import INTERPRET, Config, candidates
 from .tiles import INTERPRET as INTERPRETING
@@ -31,15 +32,7 @@ def pick(
     block mask's blocks must hold whole tiles); ValueError when none can."""
     options = [INTERPRET[kernel]] if INTERPRETING else candidates(kernel, element_bytes, block_d)
     if fits is not None:
-        usable = [c for c in options if fits(kernel, c)]
-        if not usable:
-            tiles = sorted({(c.block_m, c.block_n) for c in options})
-            need = max(max(t) for t in tiles)
-            raise ValueError(
-                f"the block mask's blocks do not hold whole tiles of {kernel} (query x key "
-                f"tiles {tiles}): build it with BLOCK_SIZE a multiple of {need}"
-            )
-        options = usable
+        options = _fitting(kernel, options, fits)
     if INTERPRETING:
         return options[0]
     full_key = (kernel, element_bytes, block_d, key)
@@ -59,6 +52,39 @@ def pick(
             raise RuntimeError(f"no configuration of {kernel} fits this GPU: {options}")
         _CHOSEN[full_key] = options[times.index(min(times))]
     return _CHOSEN[full_key]
+
+
+#: The smallest tile a configuration shrinks to for a block mask (``tl.dot``'s minimum).
+MIN_TILE = 16
+
+
+def _fitting(kernel: str, options: list[Config], fits) -> list[Config]:
+    """The ``options`` that ``fits`` allows; where none does (a block mask of
+    blocks smaller than the tiles), each option with its tiles halved until
+    they fit, the largest first; ValueError when not even ``MIN_TILE`` does."""
+    usable = [c for c in options if fits(kernel, c)]
+    if usable:
+        return usable
+    shrunk = []
+    for c in options:
+        sizes = [(m, n) for m in _halvings(c.block_m) for n in _halvings(c.block_n)]
+        tried = (
+            replace(c, block_m=m, block_n=n) for m, n in sorted(sizes, key=lambda t: -t[0] * t[1])
+        )
+        best = next((s for s in tried if fits(kernel, s)), None)
+        if best is not None and best not in shrunk:
+            shrunk.append(best)
+    if not shrunk:
+        raise ValueError(
+            f"the block mask's blocks do not hold whole tiles of {kernel} (at least "
+            f"{MIN_TILE} x {MIN_TILE}): build it with BLOCK_SIZE a multiple of {MIN_TILE}"
+        )
+    return shrunk
+
+
+def _halvings(size: int) -> list[int]:
+    """``size``, ``size / 2``, ... down to :data:`MIN_TILE`."""
+    return [size >> i for i in range(size.bit_length()) if size >> i >= MIN_TILE]
 
 
 def chosen() -> dict[str, str]:
