@@ -12,8 +12,9 @@ tensors here.
 Differences from the CPU path: scores and mods run in float32 (not float64);
 the captured tables' gradients are summed with atomic adds (so they vary in
 the last bits from run to run, as PyTorch's do; ``dq``, ``dk``, ``dv`` do
-not); a block mask's blocks must hold whole kernel tiles (``BLOCK_SIZE`` a
-multiple of 128, FlexAttention's default, or of the interpreter's 32).
+not); a launch's tiles lie inside the block mask's blocks (with blocks
+smaller than its tuned tiles, ``BLOCK_SIZE`` under FlexAttention's default
+128, it halves its tiles until they fit, down to 16).
 """
 
 from __future__ import annotations
