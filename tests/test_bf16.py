@@ -17,14 +17,16 @@ from numba import njit
 import flashtile as ft
 import flashtile.cpu.blas as blas
 from dense import dense_attention, dense_attention_backward, rel_err
+from flashtile import routes
 from flashtile.cpu.half import bf16_bits, bf16_operand_bits, bf16_value, to_bfloat16
 
 torch = pytest.importorskip("torch")
 
 BF16 = ml_dtypes.bfloat16
-#: The paths this machine can run: widened to float32 always, bf16 products
-#: where the CPU and BLAS have them.
-PATHS = ["widen"] + (["bf16"] if blas.bf16_features() and blas._mkl() is not None else [])
+#: The ways this machine can run bf16 products (the "bf16" route's usable
+#: candidates): widened to float32 always; flashtile's vdpbf16ps gemm with
+#: AVX512-BF16, oneMKL's bf16 gemm with bf16 instructions and oneMKL.
+PATHS = list(blas.bf16_available())
 
 # (B, Hq, Hkv, Tq, Tk, d): awkward sizes, Tq != Tk both ways, GQA and MQA.
 SHAPES = [
@@ -37,12 +39,11 @@ SHAPES = [
 
 @pytest.fixture(params=PATHS)
 def path(request):
-    """Runs the test on each path: ``widen`` forces OpenBLAS (no bf16 products)."""
-    saved = blas._choice
-    blas.set_backend("mkl" if request.param == "bf16" else "openblas")
-    assert blas.bf16_products() == (request.param == "bf16")
-    yield request.param
-    blas._choice = saved
+    """Runs the test on each path, the route forced: ``"widen"`` (no bf16
+    products) or a bf16 gemm (yields ``"bf16"`` then)."""
+    with routes.force("bf16", request.param):
+        assert blas.bf16_products() == (request.param != "widen")
+        yield "widen" if request.param == "widen" else "bf16"
 
 
 def bf16_qkv(rng, b, hq, hkv, tq, tk, d):
@@ -264,6 +265,9 @@ def test_path_follows_cpu_features(rng, monkeypatch):
     """Without bf16 instructions bf16 inputs take the widening path (said in
     the bench header line), and the results stay bf16."""
     monkeypatch.setattr(blas, "bf16_features", lambda: ())
+    monkeypatch.setattr(blas.bf16_gemm, "available", lambda: False)
+    monkeypatch.setattr(routes, "_chosen", {})  # (the fixed rule again, for these features)
+    assert blas.bf16_available() == ("widen",)
     assert not blas.bf16_products()
     assert blas.half_path() == "bf16 widened to float32 (no bf16 instructions)"
     q, k, v = bf16_qkv(rng, 1, 2, 2, 20, 30, 8)

@@ -1,8 +1,8 @@
 """CPU-dependent routes: chosen by measurement once per machine, kept in a small cache.
 
 A *route* is a choice between ways of computing the same result whose
-ranking depends on the CPU: which BLAS runs the tile products, how a decode
-step walks its cache. Measured on this project's machines, the rankings
+ranking depends on the CPU: which BLAS runs the tile products, which gemm
+runs bf16 products (or none), how a decode step walks its cache. Measured on this project's machines, the rankings
 flip between CPU classes (a decode step of 4 query rows per kv head ran 3x
 faster reading the cache rows in place than through BLAS tiles on an AVX2
 AMD EPYC; on an Intel Xeon with AMX the same loops were no faster), so no
@@ -18,7 +18,7 @@ candidate on a short representative problem, side by side.
 
 1. :func:`force` in this process (the measurement itself, ``flashtile
    precompile``'s compilations, tests);
-2. the route's environment variable (``FLASHTILE_BLAS``,
+2. the route's environment variable (``FLASHTILE_BLAS``, ``FLASHTILE_BF16``,
    ``FLASHTILE_DECODE_WALK``), read when a call is planned (a prepared call
    keeps its plan until :data:`GENERATION` moves);
 3. this process's earlier answer, or the cache file's entry for this machine;
@@ -79,7 +79,9 @@ class Route:
     Attributes:
         name: the key in the cache and in :func:`report`.
         candidates: the choices, in the order they are measured.
-        fixed: the fixed rule's choice (one of ``candidates``).
+        fixed: the fixed rule's choice (one of ``candidates``); empty: the
+            first candidate this process can run, in the order :func:`limit`
+            registered (a rule that depends on the CPU's features).
         env: the environment variable that forces a candidate.
         doc: what the route decides, one line.
     """
@@ -149,7 +151,11 @@ _BLAS = Route(
     "blas", ("mkl", "openblas"), "mkl", "FLASHTILE_BLAS",
     "the library of the forward's and backward's tile products (float32)",
 )  # fmt: skip
-ROUTES: dict[str, Route] = {route.name: route for route in (_BLAS, *_DECODE)}
+_BF16 = Route(
+    "bf16", ("vdpbf16ps", "mkl", "widen"), "", "FLASHTILE_BF16",
+    "how bfloat16 inputs run their tile products (bf16 gemm, or widened to float32)",
+)  # fmt: skip
+ROUTES: dict[str, Route] = {route.name: route for route in (_BLAS, _BF16, *_DECODE)}
 
 #: A measurement: ``measure(route, candidates) -> {candidate: seconds}``.
 Measure = Callable[[Route, tuple[str, ...]], dict[str, float]]

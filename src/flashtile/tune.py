@@ -8,6 +8,8 @@ asked for with nothing stored is measured on first use.
 
 - ``blas``: the forward and backward of ``(1, 8, 1024, 64)`` float32, causal,
   with each BLAS library.
+- ``bf16``: the same in bfloat16, with each way of running its products
+  (flashtile's ``vdpbf16ps`` gemm, oneMKL's bf16 gemm, widened to float32).
 - ``decode.<layout>.<rows>.<d>.<keys>``: one decode step, float32, 8 kv
   heads of d 64 or 128, 1, 4 or 16 query rows per item (8, 32 or 128 query
   heads), against 2048 keys ("short") or 64 MiB of keys and values ("long":
@@ -71,6 +73,25 @@ def measure_blas(route: routes.Route, candidates: tuple[str, ...]) -> dict[str, 
         blas.reset_backend(before)
 
 
+def measure_bf16(route: routes.Route, candidates: tuple[str, ...]) -> dict[str, float]:
+    """Forward + backward of ``(1, 8, 1024, 64)`` bfloat16 causal with each
+    way of running its products (:data:`flashtile.cpu.blas.BF16_ROUTES`)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (
+        rng.standard_normal((1, 8, 1024, 64), dtype=np.float32).astype(ml_dtypes.bfloat16)
+        for _ in range(4)
+    )
+
+    def step(library: str) -> None:
+        with routes.force(route.name, library):
+            out, lse = attention(q, k, v, causal=True, return_lse=True)
+            attention_backward(q, k, v, out, lse, dout, causal=True)
+
+    return _timed({c: functools.partial(step, c) for c in candidates})
+
+
 def _decode_problem(layout: str, rows: int, d: int, long: bool):
     """``(q, k, v, block_table, cache_seqlens)`` of one decode step on the
     measurements' buffers viewed in ``layout``."""
@@ -106,6 +127,7 @@ def measure_decode(route: routes.Route, candidates: tuple[str, ...]) -> dict[str
 
 
 routes.register("blas", measure_blas)
+routes.register("bf16", measure_bf16)
 for _name in routes.ROUTES:
     if _name.startswith("decode."):
         routes.register(_name, measure_decode)

@@ -70,7 +70,7 @@ from numba.extending import intrinsic
 from threadpoolctl import ThreadpoolController
 
 from .. import routes
-from . import FASTMATH
+from . import FASTMATH, bf16_gemm
 
 _TRANS, _NOTRANS = ord("T"), ord("N")
 
@@ -236,21 +236,54 @@ def bf16_features() -> tuple[str, ...]:
     return tuple(f for f in BF16_FEATURES if features.get(f, False))
 
 
+#: The ``"bf16"`` route's candidates: flashtile's own ``vdpbf16ps`` product
+#: (:mod:`.bf16_gemm`), oneMKL's ``gemm_bf16bf16f32``, or no bf16 products
+#: (the operands widened to float32 before the kernels).
+BF16_ROUTES = ("vdpbf16ps", "mkl", "widen")
+
+
+def bf16_available() -> tuple[str, ...]:
+    """The ``"bf16"`` route's candidates this process can run, the fixed
+    rule's first: oneMKL first where the CPU has AMX (it runs its tiles
+    there), flashtile's product first elsewhere with AVX512-BF16 (oneMKL's
+    instruction-set dispatch serves only Intel processors: on an AMD EPYC
+    its bf16 products ran at its float32 rate). oneMKL's bf16 gemm without
+    bf16 instructions is emulated, slower than widening: not a candidate."""
+    features = bf16_features()
+    own = ("vdpbf16ps",) if bf16_gemm.available() else ()
+    mkl = ("mkl",) if features and _mkl() is not None else ()
+    return (*(mkl + own if "amx-bf16" in features else own + mkl), "widen")
+
+
+routes.limit("bf16", bf16_available)
+
+
+def bf16_library() -> str:
+    """Where bfloat16 inputs' tile products run: ``"vdpbf16ps"``, ``"mkl"``
+    or ``"widen"`` (the ``"bf16"`` route, :data:`BF16_ROUTES`)."""
+    chosen = routes.choice("bf16")
+    if chosen not in bf16_available():
+        raise ValueError(
+            f"bf16 products {chosen!r} cannot run here (this process has "
+            f"{bf16_available()}): unset FLASHTILE_BF16 or choose one of those"
+        )
+    return chosen
+
+
 def bf16_products() -> bool:
     """Whether bfloat16 inputs run their tile products in bf16 (else they are
-    widened to float32 first): the CPU has bf16 instructions and the backend
-    is oneMKL, whose ``gemm_bf16bf16f32`` uses them (AMX where present).
-    Elsewhere a bf16 gemm would be emulated, slower than the float32 path.
-    """
-    return bool(bf16_features()) and backend() == "mkl"
+    widened to float32 first): :func:`bf16_library` is not ``"widen"``."""
+    return bf16_library() != "widen"
 
 
 def half_path() -> str:
     """One line for reports (the bench header): how bfloat16 inputs run here."""
-    if bf16_products():
-        return f"bf16 tile products (oneMKL, {'+'.join(bf16_features())})"
-    why = "no bf16 instructions" if not bf16_features() else f"BLAS is {backend()}, not oneMKL"
-    return f"bf16 widened to float32 ({why})"
+    library = bf16_library()
+    features = "+".join(bf16_features()) or "no bf16 instructions"
+    if library == "widen":
+        return f"bf16 widened to float32 ({features})"
+    name = "flashtile's vdpbf16ps gemm" if library == "vdpbf16ps" else "oneMKL"
+    return f"bf16 tile products ({name}, {features})"
 
 
 #: With MKL, tile products with 2 to SMALL_TILE_ROWS - 1 rows (decoding: a
@@ -292,8 +325,10 @@ _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 def _entry(library: str, dtype) -> GemmEntry:
     names = {np.dtype(np.float32): "sgemm", np.dtype(np.float64): "dgemm", _BFLOAT16: _BF16_GEMM}
     name = names[np.dtype(dtype)]
+    if library == "vdpbf16ps":  # a Numba cfunc, no BLAS: nothing to pin
+        return GemmEntry(bf16_gemm.address(), library, False)
     if name == _BF16_GEMM and library != "mkl":
-        raise ValueError("bfloat16 tile products need oneMKL: check bf16_products() first")
+        raise ValueError("bfloat16 tile products need a bf16 gemm: check bf16_products() first")
     if library == "mkl":
         address = ctypes.cast(getattr(_mkl(), name + "_"), ctypes.c_void_p).value
         return GemmEntry(address, library, not _mkl().sequential)
@@ -301,13 +336,15 @@ def _entry(library: str, dtype) -> GemmEntry:
 
 
 def gemm_for(dtype, rows: int | None = None) -> GemmEntry:
-    """The ``gemm`` for float32, float64 or bfloat16 operands (bf16: oneMKL
-    only, float32 results), from the current :func:`backend`; ``rows``, when
-    given, is the row count of the kernel's tiles (see
-    :data:`SMALL_TILE_ROWS`)."""
+    """The ``gemm`` for float32 or float64 operands, from the current
+    :func:`backend` (``rows``, when given, is the row count of the kernel's
+    tiles: see :data:`SMALL_TILE_ROWS`), or for bfloat16 operands (float32
+    results), from :func:`bf16_library`."""
+    if dtype == _BFLOAT16:
+        return _entry(bf16_library(), dtype)
     library = _choice or backend()  # (backend() takes a lock: asked on every call)
     small = rows is not None and 1 < rows < SMALL_TILE_ROWS
-    if small and library == "mkl" and dtype != _BFLOAT16:
+    if small and library == "mkl":
         library = "openblas"
     return _entry(library, dtype)
 
