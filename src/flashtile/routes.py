@@ -2,11 +2,12 @@
 
 A *route* is a choice between ways of computing the same result whose
 ranking depends on the CPU: which BLAS runs the tile products, which gemm
-runs bf16 products (or none), how a decode step walks its cache. Measured on this project's machines, the rankings
-flip between CPU classes (a decode step of 4 query rows per kv head ran 3x
-faster reading the cache rows in place than through BLAS tiles on an AVX2
-AMD EPYC; on an Intel Xeon with AMX the same loops were no faster), so no
-fixed rule is right everywhere.
+runs bf16 products (or none), how a decode step walks its cache. Measured
+on this project's machines, the rankings flip between CPU classes (a
+decode step of 4 query rows per kv head ran 3x faster reading the cache
+rows in place than through BLAS tiles on an AVX2 AMD EPYC; on an Intel
+Xeon with AMX the same loops were no faster), so no fixed rule is right
+everywhere.
 
 Each route (:data:`ROUTES`) has candidates, a *fixed rule* (the choice the
 code makes with nothing measured: the one measured best on the machines
