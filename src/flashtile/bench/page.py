@@ -145,10 +145,17 @@ def page(runs, images: dict[str, str]) -> str:
         "numbers, and why, is in [design notes](design.md#performance-notes).",
         "",
     ]
-    common = [line for line in setup_lines(runs[0][1]) if all(
-        line in setup_lines(run) for _, run in runs)] if runs else []  # fmt: skip
+    # The setup most runs share heads the page; a section prints only its own.
+    setups = [setup_lines(run) for _, run in runs]
+    common = list(dict.fromkeys(
+        line for setup in setups for line in setup
+        if 2 * sum(line in other for other in setups) > len(setups)
+    ))  # fmt: skip
     if common:
-        lines += ["The machine of every run below:", "", "```text", *common, "```", ""]
+        lines += [
+            "The machine of the runs below (a section names its own where it differs):",
+            "", "```text", *common, "```", "",
+        ]  # fmt: skip
     for caption, path in images.items():
         lines += [f"![{caption}]({path})", ""]
     seen: set[str] = set(common)
