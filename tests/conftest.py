@@ -22,6 +22,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ["FLASHTILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="flashtile-routes-")
 os.environ["FLASHTILE_TUNE"] = "0"
 os.environ.pop("FLASHTILE_DECODE_WALK", None)
+os.environ.pop("FLASHTILE_BF16", None)
 
 import numpy as np
 import pytest

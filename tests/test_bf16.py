@@ -405,3 +405,15 @@ def float64_inputs(q, k, v):
     """q, k, v in float64, k and v repeated for q's heads (GQA)."""
     group = q.shape[1] // k.shape[1]
     return q.astype(np.float64), *(np.repeat(a.astype(np.float64), group, 1) for a in (k, v))
+
+
+def test_a_forced_bf16_route_the_cpu_lacks_is_refused(monkeypatch):
+    monkeypatch.setattr(blas, "bf16_features", lambda: ())
+    monkeypatch.setattr(blas.bf16_gemm, "available", lambda: False)
+    monkeypatch.setenv("FLASHTILE_BF16", "vdpbf16ps")
+    with pytest.raises(ValueError, match=r"'vdpbf16ps' cannot run here.*FLASHTILE_BF16"):
+        blas.bf16_library()
+    monkeypatch.delenv("FLASHTILE_BF16")
+    # An answer remembered before the route was limited: the first usable instead.
+    monkeypatch.setattr(routes, "_chosen", {"bf16": ("vdpbf16ps", "fixed rule (not measured)")})
+    assert blas.bf16_library() == "widen"

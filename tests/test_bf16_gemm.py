@@ -80,3 +80,7 @@ def test_zero_sized_products(rng):
     _gemm(b"N", b"N", 0, 3, 2, 1.0, a, 1, a, 2, 0.0, c, 1)
     _gemm(b"N", b"N", 4, 3, 0, 1.0, a, 4, a, 1, 0.5, c, 4)  # k = 0: C = beta C
     assert np.all(c == 3.5)
+    nan = np.full(4, 0x7FC0, np.uint16)  # bf16 NaN: alpha = 0 computes no product (BLAS)
+    _gemm(b"C", b"c", 2, 2, 2, 0.0, nan, 2, nan, 2, 2.0, c, 4)
+    flat = c.ravel()  # (C is column-major with ldc = 4: elements 0, 1, 4, 5)
+    assert np.all(flat[[0, 1, 4, 5]] == 7.0) and np.sum(flat == 3.5) == 8

@@ -171,30 +171,29 @@ def test_prepared_records_are_bounded():
     assert 0 < len(frontdoor._PREPARED) <= frontdoor.PREPARED_MAX
 
 
-def test_a_prepared_bf16_step_follows_a_switched_blas(monkeypatch):
-    """Whether bf16 inputs get bf16 products depends on the BLAS, which
-    ``set_backend`` switches at run time: a step planned for the other answer
-    is planned again (NumPy API, decode_attention and the torch operator)."""
+def test_a_prepared_bf16_step_follows_a_switched_route(monkeypatch):
+    """Whether bf16 inputs get bf16 products is the ``bf16`` route's answer,
+    which can change at run time (forced here): a step planned for the other
+    answer is planned again (NumPy API, decode_attention and the torch operator)."""
+    from flashtile import routes
     from flashtile.cpu import blas
 
     monkeypatch.setattr(blas, "bf16_features", lambda: ("avx512bf16",))  # as on such a CPU
-    if blas.backend() != "mkl":
-        pytest.skip("bf16 products need oneMKL")
+    if blas.bf16_available() == ("widen",):
+        pytest.skip("no bf16 gemm here (neither AVX512-BF16 nor oneMKL)")
     q, k, v = _arrays((1, 4, 32, 16), (1, 4, 32, 16), BF16, seed=11)
     qd, kd, vd = _arrays((1, 4, 1, 16), (1, 4, 600, 16), BF16, seed=12)
-    first = [ft.attention(q, k, v) for _ in range(3)]
-    for _ in range(3):
-        ft.decode_attention(qd, kd, vd)
-    try:
-        blas.set_backend("openblas")
-        np.testing.assert_array_equal(ft.attention(q, k, v), _general(q, k, v)[0])
-        for _ in range(2):  # widened now, as the general path (which raised before)
-            got = ft.decode_attention(qd, kd, vd).astype(np.float32)
-            want = _general(qd, kd, vd, causal=True)[0].astype(np.float32)
-            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
-    finally:
-        blas.set_backend("mkl")
-    np.testing.assert_array_equal(ft.attention(q, k, v), first[0])
+    with routes.force("bf16", blas.bf16_available()[0]):
+        first = [ft.attention(q, k, v) for _ in range(3)]
+        for _ in range(3):
+            ft.decode_attention(qd, kd, vd)
+        with routes.force("bf16", "widen"):
+            np.testing.assert_array_equal(ft.attention(q, k, v), _general(q, k, v)[0])
+            for _ in range(2):  # widened now, as the general path (which raised before)
+                got = ft.decode_attention(qd, kd, vd).astype(np.float32)
+                want = _general(qd, kd, vd, causal=True)[0].astype(np.float32)
+                np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+        np.testing.assert_array_equal(ft.attention(q, k, v), first[0])
 
 
 @pytest.mark.parametrize("which", ["k", "v"])

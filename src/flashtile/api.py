@@ -17,8 +17,8 @@ right)``, ``alibi_slopes``, ``softcap``, ``kv_lengths`` or
 
 dtypes: float32 and float64 run natively (the running state accumulates in
 the input dtype). ``ml_dtypes.bfloat16`` inputs run the tile products of
-the forward and the backward in bf16 where the CPU has bf16 instructions and
-the BLAS is oneMKL (:func:`flashtile.cpu.blas.half_path`), else they are
+the forward and the backward in bf16 where the CPU has bf16 instructions
+(the measured ``bf16`` route: :func:`flashtile.cpu.blas.half_path`), else they are
 widened like float16: float16 inputs are upcast to float32, computed, and the
 outputs cast back; ``lse`` is float32 for 16-bit inputs. Inputs whose scores
 could pass float32's range (a ``scale`` of 1e38, values near 1e19, huge ALiBi

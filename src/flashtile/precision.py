@@ -29,7 +29,7 @@ terms of q.k near float32's largest value that cancel to a finite but
 inexact score (rounding, not range); the forward's bound sends such inputs
 to float64, decoding computes them in float32.
 
-bf16 tile products (oneMKL's bf16 gemm: ``vdpbf16ps`` or AMX) flush terms
+bf16 tile products (oneMKL's bf16 gemm or flashtile's: ``vdpbf16ps`` or AMX) flush terms
 of ``q . k`` below float32's smallest normal to zero, and sum ``q . k``
 before the scale. Neither shows after the call when the scale is huge and
 the values tiny (every score then reads 0): :func:`bf16_products_fit` keeps

@@ -12,8 +12,8 @@ runs it before pytest, so that its two workers do not both compile the
 same kernel).
 
 Each task is one public call (:data:`TASKS`): whichever kernel that call
-runs on this machine (the BLAS backend and the CPU's bf16 instructions
-choose, e.g., bf16 products or widening) is the one compiled, as it would
+runs on this machine (the routes and the CPU's bf16 instructions choose,
+e.g., bf16 products or widening) is the one compiled, as it would
 be for a user. A task whose kernel is cached takes about a second.
 
 Where the cache is, and when it is used (Numba's rules): ``NUMBA_CACHE_DIR``

@@ -80,6 +80,9 @@ def measure_bf16(route: routes.Route, candidates: tuple[str, ...]) -> dict[str, 
     within noise on an AMD EPYC (Zen 4), at 2048 13% apart."""
     import ml_dtypes
 
+    from .cpu import blas  # (limits the route: only what this CPU can run is timed)
+
+    candidates = tuple(c for c in candidates if c in blas.bf16_available())
     rng = np.random.default_rng(0)
     q, k, v, dout = (
         rng.standard_normal((1, 8, 2048, 64), dtype=np.float32).astype(ml_dtypes.bfloat16)

@@ -60,8 +60,10 @@ _V16I = ir.VectorType(_I32, 16)
 _V32B = ir.VectorType(_BFloat(), 32)
 
 
+@functools.cache
 def available() -> bool:
-    """Whether the CPU Numba compiles for has ``vdpbf16ps`` (AVX512-BF16)."""
+    """Whether the CPU Numba compiles for has ``vdpbf16ps`` (AVX512-BF16);
+    asked once (LLVM's feature query takes about 0.3 ms)."""
     return target_has("avx512bf16")
 
 
@@ -225,7 +227,12 @@ def _pack_b(b, ldb, trans, n, k, out):
 def _gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
     """Fortran ``gemm``'s product on flat arrays (see the module docstring).
     Blocks at the edges of ``C`` go through a full-size scratch block."""
-    if m <= 0 or n <= 0:
+    if m <= 0 or n <= 0 or k < 0:
+        return
+    if k == 0 or alpha == 0.0:  # C = beta C, as BLAS (no product: NaN in A or B stays out)
+        for j in range(n):
+            for i in range(m):
+                c[j * ldc + i] = 0.0 if beta == 0.0 else beta * c[j * ldc + i]
         return
     pairs = (k + 1) // 2
     panels = (n + NR - 1) // NR
@@ -265,12 +272,13 @@ _BF16 = types.CPointer(types.uint16)
 _SIGNATURE = types.void(
     _CHAR, _CHAR, _INT, _INT, _INT, _FLOAT, _BF16, _INT, _BF16, _INT, _FLOAT, _FLOAT, _INT
 )
-_T, _LOWER_T = ord("T"), ord("t")
+#: The transposing flags (``C``: conjugate-transpose, the same for reals).
+_TRANSPOSING = (ord("T"), ord("t"), ord("C"), ord("c"))
 
 
 def _fortran_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
     """The Fortran ABI around :func:`_gemm` (compiled by :func:`address`)."""
-    trans_a, trans_b = ta[0] in (_T, _LOWER_T), tb[0] in (_T, _LOWER_T)
+    trans_a, trans_b = ta[0] in _TRANSPOSING, tb[0] in _TRANSPOSING
     rows, cols, depth = m[0], n[0], k[0]
     a_rows, a_cols = (depth, rows) if trans_a else (rows, depth)
     b_rows, b_cols = (cols, depth) if trans_b else (depth, cols)

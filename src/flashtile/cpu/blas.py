@@ -251,7 +251,7 @@ def bf16_available() -> tuple[str, ...]:
     bf16 instructions is emulated, slower than widening: not a candidate."""
     features = bf16_features()
     own = ("vdpbf16ps",) if bf16_gemm.available() else ()
-    mkl = ("mkl",) if features and _mkl() is not None else ()
+    mkl = ("mkl",) if features and _mkl_path() is not None else ()  # (found, not loaded)
     return (*(mkl + own if "amx-bf16" in features else own + mkl), "widen")
 
 
@@ -262,12 +262,16 @@ def bf16_library() -> str:
     """Where bfloat16 inputs' tile products run: ``"vdpbf16ps"``, ``"mkl"``
     or ``"widen"`` (the ``"bf16"`` route, :data:`BF16_ROUTES`)."""
     chosen = routes.choice("bf16")
-    if chosen not in bf16_available():
+    usable = bf16_available()
+    if chosen in usable:
+        return chosen
+    why = routes.explain("bf16")[1]
+    if why.startswith("forced"):
         raise ValueError(
-            f"bf16 products {chosen!r} cannot run here (this process has "
-            f"{bf16_available()}): unset FLASHTILE_BF16 or choose one of those"
+            f"bf16 products {chosen!r} cannot run here ({why}; this process has "
+            f"{usable}): unset FLASHTILE_BF16 or choose one of those"
         )
-    return chosen
+    return usable[0]  # (an answer given before this module limited the route)
 
 
 def bf16_products() -> bool:
@@ -281,7 +285,8 @@ def half_path() -> str:
     library = bf16_library()
     features = "+".join(bf16_features()) or "no bf16 instructions"
     if library == "widen":
-        return f"bf16 widened to float32 ({features})"
+        why = routes.explain("bf16", measure=False)[1] if bf16_available() != ("widen",) else ""
+        return f"bf16 widened to float32 ({features}{'; ' + why if why else ''})"
     name = "flashtile's vdpbf16ps gemm" if library == "vdpbf16ps" else "oneMKL"
     return f"bf16 tile products ({name}, {features})"
 
@@ -308,7 +313,8 @@ class GemmEntry(NamedTuple):
     Attributes:
         address: the Fortran function's address, the kernels' ``gemm_fn``
             argument (:func:`fortran_gemm` calls it).
-        library: ``"mkl"`` or ``"openblas"``.
+        library: ``"mkl"``, ``"openblas"`` or ``"vdpbf16ps"`` (flashtile's
+            bf16 gemm, :mod:`.bf16_gemm`).
         pinned: whether kernel calls must pin BLAS to one thread
             (:func:`single_threaded_blas`): all but a sequential MKL.
     """

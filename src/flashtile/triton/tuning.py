@@ -68,8 +68,10 @@ def _fitting(kernel: str, options: list[Config], fits) -> list[Config]:
     shrunk = []
     for c in options:
         sizes = [(m, n) for m in _halvings(c.block_m) for n in _halvings(c.block_n)]
+        warps = min(c.num_warps, 4)  # (8 warps over a 16 x 16 tile would idle)
         tried = (
-            replace(c, block_m=m, block_n=n) for m, n in sorted(sizes, key=lambda t: -t[0] * t[1])
+            replace(c, block_m=m, block_n=n, num_warps=warps)
+            for m, n in sorted(sizes, key=lambda t: -t[0] * t[1])
         )
         best = next((s for s in tried if fits(kernel, s)), None)
         if best is not None and best not in shrunk:
