@@ -126,15 +126,15 @@ def test_bf16_cache_matches_the_reference_on_its_values(rng, page, variants):
     np.testing.assert_allclose(lse, want_lse, **TOL32)
 
 
-def test_bf16_queries_give_bf16_output_and_float32_lse(rng, monkeypatch):
-    # The widening path (OpenBLAS: no bf16 products; those are test_bf16.py's).
-    import flashtile.cpu.blas as blas
+def test_bf16_queries_give_bf16_output_and_float32_lse(rng):
+    # The widening path (no bf16 products; those are test_bf16.py's).
+    from flashtile import routes
 
-    monkeypatch.setattr(blas, "_choice", "openblas")
     q, k, v = _problem(rng, batch=1, tq=1)
-    out, lse = flashtile.decode_attention(q.astype(BF16), k, v, return_lse=True)
-    assert out.dtype == BF16 and lse.dtype == np.float32
-    want = flashtile.decode_attention(q.astype(BF16).astype(np.float32), k, v)
+    with routes.force("bf16", "widen"):
+        out, lse = flashtile.decode_attention(q.astype(BF16), k, v, return_lse=True)
+        assert out.dtype == BF16 and lse.dtype == np.float32
+        want = flashtile.decode_attention(q.astype(BF16).astype(np.float32), k, v)
     np.testing.assert_array_equal(out, want.astype(BF16))
 
 
