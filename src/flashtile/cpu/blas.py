@@ -236,12 +236,6 @@ def bf16_features() -> tuple[str, ...]:
     return tuple(f for f in BF16_FEATURES if features.get(f, False))
 
 
-#: The ``"bf16"`` route's candidates: flashtile's own ``vdpbf16ps`` product
-#: (:mod:`.bf16_gemm`), oneMKL's ``gemm_bf16bf16f32``, or no bf16 products
-#: (the operands widened to float32 before the kernels).
-BF16_ROUTES = ("vdpbf16ps", "mkl", "widen")
-
-
 def bf16_available() -> tuple[str, ...]:
     """The ``"bf16"`` route's candidates this process can run, the fixed
     rule's first: oneMKL first where the CPU has AMX (it runs its tiles
@@ -260,7 +254,9 @@ routes.limit("bf16", bf16_available)
 
 def bf16_library() -> str:
     """Where bfloat16 inputs' tile products run: ``"vdpbf16ps"``, ``"mkl"``
-    or ``"widen"`` (the ``"bf16"`` route, :data:`BF16_ROUTES`)."""
+    or ``"widen"`` (the ``"bf16"`` route: flashtile's ``vdpbf16ps`` product,
+    :mod:`.bf16_gemm`; oneMKL's ``gemm_bf16bf16f32``; or no bf16 products,
+    the operands widened to float32 before the kernels)."""
     chosen = routes.choice("bf16")
     usable = bf16_available()
     if chosen in usable:
