@@ -48,9 +48,16 @@ def _column_major(x, lead, rng):
 @pytest.mark.parametrize("trans", [(b"N", b"N"), (b"N", b"T"), (b"T", b"N"), (b"t", b"t")])
 @pytest.mark.parametrize(
     ("m", "n", "k", "pad"),
-    [(1, 1, 1, 0), (5, 7, 3, 2), (32, 12, 64, 0), (33, 13, 65, 3), (70, 37, 129, 1)],
-)
-def test_matches_numpy(rng, trans, m, n, k, pad):
+    [
+        (1, 1, 1, 0), (5, 7, 3, 2), (32, 12, 64, 0), (33, 13, 65, 3), (70, 37, 129, 1),
+        (40, 30, 64, 2), (40, 30, 64, 1), (64, 25, 512, 0),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("offset", [0, 1])
+def test_matches_numpy(rng, trans, m, n, k, pad, offset):
+    """Even ``k`` and ``ldb`` with an untransposed B read B's whole panels in
+    place and copy its last partial one; an odd ``ldb`` or a start ``offset``
+    one element past an aligned word copies every panel."""
     ta, tb = trans
     a = rng.standard_normal((m, k)).astype(BF16)  # op(A)
     b = rng.standard_normal((k, n)).astype(BF16)  # op(B)
@@ -58,6 +65,7 @@ def test_matches_numpy(rng, trans, m, n, k, pad):
     b_stored = b.T if tb in b"Tt" else b
     lda, ldb, ldc = a_stored.shape[0] + pad, b_stored.shape[0] + pad, m + pad
     a_mem, b_mem = (_column_major(x, ld, rng) for x, ld in ((a_stored, lda), (b_stored, ldb)))
+    a_bits, b_bits = (_shifted(x.view(np.uint16), offset) for x in (a_mem, b_mem))
     c0 = rng.standard_normal((m, n)).astype(np.float32)
     c_mem = _column_major(c0, ldc, rng)
     wide = (a.astype(np.float64), b.astype(np.float64))
@@ -65,13 +73,21 @@ def test_matches_numpy(rng, trans, m, n, k, pad):
         c = c_mem.copy()
         if beta == 0.0:
             c[:, :m] = np.nan  # beta = 0: C is not read
-        _gemm(ta, tb, m, n, k, alpha, a_mem.view(np.uint16), lda, b_mem.view(np.uint16), ldb,
-              beta, c, ldc)  # fmt: skip
+        _gemm(ta, tb, m, n, k, alpha, a_bits, lda, b_bits, ldb, beta, c, ldc)
         want = alpha * (wide[0] @ wide[1]) + beta * c0
         # float32 sums of exact products: within float32 rounding of the sum of |terms|
         bound = 4e-7 * (k + 2) * (np.abs(wide[0]) @ np.abs(wide[1]) + np.abs(beta * c0)) + 1e-30
         assert np.all(np.abs(c[:, :m].T - want) <= bound)
         assert np.array_equal(c[:, m:], c_mem[:, m:])  # past the rows: untouched
+
+
+def _shifted(bits, offset):
+    """The same bf16 patterns starting ``offset`` elements into a fresh buffer
+    (``offset = 1``: 2 bytes past a 4-byte boundary)."""
+    store = np.empty(bits.size + offset, np.uint16)
+    store[offset:] = bits.ravel()
+    assert offset or store.ctypes.data % 4 == 0
+    return store[offset:].reshape(bits.shape)
 
 
 def test_zero_sized_products(rng):
