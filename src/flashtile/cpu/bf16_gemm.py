@@ -5,8 +5,9 @@ on other CPUs with AVX512-BF16 (AMD's Zen 4 and later) it gains nothing over
 its float32 ``sgemm``: Intel's instruction-set dispatch serves only Intel
 processors. ``vdpbf16ps`` multiplies 32 bf16 pairs into 16 float32 sums per
 instruction, twice a float32 FMA's products, and this module's product uses
-it directly: on an AMD EPYC (Zen 4) one core ran a 512 x 256 x 64 product at
-about 130 GFLOP/s against oneMKL's 45 (docs/design.md, "bfloat16").
+it directly: on an AMD EPYC (Zen 4) one core ran the forward's 512 x 256 x 64
+score product in 97 us (173 GFLOP/s) against oneMKL's 45 GFLOP/s
+(docs/design.md, "bfloat16").
 
 :func:`address` is the product as a Fortran ``gemm`` (the 13 by-reference
 arguments of ``sgemm``, bf16 operands as ``uint16``, float32 ``alpha``,
@@ -22,12 +23,15 @@ The product is the textbook blocked one, in two levels:
   read in panels of :data:`NR` columns, as the matching pairs
   ``(B[2p, j], B[2p + 1, j])``, one 32-bit word each. Where a column of
   ``op(B)`` already lies in memory as aligned words (not transposed, even
-  ``ldb`` and ``k``: the forward's ``P`` and query tiles), its whole panels
-  are read in place; otherwise ``op(B)`` is copied once. An odd ``k`` pads
-  the last pair with zeros in both operands. Copies of whole words run as
-  word transposes with unsigned indices (a signed index makes Numba emit
-  negative-index code that keeps the loops scalar): on the Zen 4 below,
-  ``P``'s 256 x 512 product with 64 value columns went from 215 to 91 us;
+  ``ldb`` and ``k``: the kernels' ``P``, ``dS`` and row-major operand
+  tiles), its whole panels are read in place; the rest of ``op(B)`` is
+  copied once, as rows of words along ``n`` (:func:`_pack_b`). An odd ``k``
+  pads the last pair with zeros in both operands. The copies index with
+  unsigned integers: a signed index makes Numba emit negative-index code
+  that keeps the loops scalar. On the Zen 4 above, reading in place and
+  vectorised copies took the forward's ``P V`` product (256 x 512 by 512 x
+  64) from 185-215 to 84-91 us, and the backward's products with a
+  transposed ``B`` (``dV``, ``dK``) from 101 to 46 us;
 * *the micro-kernel* (:func:`_dot_panels`, LLVM IR): an ``MR x NR`` block of
   ``C`` in 2 x ``NR`` vector registers (24 of the 32), each step over ``k``
   two vector loads of ``A``'s pairs, ``NR`` broadcasts of ``B``'s words and
@@ -249,36 +253,33 @@ def _pack_a(a, lda, trans, i0, rows, k, out):
 
 
 @njit(cache=True)
-def _pack_b(b, ldb, trans, n, k, out, first):
-    """Panels ``first ..`` of ``op(B)`` (``k x n``) as words of pairs along
-    ``k``, ``NR`` columns each: ``out[((panel - first) * pairs + p) * NR + j]
-    = (op(B)[2p, col], op(B)[2p + 1, col])`` for ``col = panel NR + j``,
-    zeros past ``n`` and past ``k``. Reads run along memory either way."""
-    pairs, half = (k + 1) // 2, k // 2
-    panels = (n + NR - 1) // NR
-    if n % NR and panels > first:  # (an odd k's last pair is written whole)
-        out[(panels - 1 - first) * pairs * NR : (panels - first) * pairs * NR] = 0
-    words = not trans and _aligned_words(b, ldb, k)
-    for panel in range(first, panels):
-        col0 = panel * NR
-        cols = min(NR, n - col0)
-        at = (panel - first) * pairs * NR
-        if words:  # op(B)[row, col] = B[row + col * ldb]: columns of words
-            _transpose_words(b.view(np.uint32), ldb // 2, col0, cols, pairs, out, at, NR)
-        elif trans:  # op(B)[row, col] = B[col + row * ldb]: rows of op(B) contiguous
+def _pack_b(b, ldb, trans, n, k, out, c0, width):
+    """Columns ``c0 .. n`` of ``op(B)`` (``k x n``) as rows of words of pairs
+    along ``k``: ``out[p * width + col - c0] = (op(B)[2p, col], op(B)[2p + 1,
+    col])``, zeros past ``n`` (up to ``width`` columns) and past ``k``. The
+    micro-kernel reads a panel's ``NR`` words of step ``p`` together. Reads
+    run along memory either way: a transposed ``B`` holds the rows of
+    ``op(B)``, interleaved two by two; an untransposed one its columns."""
+    pairs, half, cols = (k + 1) // 2, k // 2, n - c0
+    if cols < width:  # (an odd k's last pair is written whole, its high half zero)
+        for p in range(pairs):
+            out[p * width + cols : (p + 1) * width] = 0
+    if trans:  # op(B)[row, col] = B[col + row * ldb]
+        for p in range(half):
+            _interleave_rows(
+                b, c0 + 2 * p * ldb, c0 + (2 * p + 1) * ldb, cols, out, p * width, False
+            )
+        if k % 2:
+            _interleave_rows(b, c0 + (k - 1) * ldb, 0, cols, out, half * width, True)
+    elif _aligned_words(b, ldb, k):  # op(B)[row, col] = B[row + col * ldb]: words
+        _transpose_words(b.view(np.uint32), ldb // 2, c0, cols, pairs, out, 0, width)
+    else:
+        for j in range(cols):
+            first = (c0 + j) * ldb
             for p in range(half):
-                _interleave_rows(
-                    b, col0 + 2 * p * ldb, col0 + (2 * p + 1) * ldb, cols, out, at + p * NR, False
-                )
+                out[p * width + j] = _word(b[first + 2 * p], b[first + 2 * p + 1])
             if k % 2:
-                _interleave_rows(b, col0 + (k - 1) * ldb, 0, cols, out, at + half * NR, True)
-        else:
-            for j in range(cols):
-                first_el = (col0 + j) * ldb
-                for p in range(half):
-                    out[at + p * NR + j] = _word(b[first_el + 2 * p], b[first_el + 2 * p + 1])
-                if k % 2:
-                    out[at + half * NR + j] = b[first_el + k - 1]
+                out[half * width + j] = b[first + k - 1]
 
 
 @njit(cache=True)
@@ -294,13 +295,15 @@ def _gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
         return
     pairs = (k + 1) // 2
     panels = (n + NR - 1) // NR
-    # op(B)'s columns as rows of bf16 pairs in memory: full panels read in place
+    # op(B)'s columns as rows of bf16 pairs in memory: whole panels read in place
     in_place = not trans_b and _aligned_words(b, ldb, k)
     whole = n // NR if in_place else 0
+    width = (panels - whole) * NR  # the packed columns' row of words
     a_pack = np.empty(pairs * MR, np.uint32)
-    b_pack = np.empty((panels - whole) * pairs * NR, np.uint32)
+    b_pack = np.empty(pairs * width, np.uint32)
     edge = np.empty(MR * NR, np.float32)
-    _pack_b(b, ldb, trans_b, n, k, b_pack, whole)
+    if width:
+        _pack_b(b, ldb, trans_b, n, k, b_pack, whole * NR, width)
     words = b.view(np.uint32) if in_place else b_pack
     for i0 in range(0, m, MR):
         rows = min(MR, m - i0)
@@ -311,7 +314,7 @@ def _gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
             if panel < whole:
                 source, start, step, col = words, j0 * (ldb // 2), 1, ldb // 2
             else:
-                source, start, step, col = b_pack, (panel - whole) * pairs * NR, NR, 1
+                source, start, step, col = b_pack, j0 - whole * NR, width, 1
             if rows == MR and cols == NR:
                 _dot_panels(
                     a_pack, source, start, step, col, pairs, c, i0 + j0 * ldc, ldc, alpha, beta
