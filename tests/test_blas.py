@@ -18,6 +18,7 @@ import pytest
 
 import flashtile as ft
 import flashtile.cpu.blas as blas
+import flashtile.cpu.blas_threads as blas_threads
 from dense import dense_attention, dense_attention_backward, rel_err
 from flashtile import routes
 
@@ -127,9 +128,30 @@ def test_mkl_is_the_default_when_installed(monkeypatch, restore_backend, tmp_pat
 def test_openblas_is_pinned_to_one_thread_during_kernel_calls(restore_backend):
 
     blas.set_backend("openblas")
-    with blas.single_threaded_blas(blas.gemm_for(np.float32)):
+    with blas_threads.single_threaded(blas.gemm_for(np.float32)):
         inside = _callable_openblas_threads()
     assert inside and all(n == 1 for n in inside)
+
+
+def test_overlapping_pins_restore_the_users_count_once(restore_backend):
+    """Calls overlapping from several Python threads pin once; the last to
+    leave restores the count the user had (here 2), never 1."""
+    blas.set_backend("openblas")
+    entry = blas.gemm_for(np.float32)
+    assert entry.pinned
+    (c, *_) = blas_threads.controllers(entry.library)
+    user = c.get_num_threads()
+    c.set_num_threads(2)
+    try:
+        blas_threads.pin(entry)
+        blas_threads.pin(entry)
+        blas_threads.unpin(entry)
+        inside = _callable_openblas_threads()
+        assert inside and all(n == 1 for n in inside)
+        blas_threads.unpin(entry)
+        assert c.get_num_threads() == 2
+    finally:
+        c.set_num_threads(user)
 
 
 def _callable_openblas_threads() -> list[int]:
@@ -138,7 +160,7 @@ def _callable_openblas_threads() -> list[int]:
     from threadpoolctl import ThreadpoolController
 
     libs = [c for c in ThreadpoolController().lib_controllers if c.internal_api == "openblas"]
-    return [c.num_threads for c in libs if blas._lp64(c)]
+    return [c.num_threads for c in libs if blas_threads.lp64(c)]
 
 
 @pytest.mark.skipif("mkl" not in INSTALLED, reason="oneMKL not installed")
@@ -150,7 +172,7 @@ def test_mkl_runs_sequential_so_nothing_is_pinned(restore_backend):
     entry = blas.gemm_for(np.float32)
     assert entry.library == "mkl"
     before = [lib["num_threads"] for lib in threadpool_info()]
-    with blas.single_threaded_blas(entry):
+    with blas_threads.single_threaded(entry):
         inside = [lib["num_threads"] for lib in threadpool_info()]
     assert inside == before
 
@@ -163,7 +185,7 @@ def test_small_tiles_go_to_openblas_and_are_pinned(restore_backend):
     assert blas.gemm_for(np.float32, rows=1).library == "mkl"  # MHA decoding: no pin
     entry = blas.gemm_for(np.float32, rows=blas.SMALL_TILE_ROWS - 1)
     assert entry.library == "openblas"
-    with blas.single_threaded_blas(entry):
+    with blas_threads.single_threaded(entry):
         inside = _callable_openblas_threads()
     assert inside and all(n == 1 for n in inside)
 
@@ -176,11 +198,12 @@ import numpy as np
 from threadpoolctl import threadpool_info
 import flashtile as ft
 import flashtile.cpu.blas as blas
+import flashtile.cpu.blas_threads as blas_threads
 assert blas.backend() == "mkl" and not blas._mkl().sequential
 entry = blas.gemm_for(np.float32)
 mkl = lambda: [i["num_threads"] for i in threadpool_info() if i["internal_api"] == "mkl"]
 before = mkl()
-with blas.single_threaded_blas(entry):
+with blas_threads.single_threaded(entry):
     assert mkl() == [1], mkl()
 assert mkl() == before, (mkl(), before)
 q = np.random.default_rng(0).standard_normal((1, 2, 300, 16), dtype=np.float32)

@@ -40,16 +40,12 @@ the stack instead of in three arrays allocated per product (a tiny causal
 call, 4 heads of 16 x 16: the kernel 23.9 -> 18.3 us on one thread).
 
 Inside a ``prange`` every kernel thread already owns a core, so unless the
-kernel calls a sequential MKL, :func:`single_threaded_blas` pins every loaded
-BLAS the kernels can call (not NumPy's 64-bit-integer OpenBLAS) to one thread
-for the duration of the call; otherwise OpenBLAS spawns
-its own threads inside the OpenMP region and warns "Detect OpenMP Loop and
-this application may hang".
+kernel calls a sequential MKL, the BLAS it calls is pinned to one thread for
+the duration of the call (:mod:`.blas_threads`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -67,7 +63,6 @@ from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
-from threadpoolctl import ThreadpoolController
 
 from .. import routes
 from . import FASTMATH, bf16_gemm
@@ -312,7 +307,7 @@ class GemmEntry(NamedTuple):
         library: ``"mkl"``, ``"openblas"`` or ``"vdpbf16ps"`` (flashtile's
             bf16 gemm, :mod:`.bf16_gemm`).
         pinned: whether kernel calls must pin BLAS to one thread
-            (:func:`single_threaded_blas`): all but a sequential MKL.
+            (:func:`.blas_threads.pin`): all but a sequential MKL.
     """
 
     address: int
@@ -425,68 +420,3 @@ def fortran_gemm(
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-@functools.cache
-def _blas_controllers(library: str) -> tuple:
-    """threadpoolctl's controllers of the loaded BLAS libraries, scanned (~3 ms)
-    once ``library`` is loaded. Each reads and sets its library's thread count
-    with one ctypes call, where ``ThreadpoolController.limit`` re-reads every
-    library's state first (35-46 us a call)."""
-    _entry(library, np.dtype(np.float32))
-    return tuple(
-        c for c in ThreadpoolController().lib_controllers if c.user_api == "blas" and _lp64(c)
-    )
-
-
-#: 32-bit-integer (LP64) sgemm symbols: what SciPy's ``cython_blas`` and oneMKL's
-#: LP64 interface export. An OpenBLAS without them is an ILP64 build
-#: (``..._64_`` symbols, NumPy's own), which the kernels never call.
-_LP64_SGEMM = ("sgemm_", "scipy_sgemm_", "sgemm")
-
-
-def _lp64(controller) -> bool:
-    """Whether the kernels can call this BLAS: not an ILP64-only OpenBLAS.
-    Setting OpenBLAS's thread count costs microseconds, so only those are pinned."""
-    if controller.internal_api != "openblas":
-        return True
-    return any(hasattr(controller.dynlib, name) for name in _LP64_SGEMM)
-
-
-_pin_lock = threading.Lock()
-_pin_depth = 0
-_pin_saved = None
-
-
-@contextlib.contextmanager
-def single_threaded_blas(entry=None):
-    """Pin BLAS to one thread while a kernel call that uses ``entry`` runs.
-
-    ``entry`` is what :func:`gemm_for` returned (None: assume any BLAS).
-    Nothing to do when it is a sequential MKL's (``entry.pinned`` is False).
-    Calls may overlap (several Python threads calling flashtile): the first
-    to enter pins, the last to leave restores, so the user's own BLAS
-    threading is never left changed.
-    """
-    global _pin_depth, _pin_saved
-    if entry is not None and not entry.pinned:
-        yield  # the kernel calls no threaded BLAS
-        return
-    with _pin_lock:
-        if _pin_depth == 0:
-            library = getattr(entry, "library", None) or backend()
-            _pin_saved = [(c, c.get_num_threads()) for c in _blas_controllers(library)]
-            for c, n in _pin_saved:
-                if n != 1:
-                    c.set_num_threads(1)
-        _pin_depth += 1
-    try:
-        yield
-    finally:
-        with _pin_lock:
-            _pin_depth -= 1
-            if _pin_depth == 0:
-                for c, n in _pin_saved:
-                    if n != 1:
-                        c.set_num_threads(n)
-                _pin_saved = None

@@ -55,7 +55,8 @@ def _kernels() -> types.SimpleNamespace:
     """The kernel modules' entry points, imported once on first use (an import
     statement in each call costs about a microsecond)."""
     from .backward import backward_kernel
-    from .blas import gemm_for, single_threaded_blas
+    from .blas import gemm_for
+    from .blas_threads import pin, unpin
     from .cache_rows import walk_flag
     from .decode import decode_call
     from .forward import forward_call
@@ -64,7 +65,7 @@ def _kernels() -> types.SimpleNamespace:
 
     return types.SimpleNamespace(
         backward_kernel=backward_kernel, gemm_for=gemm_for, forward_call=forward_call,
-        single_threaded_blas=single_threaded_blas, decode_call=decode_call,
+        pin=pin, unpin=unpin, decode_call=decode_call,
         cache_operands=cache_operands, to_bfloat16=to_bfloat16, walk_flag=walk_flag,
     )  # fmt: skip
 
@@ -75,7 +76,7 @@ def _call(threads, entry, kernel, *args):
     :func:`.blas.gemm_for`.
 
     A threaded BLAS is pinned to one thread meanwhile
-    (:func:`.blas.single_threaded_blas`; not needed for a sequential MKL): with
+    (:func:`.blas_threads.pin`; not needed for a sequential MKL): with
     several kernel threads it must not start its own, and with one it keeps
     the products bit-identical from call to call (a threaded MKL's result
     depends on its thread count). With one thread, Numba's count is set to 1
@@ -84,8 +85,12 @@ def _call(threads, entry, kernel, *args):
     """
     if not entry.pinned:
         return _on_threads(threads, kernel, *args, entry.address)
-    with _kernels().single_threaded_blas(entry):
+    kernels = _kernels()
+    kernels.pin(entry)
+    try:
         return _on_threads(threads, kernel, *args, entry.address)
+    finally:
+        kernels.unpin(entry)
 
 
 def _on_threads(threads, kernel, *args):
