@@ -22,6 +22,7 @@ oneMKL installed for the last rows). Medians of shuffled interleaved rounds.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
 import time
@@ -33,7 +34,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from flashtile.cpu.blas import bf16_products, gemm_for, gemm_scaled, single_threaded_blas
+from flashtile.cpu.blas import bf16_products, gemm_for, gemm_scaled
+from flashtile.cpu.blas_threads import single_threaded
 from flashtile.cpu.half import target_has
 
 _I8, _I64 = ir.IntType(8), ir.IntType(64)
@@ -208,7 +210,8 @@ def main(rounds: int) -> None:
                 10 * flops,
             )
     entry = gemm_for(ml_dtypes.bfloat16) if bf16_products() else None
-    with single_threaded_blas(entry):  # one core for oneMKL too, whatever its threading
+    pinned = contextlib.nullcontext() if entry is None else single_threaded(entry)
+    with pinned:  # one core for oneMKL too, whatever its threading
         _time(cases, rounds, rng)
 
 

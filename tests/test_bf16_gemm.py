@@ -53,11 +53,11 @@ def _column_major(x, lead, rng):
         (40, 30, 64, 2), (40, 30, 64, 1), (64, 25, 512, 0),
     ],
 )  # fmt: skip
-@pytest.mark.parametrize("offset", [0, 1])
-def test_matches_numpy(rng, trans, m, n, k, pad, offset):
+@pytest.mark.parametrize("offsets", [(0, 0), (1, 1), (0, 1)])
+def test_matches_numpy(rng, trans, m, n, k, pad, offsets):
     """Even ``k`` and ``ldb`` with an untransposed B read B's whole panels in
-    place and copy its last partial one; an odd ``ldb`` or a start ``offset``
-    one element past an aligned word copies every panel."""
+    place and copy its last partial one; an odd ``ldb`` or a start one
+    element past an aligned word (``offsets`` of A and B) copies every panel."""
     ta, tb = trans
     a = rng.standard_normal((m, k)).astype(BF16)  # op(A)
     b = rng.standard_normal((k, n)).astype(BF16)  # op(B)
@@ -65,7 +65,8 @@ def test_matches_numpy(rng, trans, m, n, k, pad, offset):
     b_stored = b.T if tb in b"Tt" else b
     lda, ldb, ldc = a_stored.shape[0] + pad, b_stored.shape[0] + pad, m + pad
     a_mem, b_mem = (_column_major(x, ld, rng) for x, ld in ((a_stored, lda), (b_stored, ldb)))
-    a_bits, b_bits = (_shifted(x.view(np.uint16), offset) for x in (a_mem, b_mem))
+    a_bits = _shifted(a_mem.view(np.uint16), offsets[0])
+    b_bits = _shifted(b_mem.view(np.uint16), offsets[1])
     c0 = rng.standard_normal((m, n)).astype(np.float32)
     c_mem = _column_major(c0, ldc, rng)
     wide = (a.astype(np.float64), b.astype(np.float64))
@@ -88,6 +89,49 @@ def _shifted(bits, offset):
     store[offset:] = bits.ravel()
     assert offset or store.ctypes.data % 4 == 0
     return store[offset:].reshape(bits.shape)
+
+
+#: A NaN pattern in both halves: a packed word left unwritten would show.
+_UNWRITTEN = 0x7FC07FC0
+
+
+def _words(low, high):
+    return low.astype(np.uint32) | (high.astype(np.uint32) << 16)
+
+
+@pytest.mark.parametrize("trans", [False, True])
+@pytest.mark.parametrize(("k", "c0"), [(7, 0), (8, 0), (8, bf16_gemm.NR), (7, bf16_gemm.NR)])
+def test_packed_b_writes_every_word_it_reads(rng, trans, k, c0):
+    """``_pack_b`` into a buffer of NaN patterns: each column's pairs (an odd
+    ``k``'s last with a zero high half), zeros past ``n`` up to the width."""
+    n, nr = 2 * bf16_gemm.NR + 5, bf16_gemm.NR
+    op_b = rng.integers(1, 1 << 15, (k, n), dtype=np.uint16)
+    stored = op_b.T if trans else op_b  # column-major: stored's columns are contiguous
+    ld = stored.shape[0] + 1
+    flat = _column_major(stored, ld, rng).ravel()
+    width = (n + nr - 1) // nr * nr - c0
+    out = np.full((k + 1) // 2 * width, _UNWRITTEN, np.uint32)
+    bf16_gemm._pack_b(flat, ld, trans, n, k, out, c0, width)
+    padded = np.vstack([op_b, np.zeros((k % 2, n), np.uint16)])
+    want = np.zeros(((k + 1) // 2, width), np.uint32)
+    want[:, : n - c0] = _words(padded[0::2, c0:], padded[1::2, c0:])
+    assert np.array_equal(out.reshape(want.shape), want)
+
+
+@pytest.mark.parametrize("trans", [False, True])
+@pytest.mark.parametrize(("k", "rows"), [(7, bf16_gemm.MR), (8, 5), (8, bf16_gemm.MR)])
+def test_packed_a_writes_every_word_it_reads(rng, trans, k, rows):
+    mr, m, i0 = bf16_gemm.MR, 40, 3
+    op_a = rng.integers(1, 1 << 15, (m, k), dtype=np.uint16)
+    stored = op_a.T if trans else op_a
+    ld = stored.shape[0] + (0 if trans else 2)  # trans, even k: the word transpose
+    flat = _column_major(stored, ld, rng).ravel()
+    out = np.full((k + 1) // 2 * mr, _UNWRITTEN, np.uint32)
+    bf16_gemm._pack_a(flat, ld, trans, i0, rows, k, out)
+    block = np.vstack([op_a[i0 : i0 + rows].T, np.zeros((k % 2, rows), np.uint16)])
+    want = np.zeros(((k + 1) // 2, mr), np.uint32)
+    want[:, :rows] = _words(block[0::2], block[1::2])
+    assert np.array_equal(out.reshape(want.shape), want)
 
 
 def test_zero_sized_products(rng):

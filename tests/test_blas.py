@@ -139,7 +139,7 @@ def test_overlapping_pins_restore_the_users_count_once(restore_backend):
     blas.set_backend("openblas")
     entry = blas.gemm_for(np.float32)
     assert entry.pinned
-    (c, *_) = blas_threads.controllers(entry.library)
+    (c, *_) = blas_threads.controllers(entry.address, entry.library)
     user = c.get_num_threads()
     c.set_num_threads(2)
     try:
@@ -152,6 +152,61 @@ def test_overlapping_pins_restore_the_users_count_once(restore_backend):
         assert c.get_num_threads() == 2
     finally:
         c.set_num_threads(user)
+
+
+class _FakeController:
+    """A thread-count controller whose ``set_num_threads(fail)`` raises."""
+
+    def __init__(self, count, fail=None):
+        self.count, self.fail = count, fail
+
+    def get_num_threads(self):
+        return self.count
+
+    def set_num_threads(self, n):
+        if n == self.fail:
+            raise OSError(f"cannot set {n} threads")
+        self.count = n
+
+
+def test_a_pin_that_fails_midway_leaves_every_count_as_the_user_had_it(monkeypatch):
+    first, second = _FakeController(4), _FakeController(4, fail=1)
+    monkeypatch.setattr(blas_threads, "controllers", lambda *entry: (first, second))
+    entry = blas.GemmEntry(address=-1, library="openblas", pinned=True)
+    with pytest.raises(OSError, match="cannot set 1"):
+        blas_threads.pin(entry)
+    assert (first.count, second.count) == (4, 4)
+    second.fail = None  # the next call pins and restores as usual
+    with blas_threads.single_threaded(entry):
+        assert (first.count, second.count) == (1, 1)
+    assert (first.count, second.count) == (4, 4)
+
+
+def test_an_unpin_that_fails_still_restores_the_others(monkeypatch):
+    first, second = _FakeController(3), _FakeController(2)
+    monkeypatch.setattr(blas_threads, "controllers", lambda *entry: (first, second))
+    entry = blas.GemmEntry(address=-2, library="openblas", pinned=True)
+    blas_threads.pin(entry)
+    first.fail = 3
+    with pytest.raises(OSError, match="cannot set 3"):
+        blas_threads.unpin(entry)
+    assert second.count == 2
+    first.fail = None
+    blas_threads.pin(entry)  # the count went back to zero: a fresh pin
+    assert second.count == 1
+    blas_threads.unpin(entry)
+    assert second.count == 2
+
+
+def test_the_pin_takes_the_entrys_library_or_else_every_lp64_blas(restore_backend):
+    """SciPy's OpenBLAS entry pins that OpenBLAS alone; an entry of no known
+    library (a SciPy linked against another BLAS) pins every LP64 BLAS."""
+    blas.set_backend("openblas")
+    entry = blas.gemm_for(np.float32)
+    chosen = blas_threads.controllers(entry.address, entry.library)
+    assert chosen and all(c.internal_api == "openblas" for c in chosen)
+    every = blas_threads.controllers(entry.address, "another-blas")
+    assert {c.filepath for c in chosen} < {c.filepath for c in every} or len(every) == 1
 
 
 def _callable_openblas_threads() -> list[int]:

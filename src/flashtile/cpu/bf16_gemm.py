@@ -23,12 +23,14 @@ The product is the textbook blocked one, in two levels:
   read in panels of :data:`NR` columns, as the matching pairs
   ``(B[2p, j], B[2p + 1, j])``, one 32-bit word each. Where a column of
   ``op(B)`` already lies in memory as aligned words (not transposed, even
-  ``ldb`` and ``k``: the kernels' ``P``, ``dS`` and row-major operand
-  tiles), its whole panels are read in place; the rest of ``op(B)`` is
-  copied once, as rows of words along ``n`` (:func:`_pack_b`). An odd ``k``
-  pads the last pair with zeros in both operands. The copies index with
+  ``ldb`` and ``k``, data on a 4-byte boundary: the kernels' ``P``, ``dS``
+  and row-major operand tiles), its whole panels are read in place; the
+  rest of ``op(B)`` is copied once, as rows of words along ``n``
+  (:func:`_pack_b`). An odd ``k`` pads the last pair with zeros in both
+  operands. The copies of aligned words and of interleaved rows index with
   unsigned integers: a signed index makes Numba emit negative-index code
-  that keeps the loops scalar. On the Zen 4 above, reading in place and
+  that keeps the loops scalar (the rare unaligned copies along ``k`` stay
+  scalar loops). On the Zen 4 above, reading in place and
   vectorised copies took the forward's ``P V`` product (256 x 512 by 512 x
   64) from 185-215 to 84-91 us, and the backward's products with a
   transposed ``B`` (``dV``, ``dK``) from 101 to 46 us;
@@ -84,8 +86,8 @@ def _dot_panels(
     """``C[i, j] = alpha sum_p A2[p, i] . B2[p, j] + beta C[i, j]`` for an
     ``MR x NR`` block: ``a_pack`` holds ``pairs x MR`` words (bf16 pairs),
     ``B2[p, j]`` is ``b_pack[b_start + p * b_step + j * b_col]`` (packed:
-    ``b_step = NR``, ``b_col = 1``; read in place: ``1`` and the column's
-    stride in words); the block's element ``(i, j)`` is ``c[c_start + i + j *
+    ``b_step`` the packed row's width, ``b_col = 1``; read in place: ``1``
+    and the column's stride in words); the block's element ``(i, j)`` is ``c[c_start + i + j *
     ldc]`` (column-major). ``beta = 0`` never reads ``c``."""
     intp = types.intp
     sig = types.void(a_pack, b_pack, intp, intp, intp, intp, c, intp, intp, alpha, beta)
@@ -216,8 +218,9 @@ def _transpose_words(words, lead, first, count, pairs, out, start, stride):
 
 @njit(cache=True)
 def _interleave_rows(x, even, odd, count, out, start, half_word):
-    """``out[start + i] = (x[even + i], x[odd + i])`` as words for ``i < count``
-    (``odd`` < 0: a zero high half, the padding of an odd ``k``)."""
+    """``out[start + i] = (x[even + i], x[odd + i])`` as words for ``i < count``;
+    with ``half_word``, ``x[even + i]`` alone with a zero high half (the last
+    pair of an odd ``k``; ``odd`` unused). Indices are non-negative."""
     start, even, count = np.uint64(start), np.uint64(even), np.uint64(count)
     if half_word:
         for i in range(count):

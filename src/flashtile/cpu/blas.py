@@ -40,8 +40,9 @@ the stack instead of in three arrays allocated per product (a tiny causal
 call, 4 heads of 16 x 16: the kernel 23.9 -> 18.3 us on one thread).
 
 Inside a ``prange`` every kernel thread already owns a core, so unless the
-kernel calls a sequential MKL, the BLAS it calls is pinned to one thread for
-the duration of the call (:mod:`.blas_threads`).
+kernel calls a sequential MKL or flashtile's own bf16 gemm, the BLAS it
+calls is pinned to one thread for the duration of the call
+(:mod:`.blas_threads`).
 """
 
 from __future__ import annotations
@@ -307,7 +308,8 @@ class GemmEntry(NamedTuple):
         library: ``"mkl"``, ``"openblas"`` or ``"vdpbf16ps"`` (flashtile's
             bf16 gemm, :mod:`.bf16_gemm`).
         pinned: whether kernel calls must pin BLAS to one thread
-            (:func:`.blas_threads.pin`): all but a sequential MKL.
+            (:func:`.blas_threads.pin`): all but a sequential MKL and
+            flashtile's own bf16 gemm.
     """
 
     address: int
