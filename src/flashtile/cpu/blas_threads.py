@@ -18,7 +18,7 @@ calls, is left alone.
 
 Every kernel call on OpenBLAS pays this, so it is kept small: on an AMD
 EPYC (Zen 4) with SciPy's OpenBLAS at 2 threads, :func:`pin` and
-:func:`unpin` around a call cost 2.8 us, against 4.0-6.5 for the earlier
+:func:`unpin` around a call cost 2.8-3.3 us, against 4.0-6.5 for the earlier
 context manager over every loaded BLAS (most of it is threadpoolctl's
 reading and two settings of the count, 1.5 us).
 """
