@@ -87,8 +87,9 @@ def _dot_panels(
     ``MR x NR`` block: ``a_pack`` holds ``pairs x MR`` words (bf16 pairs),
     ``B2[p, j]`` is ``b_pack[b_start + p * b_step + j * b_col]`` (packed:
     ``b_step`` the packed row's width, ``b_col = 1``; read in place: ``1``
-    and the column's stride in words); the block's element ``(i, j)`` is ``c[c_start + i + j *
-    ldc]`` (column-major). ``beta = 0`` never reads ``c``."""
+    and the column's stride in words); the block's element ``(i, j)`` is
+    ``c[c_start + i + j * ldc]`` (column-major). ``beta = 0`` never reads
+    ``c``."""
     intp = types.intp
     sig = types.void(a_pack, b_pack, intp, intp, intp, intp, c, intp, intp, alpha, beta)
 
