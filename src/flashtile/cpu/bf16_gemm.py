@@ -233,27 +233,50 @@ def _interleave_rows(x, even, odd, count, out, start, half_word):
 
 
 @njit(cache=True)
+def _copy_pairs(x, ld, k, first, count, out, start, stride):
+    """``out[start + p * stride + j]`` = pair ``p`` of line ``first + j`` of
+    ``x``, for ``j < count``, where a line (``ld`` elements apart) holds its
+    ``k`` elements contiguously, so each pair lies along memory: aligned
+    words are copied as words (:func:`_transpose_words`), else two bf16
+    patterns at a time (an odd ``k``'s last pair with a zero high half)."""
+    if _aligned_words(x, ld, k):
+        _transpose_words(x.view(np.uint32), ld // 2, first, count, k // 2, out, start, stride)
+        return
+    half = k // 2
+    for j in range(count):
+        at = (first + j) * ld
+        for p in range(half):
+            out[start + p * stride + j] = _word(x[at + 2 * p], x[at + 2 * p + 1])
+        if k % 2:
+            out[start + half * stride + j] = x[at + k - 1]
+
+
+@njit(cache=True)
+def _interleave_pairs(x, ld, k, first, count, out, start, stride):
+    """``out[start + p * stride + j] = (x[first + j + 2p ld], x[first + j +
+    (2p + 1) ld])`` for ``j < count``: pair ``p`` of element ``first + j``
+    of lines ``2p`` and ``2p + 1`` of ``x`` (``k`` lines, ``ld`` apart, each
+    contiguous), two lines at a time (:func:`_interleave_rows`); an odd
+    ``k``'s last line with a zero high half."""
+    half = k // 2
+    for p in range(half):
+        even = first + 2 * p * ld
+        _interleave_rows(x, even, even + ld, count, out, start + p * stride, False)
+    if k % 2:
+        _interleave_rows(x, first + (k - 1) * ld, 0, count, out, start + half * stride, True)
+
+
+@njit(cache=True)
 def _pack_a(a, lda, trans, i0, rows, k, out):
     """Rows ``i0 .. i0 + rows`` of ``op(A)`` (``m x k``) as words of pairs
     along ``k``: ``out[p * MR + i] = (op(A)[i0 + i, 2p], op(A)[i0 + i, 2p + 1])``,
     zeros past the rows and past ``k``. Reads run along memory either way."""
-    half, pairs = k // 2, (k + 1) // 2
     if rows < MR:  # (an odd k's last pair is written whole, its high half zero)
-        out[: pairs * MR] = 0
-    if trans and _aligned_words(a, lda, k):  # rows of op(A) are rows of words
-        _transpose_words(a.view(np.uint32), lda // 2, i0, rows, pairs, out, 0, MR)
-    elif trans:  # op(A)[i, col] = A[col + i * lda]: row i is contiguous
-        for i in range(rows):
-            first = (i0 + i) * lda
-            for p in range(half):
-                out[p * MR + i] = _word(a[first + 2 * p], a[first + 2 * p + 1])
-            if k % 2:
-                out[half * MR + i] = a[first + k - 1]
+        out[: (k + 1) // 2 * MR] = 0
+    if trans:  # op(A)[i, col] = A[col + i * lda]: row i is contiguous
+        _copy_pairs(a, lda, k, i0, rows, out, 0, MR)
     else:  # op(A)[i, col] = A[i + col * lda]: column col is contiguous
-        for p in range(half):
-            _interleave_rows(a, i0 + 2 * p * lda, i0 + (2 * p + 1) * lda, rows, out, p * MR, False)
-        if k % 2:
-            _interleave_rows(a, i0 + (k - 1) * lda, 0, rows, out, half * MR, True)
+        _interleave_pairs(a, lda, k, i0, rows, out, 0, MR)
 
 
 @njit(cache=True)
@@ -264,26 +287,14 @@ def _pack_b(b, ldb, trans, n, k, out, c0, width):
     micro-kernel reads a panel's ``NR`` words of step ``p`` together. Reads
     run along memory either way: a transposed ``B`` holds the rows of
     ``op(B)``, interleaved two by two; an untransposed one its columns."""
-    pairs, half, cols = (k + 1) // 2, k // 2, n - c0
+    cols = n - c0
     if cols < width:  # (an odd k's last pair is written whole, its high half zero)
-        for p in range(pairs):
+        for p in range((k + 1) // 2):
             out[p * width + cols : (p + 1) * width] = 0
     if trans:  # op(B)[row, col] = B[col + row * ldb]
-        for p in range(half):
-            _interleave_rows(
-                b, c0 + 2 * p * ldb, c0 + (2 * p + 1) * ldb, cols, out, p * width, False
-            )
-        if k % 2:
-            _interleave_rows(b, c0 + (k - 1) * ldb, 0, cols, out, half * width, True)
-    elif _aligned_words(b, ldb, k):  # op(B)[row, col] = B[row + col * ldb]: words
-        _transpose_words(b.view(np.uint32), ldb // 2, c0, cols, pairs, out, 0, width)
-    else:
-        for j in range(cols):
-            first = (c0 + j) * ldb
-            for p in range(half):
-                out[p * width + j] = _word(b[first + 2 * p], b[first + 2 * p + 1])
-            if k % 2:
-                out[half * width + j] = b[first + k - 1]
+        _interleave_pairs(b, ldb, k, c0, cols, out, 0, width)
+    else:  # op(B)[row, col] = B[row + col * ldb]: column col is contiguous
+        _copy_pairs(b, ldb, k, c0, cols, out, 0, width)
 
 
 @njit(cache=True)
