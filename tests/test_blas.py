@@ -8,6 +8,7 @@ backends are checked against each other.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 import flashtile as ft
 import flashtile.cpu.blas as blas
 import flashtile.cpu.blas_threads as blas_threads
+import flashtile.cpu.launch as launch
 from dense import dense_attention, dense_attention_backward, rel_err
 from flashtile import routes
 
@@ -125,77 +127,102 @@ def test_mkl_is_the_default_when_installed(monkeypatch, restore_backend, tmp_pat
     assert blas.backend() == "openblas"
 
 
-def test_openblas_is_pinned_to_one_thread_during_kernel_calls(restore_backend):
+class _FakeLibrary:
+    """A BLAS thread count behind a getter and a setter that are C functions
+    (ctypes callbacks), as :func:`blas_threads.thread_table` rows hold them;
+    records every count set."""
 
-    blas.set_backend("openblas")
-    with blas_threads.single_threaded(blas.gemm_for(np.float32)):
-        inside = _callable_openblas_threads()
-    assert inside and all(n == 1 for n in inside)
+    def __init__(self, count):
+        self.count, self.sets = count, []
+        self._get = ctypes.CFUNCTYPE(ctypes.c_int)(lambda: self.count)
+        self._set = ctypes.CFUNCTYPE(None, ctypes.c_int64)(self._record)
+
+    def _record(self, n):
+        self.sets.append(n)
+        self.count = n
+
+    def row(self) -> list[int]:
+        return [_address(self._get), _address(self._set), 0, 0]
 
 
-def test_overlapping_pins_restore_the_users_count_once(restore_backend):
-    """Calls overlapping from several Python threads pin once; the last to
-    leave restores the count the user had (here 2), never 1."""
+def _address(function) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
+def test_the_compiled_pin_counts_overlapping_calls_and_restores_once():
+    """The first of overlapping pins saves the count and sets one thread, the
+    last unpin restores it; an unpin of a table nobody pins changes nothing."""
+    four, one = _FakeLibrary(4), _FakeLibrary(1)
+    table = np.array([four.row(), one.row()], dtype=np.int64)
+    blas_threads.pin_blas(table)
+    assert (four.count, one.count) == (1, 1) and one.sets == []  # one thread already: untouched
+    blas_threads.pin_blas(table)  # a second call while the first runs
+    blas_threads.unpin_blas(table)
+    assert four.sets == [1]  # the other call still holds its pin
+    blas_threads.unpin_blas(table)
+    assert (four.sets, one.sets) == ([1, 4], [])
+    assert list(table[:, blas_threads.DEPTH]) == [0, 0]
+    blas_threads.unpin_blas(table)
+    assert four.sets == [1, 4]
+
+
+@pytest.mark.parametrize("kernel", ["forward", "backward", "decode"])
+def test_each_kernel_pins_its_blas_while_it_runs(kernel, monkeypatch, restore_backend, rng):
+    """Every kernel call on OpenBLAS sets one thread before its products and
+    the user's count (here 2) after, in compiled code."""
     blas.set_backend("openblas")
     entry = blas.gemm_for(np.float32)
-    assert entry.pinned
+    assert entry.pinned and entry.threads.shape[0] >= 1
+    library = _FakeLibrary(2)
+    fake = entry._replace(threads=np.array([library.row()], dtype=np.int64))
+    monkeypatch.setattr(launch._kernels(), "gemm_for", lambda *args, **keywords: fake)
+    q = rng.standard_normal((1, 2, 1 if kernel == "decode" else 40, 16), dtype=np.float32)
+    k, v = (rng.standard_normal((1, 2, 300, 16), dtype=np.float32) for _ in range(2))
+    if kernel == "decode":
+        ft.decode_attention(q, k, v)
+    elif kernel == "forward":
+        ft.attention(q, k, v)
+    else:
+        out, lse = ft.attention(q, k, v, return_lse=True)
+        library.sets.clear()
+        ft.attention_backward(q, k, v, out, lse, np.ones_like(out))
+    assert library.sets == [1, 2]
+
+
+def test_a_kernel_that_raises_after_its_pin_is_unpinned():
+    library = _FakeLibrary(3)
+    entry = blas.GemmEntry(0, "openblas", True, np.array([library.row()], dtype=np.int64))
+
+    def kernel(*args):  # a kernel whose allocation failed after the pin
+        blas_threads.pin_blas(args[-1])
+        raise MemoryError("out of memory")
+
+    with pytest.raises(MemoryError):
+        launch._call(1, entry, kernel)
+    assert library.sets == [1, 3] and entry.threads[0, blas_threads.DEPTH] == 0
+
+
+def test_overlapping_blocks_restore_the_users_count_once(restore_backend):
+    """Python blocks (single_threaded) overlapping from several threads pin
+    once; the last to leave restores the count the user had (here 2), never 1."""
+    blas.set_backend("openblas")
+    entry = blas.gemm_for(np.float32)
     (c, *_) = blas_threads.controllers(entry.address, entry.library)
     user = c.get_num_threads()
     c.set_num_threads(2)
     try:
-        blas_threads.pin(entry)
-        blas_threads.pin(entry)
-        blas_threads.unpin(entry)
+        first, second = blas_threads.single_threaded(entry), blas_threads.single_threaded(entry)
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
         inside = _callable_openblas_threads()
         assert inside and all(n == 1 for n in inside)
-        blas_threads.unpin(entry)
+        ft.attention(*np.ones((3, 1, 2, 5, 8), dtype=np.float32))  # a kernel's own pin inside
+        assert all(n == 1 for n in _callable_openblas_threads())
+        second.__exit__(None, None, None)
         assert c.get_num_threads() == 2
     finally:
         c.set_num_threads(user)
-
-
-class _FakeController:
-    """A thread-count controller whose ``set_num_threads(fail)`` raises."""
-
-    def __init__(self, count, fail=None):
-        self.count, self.fail = count, fail
-
-    def get_num_threads(self):
-        return self.count
-
-    def set_num_threads(self, n):
-        if n == self.fail:
-            raise OSError(f"cannot set {n} threads")
-        self.count = n
-
-
-def test_a_pin_that_fails_midway_leaves_every_count_as_the_user_had_it(monkeypatch):
-    first, second = _FakeController(4), _FakeController(4, fail=1)
-    monkeypatch.setattr(blas_threads, "controllers", lambda *entry: (first, second))
-    entry = blas.GemmEntry(address=-1, library="openblas", pinned=True)
-    with pytest.raises(OSError, match="cannot set 1"):
-        blas_threads.pin(entry)
-    assert (first.count, second.count) == (4, 4)
-    second.fail = None  # the next call pins and restores as usual
-    with blas_threads.single_threaded(entry):
-        assert (first.count, second.count) == (1, 1)
-    assert (first.count, second.count) == (4, 4)
-
-
-def test_an_unpin_that_fails_still_restores_the_others(monkeypatch):
-    first, second = _FakeController(3), _FakeController(2)
-    monkeypatch.setattr(blas_threads, "controllers", lambda *entry: (first, second))
-    entry = blas.GemmEntry(address=-2, library="openblas", pinned=True)
-    blas_threads.pin(entry)
-    first.fail = 3
-    with pytest.raises(OSError, match="cannot set 3"):
-        blas_threads.unpin(entry)
-    assert second.count == 2
-    first.fail = None
-    blas_threads.pin(entry)  # the count went back to zero: a fresh pin
-    assert second.count == 1
-    blas_threads.unpin(entry)
-    assert second.count == 2
 
 
 def test_the_pin_takes_the_entrys_library_or_else_every_lp64_blas(restore_backend):
@@ -254,6 +281,7 @@ from threadpoolctl import threadpool_info
 import flashtile as ft
 import flashtile.cpu.blas as blas
 import flashtile.cpu.blas_threads as blas_threads
+import flashtile.cpu.launch as launch
 assert blas.backend() == "mkl" and not blas._mkl().sequential
 entry = blas.gemm_for(np.float32)
 mkl = lambda: [i["num_threads"] for i in threadpool_info() if i["internal_api"] == "mkl"]

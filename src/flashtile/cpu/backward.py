@@ -29,6 +29,7 @@ from ..masks import TILE_EMPTY, TILE_PARTIAL
 from ..units import LOG2E
 from . import FASTMATH
 from .blas import gemm, gemm_scaled
+from .blas_threads import pin_blas, unpin_blas
 from .dropout import mark_rows
 from .half import narrow, narrow_operand, prob_buffer, prob_tile, split_scale, widen
 from .mod_calls import call_row, pointer
@@ -288,7 +289,7 @@ def store_rows(src, dst, h0, i_first, br, mult):
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def backward_kernel(
     q, k, v, out, lse, dout, dq, dk, dv, sums, seqs, items, scale, variant_fields, block_q,
-    block_k, lse2_mult, gemm_fn,
+    block_k, lse2_mult, gemm_fn, blas_threads,
 ):  # fmt: skip
     """Write ``dq``, per-part ``dk``, ``dv`` and the rows' sums of ``P``
     (``sums (NB, Hq, TQ, 1)``, :func:`probs_tile`) for C-contiguous 4-D arrays.
@@ -303,6 +304,7 @@ def backward_kernel(
     bit-identical run to run. ``P > 1`` only when there are fewer
     ``(sequence, kv head)`` pairs than threads. ``lse2_mult``: ``log2(e)``
     for a natural-log ``lse``, 1 for log2 units (:func:`row_terms`).
+    ``blas_threads``: the BLAS pinned meanwhile (:mod:`.blas_threads`).
     """
     variants = KernelVariants(*variant_fields)
     group = q.shape[1] // k.shape[1]
@@ -311,6 +313,7 @@ def backward_kernel(
     dt = work.type
     q_mult, s_mult = split_scale(q, lse, scale * LOG2E)
     n_parts = dk.shape[0]
+    pin_blas(blas_threads)
     for n in prange(items.shape[0]):
         wide_vectors()  # the prange body is a function of its own
         sq, hk, part = items[n, 0], items[n, 1], items[n, 2]
@@ -363,3 +366,4 @@ def backward_kernel(
             store_rows(dqt, dq[b], tile.h0, qs0 + i0, tile.br, scale)
             store_rows(row_sums[:rows], sums[b], tile.h0, qs0 + i0, tile.br, dt(1.0))
         dk_rows *= dt(scale)
+    unpin_blas(blas_threads)

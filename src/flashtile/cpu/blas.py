@@ -67,6 +67,7 @@ from numba.extending import intrinsic
 
 from .. import routes
 from . import FASTMATH, bf16_gemm
+from .blas_threads import thread_table
 
 _TRANS, _NOTRANS = ord("T"), ord("N")
 
@@ -307,17 +308,21 @@ class GemmEntry(NamedTuple):
             argument (:func:`fortran_gemm` calls it).
         library: ``"mkl"``, ``"openblas"`` or ``"vdpbf16ps"`` (flashtile's
             bf16 gemm, :mod:`.bf16_gemm`).
-        pinned: whether kernel calls must pin BLAS to one thread
-            (:func:`.blas_threads.pin`): all but a sequential MKL and
-            flashtile's own bf16 gemm.
+        pinned: whether kernel calls must pin BLAS to one thread: all but
+            a sequential MKL and flashtile's own bf16 gemm.
+        threads: the :func:`.blas_threads.thread_table` the kernels pin
+            (no rows when not ``pinned``): their ``blas_threads`` argument.
     """
 
     address: int
     library: str
     pinned: bool
+    threads: np.ndarray
 
 
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+#: The thread table of an entry that needs no pin.
+_NO_PIN = np.zeros((0, 4), dtype=np.int64)
 
 
 @functools.cache
@@ -325,13 +330,16 @@ def _entry(library: str, dtype) -> GemmEntry:
     names = {np.dtype(np.float32): "sgemm", np.dtype(np.float64): "dgemm", _BFLOAT16: _BF16_GEMM}
     name = names[np.dtype(dtype)]
     if library == "vdpbf16ps":  # a Numba cfunc, no BLAS: nothing to pin
-        return GemmEntry(bf16_gemm.address(), library, False)
+        return GemmEntry(bf16_gemm.address(), library, False, _NO_PIN)
     if name == _BF16_GEMM and library != "mkl":
         raise ValueError("bfloat16 tile products need a bf16 gemm: check bf16_products() first")
     if library == "mkl":
         address = ctypes.cast(getattr(_mkl(), name + "_"), ctypes.c_void_p).value
-        return GemmEntry(address, library, not _mkl().sequential)
-    return GemmEntry(_capsule_pointer(name), library, True)
+        if _mkl().sequential:
+            return GemmEntry(address, library, False, _NO_PIN)
+    else:
+        address = _capsule_pointer(name)
+    return GemmEntry(address, library, True, thread_table(address, library))
 
 
 def gemm_for(dtype, rows: int | None = None) -> GemmEntry:

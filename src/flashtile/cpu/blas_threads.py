@@ -10,17 +10,19 @@ products bit-identical from call to call (its result depends on its thread
 count).
 
 Only the library the call's ``gemm`` lives in is pinned (the shared object
-holding its address, :func:`controllers`), with a count per entry: calls
-overlapping from several Python threads pin once, and the last to leave
-restores the user's thread count, so the user's own BLAS threading is never
-left changed. NumPy's 64-bit-integer (ILP64) OpenBLAS, which no kernel
-calls, is left alone.
+holding its address, :func:`controllers`); NumPy's 64-bit-integer (ILP64)
+OpenBLAS, which no kernel calls, is left alone.
 
-Every kernel call on OpenBLAS pays this, so it is kept small: on an AMD
-EPYC (Zen 4) with SciPy's OpenBLAS at 2 threads, :func:`pin` and
-:func:`unpin` around a call cost 2.8-3.3 us, against 4.0-6.5 for the earlier
-context manager over every loaded BLAS (most of it is threadpoolctl's
-reading and two settings of the count, 1.5 us).
+The kernels pin and restore in compiled code (:func:`pin_blas` first,
+:func:`unpin_blas` last), on a :func:`thread_table` of the libraries' own
+thread-count functions. Kernel calls from several Python threads overlap
+(Numba releases the GIL inside a parallel region), so the table counts the
+calls holding a pin: the first saves the user's count and sets one thread,
+the last restores it. Pins and unpins themselves run with the GIL held,
+outside the parallel regions, so they never interleave. On an AMD EPYC
+(Zen 4) with SciPy's OpenBLAS at 2 threads the Python pin this replaces
+(threadpoolctl's controllers, a lock and a count per entry) cost 2.8-3.3 us
+a call, and two Python calls more on every kernel call's path.
 """
 
 from __future__ import annotations
@@ -29,20 +31,35 @@ import contextlib
 import ctypes
 import functools
 import os
-import threading
 
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 from threadpoolctl import ThreadpoolController
-
-from .blas import GemmEntry
 
 #: 32-bit-integer (LP64) sgemm symbols: what SciPy's ``cython_blas`` and oneMKL's
 #: LP64 interface export. An OpenBLAS without them is an ILP64 build
 #: (``..._64_`` symbols, NumPy's own), which the kernels never call.
 _LP64_SGEMM = ("sgemm_", "scipy_sgemm_", "sgemm")
 
-_lock = threading.Lock()
-#: entry address -> [overlapping pins, [(controller, the user's count)]]
-_pins: dict[int, list] = {}
+#: Each library's process-wide thread-count getter and setter (threadpoolctl's
+#: ``internal_api`` names). Every getter returns a C ``int`` and every setter
+#: takes one, but BLIS's take its 64-bit ``dim_t``: the setter is passed a
+#: 64-bit integer (an ``int`` parameter reads its low half) and the getter's
+#: low 32 bits are read. oneMKL's global setter, not threadpoolctl's
+#: thread-local one: the kernel's worker threads call MKL, not the caller.
+_COUNT_FUNCTIONS = {
+    "openblas": ("openblas_get_num_threads", "openblas_set_num_threads"),
+    "mkl": ("MKL_Get_Max_Threads", "MKL_Set_Num_Threads"),
+    "blis": ("bli_thread_get_num_threads", "bli_thread_set_num_threads"),
+    "flexiblas": ("flexiblas_get_num_threads", "flexiblas_set_num_threads"),
+}
+#: OpenBLAS symbol prefixes: SciPy's wheels prefix theirs with ``scipy_``.
+_OPENBLAS_PREFIXES = ("", "scipy_")
+
+#: The columns of a :func:`thread_table` row.
+GET, SET, SAVED, DEPTH = 0, 1, 2, 3
 
 
 @functools.cache
@@ -53,9 +70,7 @@ def controllers(address: int, library: str) -> tuple:
     kind (SciPy's ``cython_blas`` hands out wrappers of its own, and
     ``"openblas"`` is flashtile's name for whatever BLAS SciPy links);
     every LP64 BLAS threadpoolctl lists (a SciPy built against oneMKL or
-    FlexiBLAS). Scanned (~3 ms) once per entry. Each reads and sets its
-    thread count with one ctypes call, where ``ThreadpoolController.limit``
-    re-reads every library's state first (35-46 us a call)."""
+    FlexiBLAS). Scanned (~3 ms) once per entry."""
     blas = [c for c in ThreadpoolController().lib_controllers if c.user_api == "blas" and lp64(c)]
     path = _library_file(address)
     own = [c for c in blas if path is not None and os.path.realpath(c.filepath) == path]
@@ -90,61 +105,102 @@ def lp64(controller) -> bool:
     return any(hasattr(controller.dynlib, name) for name in _LP64_SGEMM)
 
 
-def pin(entry: GemmEntry) -> None:
-    """Pin ``entry``'s library to one thread (the first of overlapping calls
-    does); each successful call is followed by :func:`unpin` with the same
-    entry. If setting a count fails, the counts already set are restored and
-    the error is raised: nothing stays pinned."""
-    with _lock:
-        state = _pins.setdefault(entry.address, [0, []])
-        if state[0] == 0:
-            saved = []
-            try:
-                for c in controllers(entry.address, entry.library):
-                    n = c.get_num_threads()
-                    if n != 1:
-                        saved.append((c, n))
-                        c.set_num_threads(1)
-            except BaseException:
-                _restore(saved)
-                raise
-            state[1] = saved
-        state[0] += 1
+def thread_table(address: int, library: str) -> np.ndarray:
+    """``(n, 4)`` int64, a row per library :func:`controllers` names: the
+    addresses of its thread-count getter and setter (columns ``GET``,
+    ``SET``), the user's count saved by the first pin (``SAVED``) and the
+    calls holding a pin (``DEPTH``). A library without those functions
+    cannot be pinned and has no row. Each :class:`~.blas.GemmEntry` keeps
+    one, which its kernel calls pin; entries of the same libraries share it
+    (the sgemm and dgemm of one OpenBLAS), so their pins are counted
+    together."""
+    functions = tuple(fns for c in controllers(address, library) if (fns := _count_functions(c)))
+    return _shared_table(functions)
 
 
-def unpin(entry: GemmEntry) -> None:
-    """Undo :func:`pin`: the last of overlapping calls restores the counts
-    (each one, even if restoring another fails; the first error is raised)."""
-    with _lock:
-        state = _pins[entry.address]
-        state[0] -= 1
-        if state[0] == 0:
-            saved, state[1] = state[1], []
-            _restore(saved)
+@functools.cache
+def _shared_table(functions: tuple) -> np.ndarray:
+    rows = [(get, set_, 0, 0) for get, set_ in functions]
+    return np.array(rows, dtype=np.int64).reshape(len(rows), 4)
 
 
-def _restore(saved) -> None:
-    """Set each ``(controller, count)`` of ``saved``; raise the first failure
-    after trying them all."""
-    failure = None
-    for c, n in saved:
-        try:
-            c.set_num_threads(n)
-        except BaseException as error:  # (the others are still restored)
-            failure = failure or error
-    if failure is not None:
-        raise failure
+def _count_functions(controller) -> tuple[int, int] | None:
+    """``(getter, setter)`` addresses of a controller's library, or None."""
+    names = _COUNT_FUNCTIONS.get(controller.internal_api)
+    if names is None:
+        return None
+    prefixes = _OPENBLAS_PREFIXES if controller.internal_api == "openblas" else ("",)
+    for prefix in prefixes:
+        found = [getattr(controller.dynlib, prefix + name, None) for name in names]
+        if None not in found:
+            return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in found)
+    return None
+
+
+@intrinsic
+def _get_count(typingctx, address):
+    """Call the getter at ``address``: its C ``int`` result as an int64."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        function = ir.FunctionType(ir.IntType(32), [])
+        result = builder.call(builder.inttoptr(args[0], function.as_pointer()), [])
+        return builder.sext(result, ir.IntType(64))
+
+    return types.int64(address), codegen
+
+
+@intrinsic
+def _set_count(typingctx, address, count):
+    """Call the setter at ``address`` with ``count`` (as a 64-bit integer:
+    see :data:`_COUNT_FUNCTIONS`)."""
+    if not (isinstance(address, types.Integer) and isinstance(count, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        function = ir.FunctionType(ir.VoidType(), [ir.IntType(64)])
+        value = context.cast(builder, args[1], signature.args[1], types.int64)
+        builder.call(builder.inttoptr(args[0], function.as_pointer()), [value])
+        return context.get_dummy_value()
+
+    return types.void(address, count), codegen
+
+
+@njit(cache=True)
+def pin_blas(table):
+    """Pin each library of a :func:`thread_table` to one thread: the first
+    of overlapping calls saves its count and sets 1. A kernel's first step;
+    :func:`unpin_blas` its last. Called with the GIL held (outside any
+    parallel region): pins and unpins never interleave."""
+    for i in range(table.shape[0]):
+        if table[i, DEPTH] == 0:
+            count = _get_count(table[i, GET])
+            table[i, SAVED] = count
+            if count > 1:
+                _set_count(table[i, SET], 1)
+        table[i, DEPTH] += 1
+
+
+@njit(cache=True)
+def unpin_blas(table):
+    """Undo :func:`pin_blas`: the last of overlapping calls restores the
+    count it saved. A table nobody pins is left alone."""
+    for i in range(table.shape[0]):
+        if table[i, DEPTH] == 0:
+            continue
+        table[i, DEPTH] -= 1
+        if table[i, DEPTH] == 0 and table[i, SAVED] > 1:
+            _set_count(table[i, SET], table[i, SAVED])
 
 
 @contextlib.contextmanager
-def single_threaded(entry: GemmEntry):
-    """:func:`pin` and :func:`unpin` around a block, unless ``entry`` needs no
-    pin (a sequential MKL, flashtile's own bf16 gemm)."""
-    if not entry.pinned:
-        yield
-        return
-    pin(entry)
+def single_threaded(entry):
+    """``entry``'s libraries (a :class:`~.blas.GemmEntry`) pinned to one thread
+    around a block of Python code (the kernels pin themselves), counted with
+    the kernels' pins: the last to leave restores the user's counts."""
+    pin_blas(entry.threads)
     try:
         yield
     finally:
-        unpin(entry)
+        unpin_blas(entry.threads)

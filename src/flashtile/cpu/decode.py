@@ -40,6 +40,7 @@ from numba.extending import overload
 
 from ..units import LN2, LOG2E
 from . import FASTMATH
+from .blas_threads import pin_blas, unpin_blas
 from .cache_rows import HeadTilesWalk, head_tile, reads_rows, walk_heads, walk_rows
 from .half import prob_buffer, split_scale, work_empty
 from .memory import BFloat16Bits, FloatValues, is_flag, load_value, prefetch_rows
@@ -345,7 +346,7 @@ def decode_kernel(
 @njit(fastmath=FASTMATH, cache=True)
 def decode_call(
     q, k, v, fmt, walk, table, seqlens, items, spans, check_raw, scale, variant_fields, tile_keys,
-    gemm_fn,
+    gemm_fn, blas_threads,
 ):  # fmt: skip
     """One decoding call in compiled code: :func:`decode_kernel` over
     ``items`` into partials, then :func:`merge_partials` over ``spans``.
@@ -353,7 +354,8 @@ def decode_call(
     Arguments as :func:`decode_kernel`'s (without the partial buffers, which
     are allocated here; the variants as a plain tuple,
     ``tuple(variants)``); ``check_raw``: report raw scores that are not
-    finite (float32 work, :mod:`flashtile.precision`). Returns ``(out (B,
+    finite (float32 work, :mod:`flashtile.precision`); ``blas_threads``: the
+    BLAS pinned meanwhile (:mod:`.blas_threads`). Returns ``(out (B,
     Hq, Tq, dv), lse (B, Hq, Tq), flagged, finite)``, both in the work dtype
     (float32 for bf16 products): ``flagged``, a raw
     score was not finite; ``finite``, every ``lse`` is. One call from Python
@@ -361,6 +363,7 @@ def decode_call(
     a model's loop each of those costs microseconds.
     """
     variants = KernelVariants(*variant_fields)
+    pin_blas(blas_threads)
     batch, hq, tq = q.shape[0], q.shape[1], q.shape[2]
     dv = v.shape[3]
     rows = (hq // k.shape[1]) * tq
@@ -375,6 +378,7 @@ def decode_call(
     out = work_empty((batch, hq, tq, dv), q)
     lse = work_empty((batch, hq, tq), q)
     merge_partials(part_out, part_lse, spans, out, lse)
+    unpin_blas(blas_threads)
     return out, lse, part_flag.any(), np.isfinite(lse).all()
 
 

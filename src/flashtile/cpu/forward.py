@@ -23,6 +23,7 @@ from numba import njit, prange
 from ..masks import TILE_EMPTY, TILE_FULL
 from ..units import LOG2E
 from . import FASTMATH
+from .blas_threads import pin_blas, unpin_blas
 from .half import prob_buffer, split_scale
 from .tile_step import finish_rows, fold_key_tile, item_buffers, one_segment
 from .tiles import (
@@ -217,16 +218,19 @@ def forward_kernel(
 
 @njit(cache=True)
 def forward_call(
-    q, k, v, lse, seqs, items, scale, variant_fields, block_q, block_k, lse_mult, gemm_fn
-):
+    q, k, v, lse, seqs, items, scale, variant_fields, block_q, block_k, lse_mult, gemm_fn,
+    blas_threads,
+):  # fmt: skip
     """:func:`forward_kernel` into ``lse`` (allocated by the caller, in the
     work dtype) with ``out`` and ``visited`` allocated here; returns ``(out,
     visited)``. Arguments as there; ``variant_fields``: a
-    :class:`.tiles.KernelVariants` as a plain tuple (``tuple(variants)``).
+    :class:`.tiles.KernelVariants` as a plain tuple (``tuple(variants)``);
+    ``blas_threads``: the BLAS pinned meanwhile (:mod:`.blas_threads`).
     With no query heads or batch (``q.size == 0``) nothing is computed (the
     kernel divides by the head count). One compiled call: inside a model's
     loop, each allocation from Python costs close to a microsecond."""
     variants = KernelVariants(*variant_fields)
+    pin_blas(blas_threads)
     out = np.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
     visited = np.empty(items.shape[0], dtype=np.int64)
     if q.size > 0:
@@ -234,4 +238,5 @@ def forward_call(
             q, k, v, out, lse, visited, seqs, items, scale, variants, block_q, block_k, lse_mult,
             gemm_fn,
         )  # fmt: skip
+    unpin_blas(blas_threads)
     return out, visited

@@ -56,7 +56,7 @@ def _kernels() -> types.SimpleNamespace:
     statement in each call costs about a microsecond)."""
     from .backward import backward_kernel
     from .blas import gemm_for
-    from .blas_threads import pin, unpin
+    from .blas_threads import unpin_blas
     from .cache_rows import walk_flag
     from .decode import decode_call
     from .forward import forward_call
@@ -65,45 +65,37 @@ def _kernels() -> types.SimpleNamespace:
 
     return types.SimpleNamespace(
         backward_kernel=backward_kernel, gemm_for=gemm_for, forward_call=forward_call,
-        pin=pin, unpin=unpin, decode_call=decode_call,
+        unpin_blas=unpin_blas, decode_call=decode_call,
         cache_operands=cache_operands, to_bfloat16=to_bfloat16, walk_flag=walk_flag,
     )  # fmt: skip
 
 
 def _call(threads, entry, kernel, *args):
-    """``kernel(*args, entry.address)`` on the plan's ``threads``
-    (:func:`flashtile.planning.call_threads`); ``entry``: the kernel's
-    :func:`.blas.gemm_for`.
+    """``kernel(*args, entry.address, entry.threads)`` on the plan's
+    ``threads`` (:func:`flashtile.planning.call_threads`); ``entry``: the
+    kernel's :func:`.blas.gemm_for`.
 
-    A threaded BLAS is pinned to one thread meanwhile
-    (:func:`.blas_threads.pin`; not needed for a sequential MKL): with
-    several kernel threads it must not start its own, and with one it keeps
-    the products bit-identical from call to call (a threaded MKL's result
-    depends on its thread count). With one thread, Numba's count is set to 1
-    for the call, so the pool is never woken; with a pool larger than the
-    CPUs the process may use, to the plan's count.
+    The kernel pins a threaded BLAS to one thread while it runs
+    (:mod:`.blas_threads`, from ``entry.threads``): with several kernel
+    threads it must not start its own, and with one it keeps the products
+    bit-identical from call to call (a threaded MKL's result depends on its
+    thread count). A kernel raises only on allocation (MemoryError), after
+    its pin: it is unpinned here. With one thread, Numba's count is set to 1 for the call,
+    so the pool is never woken; with a pool larger than the CPUs the process
+    may use, to the plan's count; otherwise (several threads on an uncapped
+    pool, where ``numba_threads()`` is the calling thread's own count) it is
+    left alone.
     """
-    if not entry.pinned:
-        return _on_threads(threads, kernel, *args, entry.address)
-    kernels = _kernels()
-    kernels.pin(entry)
+    swap = threads <= 1 or _USABLE < numba.config.NUMBA_NUM_THREADS
+    saved = _swap_threads(threads) if swap else 0
     try:
-        return _on_threads(threads, kernel, *args, entry.address)
+        return kernel(*args, entry.address, entry.threads)
+    except MemoryError:
+        _kernels().unpin_blas(entry.threads)
+        raise
     finally:
-        kernels.unpin(entry)
-
-
-def _on_threads(threads, kernel, *args):
-    """``kernel(*args)`` with Numba's count set to ``threads`` for the call,
-    unless it already is: a plan of several threads on an uncapped pool
-    (``numba_threads()`` is then the calling thread's own count)."""
-    if threads > 1 and _USABLE >= numba.config.NUMBA_NUM_THREADS:
-        return kernel(*args)
-    saved = _swap_threads(threads)
-    try:
-        return kernel(*args)
-    finally:
-        _swap_threads(saved)
+        if swap:
+            _swap_threads(saved)
 
 
 def run_forward(plan, log2=False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
