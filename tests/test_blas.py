@@ -22,7 +22,7 @@ import flashtile.cpu.blas as blas
 import flashtile.cpu.blas_threads as blas_threads
 import flashtile.cpu.launch as launch
 from dense import dense_attention, dense_attention_backward, rel_err
-from flashtile import routes
+from flashtile import routes, tune
 
 INSTALLED = ["openblas"] + (["mkl"] if blas._mkl() is not None else [])
 
@@ -260,16 +260,25 @@ def test_mkl_runs_sequential_so_nothing_is_pinned(restore_backend):
 
 
 @pytest.mark.skipif("mkl" not in INSTALLED, reason="oneMKL not installed")
-def test_small_tiles_go_to_openblas_and_are_pinned(restore_backend):
-
+@pytest.mark.parametrize("route, rows", [("blas.one", 1), ("blas.few", 4)])
+def test_small_products_run_where_their_route_says(route, rows, restore_backend, monkeypatch, rng):
+    """With MKL the BLAS, tiles of fewer than SMALL_TILE_ROWS rows take the
+    library of route blas.one (one row) or blas.few (2-7 rows); an OpenBLAS
+    entry is pinned. Each gives a decoding step's result."""
+    monkeypatch.setattr(tune, "ROUNDS", 1)
     blas.set_backend("mkl")
     assert blas.gemm_for(np.float32, rows=blas.SMALL_TILE_ROWS).library == "mkl"
-    assert blas.gemm_for(np.float32, rows=1).library == "mkl"  # MHA decoding: no pin
-    entry = blas.gemm_for(np.float32, rows=blas.SMALL_TILE_ROWS - 1)
-    assert entry.library == "openblas"
-    with blas_threads.single_threaded(entry):
-        inside = _callable_openblas_threads()
-    assert inside and all(n == 1 for n in inside)
+    q = rng.standard_normal((1, 2 * rows, 1, 16), dtype=np.float32)
+    k, v = (rng.standard_normal((1, 2, 700, 16), dtype=np.float32) for _ in range(2))
+    want = ft.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64))
+    walk = routes.decode_route_name("contiguous", rows, 16, 700)
+    for library in ("openblas", "mkl"):
+        with routes.force(route, library), routes.force(walk, "tiles"):
+            entry = blas.gemm_for(np.float32, rows=rows)
+            assert entry.library == library and entry.pinned == (library == "openblas")
+            assert rel_err(ft.decode_attention(q, k, v), want) < 1e-5
+    times = tune.measure_small(routes.ROUTES[route], ("openblas", "mkl"))
+    assert set(times) == {"openblas", "mkl"} and blas.backend() == "mkl"
 
 
 @pytest.mark.skipif("mkl" not in INSTALLED, reason="oneMKL not installed")

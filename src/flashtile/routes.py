@@ -152,11 +152,24 @@ _BLAS = Route(
     "blas", ("mkl", "openblas"), "mkl", "FLASHTILE_BLAS",
     "the library of the forward's and backward's tile products (float32)",
 )  # fmt: skip
+#: With oneMKL running the tile products, which library runs decoding's
+#: products of one query row, and of 2 to 7 (:data:`flashtile.cpu.blas.SMALL_TILE_ROWS`):
+#: MKL's small-call overhead made OpenBLAS faster for a few rows on an
+#: Intel Xeon (the fixed rules), and on an AMD EPYC (Zen 4) OpenBLAS was
+#: faster for one row too (a step of 12 heads against 2048 keys: 172 us
+#: against 252).
+_SMALL = tuple(
+    Route(
+        f"blas.{rows}", ("openblas", "mkl"), fixed, "FLASHTILE_BLAS_SMALL",
+        f"with oneMKL, the library of decoding's tile products of {doc}",
+    )
+    for rows, fixed, doc in (("one", "mkl", "one query row"), ("few", "openblas", "2-7 query rows"))
+)  # fmt: skip
 _BF16 = Route(
     "bf16", ("vdpbf16ps", "mkl", "widen"), "", "FLASHTILE_BF16",
     "how bfloat16 inputs run their tile products (bf16 gemm, or widened to float32)",
 )  # fmt: skip
-ROUTES: dict[str, Route] = {route.name: route for route in (_BLAS, _BF16, *_DECODE)}
+ROUTES: dict[str, Route] = {route.name: route for route in (_BLAS, *_SMALL, _BF16, *_DECODE)}
 
 #: A measurement: ``measure(route, candidates) -> {candidate: seconds}``.
 Measure = Callable[[Route, tuple[str, ...]], dict[str, float]]

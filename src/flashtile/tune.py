@@ -8,6 +8,10 @@ asked for with nothing stored is measured on first use.
 
 - ``blas``: the forward and backward of ``(1, 8, 1024, 64)`` float32, causal,
   with each BLAS library.
+- ``blas.one``, ``blas.few``: with oneMKL as the BLAS, one decode step in
+  BLAS tiles, float32, d 64 against 2048 keys, of 12 heads (one query row
+  per tile) or of 32 query heads over 8 kv heads (4 rows), its small
+  products in each library.
 - ``bf16``: the same at 2048 keys in bfloat16, with each way of running its products
   (flashtile's ``vdpbf16ps`` gemm, oneMKL's bf16 gemm, widened to float32).
 - ``decode.<layout>.<rows>.<d>.<keys>``: one decode step, float32, 8 kv
@@ -67,6 +71,31 @@ def measure_blas(route: routes.Route, candidates: tuple[str, ...]) -> dict[str, 
         attention_backward(q, k, v, out, lse, dout, causal=True)
 
     before = blas.pinned()  # an explicit set_backend stays; "auto" resolves again
+    try:
+        return _timed({c: functools.partial(step, c) for c in candidates})
+    finally:
+        blas.reset_backend(before)
+
+
+def measure_small(route: routes.Route, candidates: tuple[str, ...]) -> dict[str, float]:
+    """A decode step of one or four query rows per tile (``blas.one``,
+    ``blas.few``) in BLAS tiles, oneMKL the BLAS, its small products in each
+    library."""
+    from .cpu import blas
+
+    rows = 1 if route.name == "blas.one" else CLASS_ROWS["few"]
+    kv_heads = 12 if rows == 1 else DECODE_HEADS
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, kv_heads * rows, 1, 64), dtype=np.float32)
+    k, v = (rng.standard_normal((1, kv_heads, SHORT_PROBLEM_KEYS, 64), np.float32) for _ in "kv")
+    walk = routes.decode_route_name("contiguous", rows, 64, SHORT_PROBLEM_KEYS)
+
+    def step(library: str) -> None:
+        with routes.force(route.name, library), routes.force(walk, "tiles"):
+            decode_attention(q, k, v)
+
+    before = blas.pinned()
+    blas.set_backend("mkl")
     try:
         return _timed({c: functools.partial(step, c) for c in candidates})
     finally:
@@ -134,6 +163,8 @@ def measure_decode(route: routes.Route, candidates: tuple[str, ...]) -> dict[str
 
 
 routes.register("blas", measure_blas)
+routes.register("blas.one", measure_small)
+routes.register("blas.few", measure_small)
 routes.register("bf16", measure_bf16)
 for _name in routes.ROUTES:
     if _name.startswith("decode."):

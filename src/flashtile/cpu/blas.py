@@ -284,14 +284,19 @@ def half_path() -> str:
     return f"bf16 tile products ({name}, {features})"
 
 
-#: With MKL, tile products with 2 to SMALL_TILE_ROWS - 1 rows (decoding: a
-#: GQA group of one query token) go to OpenBLAS, whose small-call overhead is
-#: lower: 4 x 128 @ 128 x 256 and back took 8.9 us in OpenBLAS, 13.7 us in
-#: MKL here (at 8 rows MKL was 1.9x faster). One row (MHA decoding) stays on
-#: a sequential MKL: the products run as fast there, and the call then needs
-#: no OpenBLAS pin, whose restore wakes OpenBLAS's threads (whole decoding
-#: calls of 12 and 32 heads, one query: 0.94-0.98x the time).
+#: With MKL, tile products of fewer rows than this (decoding: a GQA group of
+#: one query token, or one row in MHA decoding) run where the routes
+#: ``blas.one`` (one row) and ``blas.few`` (2 to 7) say
+#: (:mod:`flashtile.routes`), measured on a decoding step. OpenBLAS's
+#: small-call overhead is lower: on an Intel Xeon 4 x 128 @ 128 x 256 and
+#: back took 8.9 us there, 13.7 us in MKL (at 8 rows MKL was 1.9x faster),
+#: while one row ran as fast in a sequential MKL, which needs no pin (the
+#: fixed rules); on an AMD EPYC (Zen 4) OpenBLAS won at one row too.
 SMALL_TILE_ROWS = 8
+#: The routes of tile products of 1 and of 2 to SMALL_TILE_ROWS - 1 rows.
+_SMALL_ROUTES = ("blas.one", "blas.few")
+for _route in _SMALL_ROUTES:
+    routes.limit(_route, available)
 
 
 #: oneMKL's mixed-precision gemm: bf16 operands, float32 ``alpha``, ``beta``
@@ -350,9 +355,8 @@ def gemm_for(dtype, rows: int | None = None) -> GemmEntry:
     if dtype == _BFLOAT16:
         return _entry(bf16_library(), dtype)
     library = _choice or backend()  # (backend() takes a lock: asked on every call)
-    small = rows is not None and 1 < rows < SMALL_TILE_ROWS
-    if small and library == "mkl":
-        library = "openblas"
+    if library == "mkl" and rows is not None and 0 < rows < SMALL_TILE_ROWS:
+        library = routes.choice(_SMALL_ROUTES[rows > 1])
     return _entry(library, dtype)
 
 
