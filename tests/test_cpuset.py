@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 
 import numba
+import numpy as np
 import pytest
 
 import flashtile.cpu.launch as launch
+from flashtile.cpu.blas import GemmEntry
 from flashtile.cpu.launch import numba_threads
 from flashtile.cpuset import cgroup_cpu_limit, usable_cpus
 
@@ -82,15 +84,16 @@ def test_the_kernels_run_on_the_planned_threads():
         assert usable_cpus() == launch._USABLE
 
     @numba.njit
-    def running():
+    def running(gemm_fn, blas_threads):  # a kernel's last two arguments
         return numba.get_num_threads()
 
-    assert launch._on_threads(1, running) == 1
-    assert launch._on_threads(numba_threads(), running) == numba_threads()
+    entry = GemmEntry(0, "none", False, np.zeros((0, 4), dtype=np.int64))
+    assert launch._call(1, entry, running) == 1
+    assert launch._call(numba_threads(), entry, running) == numba_threads()
     if numba.config.NUMBA_NUM_THREADS > 1:  # a pool larger than the CPUs allowed
         monkeypatched = launch._USABLE
         try:
             launch._USABLE = 1
-            assert launch._on_threads(2, running) == 2  # swapped to the plan's count
+            assert launch._call(2, entry, running) == 2  # swapped to the plan's count
         finally:
             launch._USABLE = monkeypatched

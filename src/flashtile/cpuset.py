@@ -6,7 +6,7 @@ a pod limited to 1 CPU on a 2-core node sees 2 cores, and a kernel that runs
 2 threads there is throttled every period, its join waiting for the partner
 thread the quota has descheduled (a 0.3 ms decoding step then takes a whole
 period). The kernels' thread count (:func:`flashtile.cpu.launch.numba_threads`)
-is capped at :func:`usable_cpus` (:func:`flashtile.cpu.launch._on_threads`
+is capped at :func:`usable_cpus` (:func:`flashtile.cpu.launch._call`
 sets Numba's count to the plan's for each call), as Go's automaxprocs does.
 
 The quota is read in both cgroup formats: v2's ``cpu.max`` (``"max 100000"``
