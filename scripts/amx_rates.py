@@ -34,7 +34,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from flashtile.cpu.blas import bf16_products, gemm_for, gemm_scaled
+from flashtile.cpu.blas import bf16_library, bf16_products, gemm_for, gemm_scaled
 from flashtile.cpu.blas_threads import single_threaded
 from flashtile.cpu.half import target_has
 
@@ -205,7 +205,7 @@ def main(rounds: int) -> None:
         if bf16_products():
             fn = gemm_for(ml_dtypes.bfloat16).address
             b = _bits(rng, (n, k) if trans_b else (k, n))
-            cases[f"oneMKL gemm_bf16bf16f32 {m}x{n}x{k}"] = (
+            cases[f"{bf16_library()} bf16 gemm {m}x{n}x{k}"] = (
                 lambda r, a=a, b=b, c=c, t=trans_b, fn=fn: mkl_product(fn, a, b, c, t, 10 * r),
                 10 * flops,
             )

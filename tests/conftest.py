@@ -23,6 +23,7 @@ os.environ["FLASHTILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="flashtile-routes-")
 os.environ["FLASHTILE_TUNE"] = "0"
 os.environ.pop("FLASHTILE_DECODE_WALK", None)
 os.environ.pop("FLASHTILE_BF16", None)
+os.environ.pop("FLASHTILE_BLAS_SMALL", None)
 
 import numpy as np
 import pytest

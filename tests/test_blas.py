@@ -130,19 +130,27 @@ def test_mkl_is_the_default_when_installed(monkeypatch, restore_backend, tmp_pat
 class _FakeLibrary:
     """A BLAS thread count behind a getter and a setter that are C functions
     (ctypes callbacks), as :func:`blas_threads.thread_table` rows hold them;
-    records every count set."""
+    records every count set. With ``local``, also a count of the calling
+    thread's own, as oneMKL's: its getter answers that one when set (not 0),
+    and its local setter returns the previous one."""
 
-    def __init__(self, count):
-        self.count, self.sets = count, []
-        self._get = ctypes.CFUNCTYPE(ctypes.c_int)(lambda: self.count)
+    def __init__(self, count, local=None):
+        self.count, self.local, self.sets = count, local, []
+        self._get = ctypes.CFUNCTYPE(ctypes.c_int)(lambda: self.local or self.count)
         self._set = ctypes.CFUNCTYPE(None, ctypes.c_int64)(self._record)
+        self._set_local = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(self._record_local)
 
     def _record(self, n):
         self.sets.append(n)
         self.count = n
 
+    def _record_local(self, n):
+        previous, self.local = self.local, n
+        return previous
+
     def row(self) -> list[int]:
-        return [_address(self._get), _address(self._set), 0, 0]
+        local = 0 if self.local is None else _address(self._set_local)
+        return [_address(self._get), _address(self._set), local, 0, 0]
 
 
 def _address(function) -> int:
@@ -164,6 +172,19 @@ def test_the_compiled_pin_counts_overlapping_calls_and_restores_once():
     assert list(table[:, blas_threads.DEPTH]) == [0, 0]
     blas_threads.unpin_blas(table)
     assert four.sets == [1, 4]
+
+
+@pytest.mark.parametrize("own", [1, 3])
+def test_the_pin_reads_the_process_wide_count_under_a_threads_own(own):
+    """oneMKL's getter answers the calling thread's own count (a
+    threadpool_limits block sets it): the pin reads and restores the
+    process-wide one (here 4), and leaves the thread's own as it was."""
+    mkl = _FakeLibrary(4, local=own)
+    table = np.array([mkl.row()], dtype=np.int64)
+    blas_threads.pin_blas(table)
+    assert (mkl.count, mkl.local) == (1, own)
+    blas_threads.unpin_blas(table)
+    assert (mkl.sets, mkl.count, mkl.local) == ([1, 4], 4, own)
 
 
 @pytest.mark.parametrize("kernel", ["forward", "backward", "decode"])
@@ -189,17 +210,35 @@ def test_each_kernel_pins_its_blas_while_it_runs(kernel, monkeypatch, restore_ba
     assert library.sets == [1, 2]
 
 
-def test_a_kernel_that_raises_after_its_pin_is_unpinned():
+@pytest.mark.parametrize("error", [MemoryError, IndexError])
+def test_a_kernel_that_raises_after_its_pin_is_unpinned(error):
     library = _FakeLibrary(3)
     entry = blas.GemmEntry(0, "openblas", True, np.array([library.row()], dtype=np.int64))
 
-    def kernel(*args):  # a kernel whose allocation failed after the pin
+    def kernel(*args):  # a kernel whose body raised after the pin
         blas_threads.pin_blas(args[-1])
-        raise MemoryError("out of memory")
+        raise error("in the kernel")
 
-    with pytest.raises(MemoryError):
+    with pytest.raises(error):
         launch._call(1, entry, kernel)
     assert library.sets == [1, 3] and entry.threads[0, blas_threads.DEPTH] == 0
+
+
+def test_a_call_refused_by_the_dispatcher_leaves_the_others_pin():
+    """A dispatch error (no kernel ran, nothing pinned) must not release the
+    pin another call holds."""
+    library = _FakeLibrary(3)
+    entry = blas.GemmEntry(0, "openblas", True, np.array([library.row()], dtype=np.int64))
+    blas_threads.pin_blas(entry.threads)  # a call running in another thread
+
+    def kernel(*args):
+        raise TypeError("No matching definition for argument type(s)")
+
+    with pytest.raises(TypeError):
+        launch._call(1, entry, kernel)
+    assert library.count == 1 and entry.threads[0, blas_threads.DEPTH] == 1
+    blas_threads.unpin_blas(entry.threads)
+    assert library.count == 3
 
 
 def test_overlapping_blocks_restore_the_users_count_once(restore_backend):
@@ -252,7 +291,7 @@ def test_mkl_runs_sequential_so_nothing_is_pinned(restore_backend):
     blas.set_backend("mkl")
     assert blas._mkl().sequential
     entry = blas.gemm_for(np.float32)
-    assert entry.library == "mkl"
+    assert entry.library == "mkl" and not entry.pinned and entry.threads.shape[0] == 0
     before = [lib["num_threads"] for lib in threadpool_info()]
     with blas_threads.single_threaded(entry):
         inside = [lib["num_threads"] for lib in threadpool_info()]
@@ -277,8 +316,19 @@ def test_small_products_run_where_their_route_says(route, rows, restore_backend,
             entry = blas.gemm_for(np.float32, rows=rows)
             assert entry.library == library and entry.pinned == (library == "openblas")
             assert rel_err(ft.decode_attention(q, k, v), want) < 1e-5
+    blas.set_backend("openblas")  # the measurement runs on oneMKL, then restores this
     times = tune.measure_small(routes.ROUTES[route], ("openblas", "mkl"))
-    assert set(times) == {"openblas", "mkl"} and blas.backend() == "mkl"
+    assert set(times) == {"openblas", "mkl"}
+    assert blas.backend() == blas.pinned() == "openblas" and route not in routes._forced
+
+
+@pytest.mark.skipif("mkl" not in INSTALLED, reason="oneMKL not installed")
+def test_the_small_products_fixed_rules(restore_backend):
+    """Nothing measured (the suite's routes): one row stays on a sequential
+    oneMKL, 2 to 7 rows go to OpenBLAS, 8 rows stay on oneMKL."""
+    blas.set_backend("mkl")
+    libraries = [blas.gemm_for(np.float32, rows=r).library for r in (1, 2, 7, 8)]
+    assert libraries == ["mkl", "openblas", "openblas", "mkl"]
 
 
 @pytest.mark.skipif("mkl" not in INSTALLED, reason="oneMKL not installed")

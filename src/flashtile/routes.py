@@ -19,8 +19,8 @@ candidate on a short representative problem, side by side.
 
 1. :func:`force` in this process (the measurement itself, ``flashtile
    precompile``'s compilations, tests);
-2. the route's environment variable (``FLASHTILE_BLAS``, ``FLASHTILE_BF16``,
-   ``FLASHTILE_DECODE_WALK``), read when a call is planned (a prepared call
+2. the route's environment variable (``FLASHTILE_BLAS``, ``FLASHTILE_BLAS_SMALL``,
+   ``FLASHTILE_BF16``, ``FLASHTILE_DECODE_WALK``), read when a call is planned (a prepared call
    keeps its plan until :data:`GENERATION` moves);
 3. this process's earlier answer, or the cache file's entry for this machine;
 4. a measurement now, on first use (stored for later processes), unless
@@ -153,11 +153,12 @@ _BLAS = Route(
     "the library of the forward's and backward's tile products (float32)",
 )  # fmt: skip
 #: With oneMKL running the tile products, which library runs decoding's
-#: products of one query row, and of 2 to 7 (:data:`flashtile.cpu.blas.SMALL_TILE_ROWS`):
-#: MKL's small-call overhead made OpenBLAS faster for a few rows on an
-#: Intel Xeon (the fixed rules), and on an AMD EPYC (Zen 4) OpenBLAS was
-#: faster for one row too (a step of 12 heads against 2048 keys: 172 us
-#: against 252).
+#: products of one query row, and of 2 to 7
+#: (:data:`flashtile.cpu.blas.SMALL_TILE_ROWS`); ``FLASHTILE_BLAS_SMALL``
+#: forces both. MKL's small-call overhead made OpenBLAS faster for a few
+#: rows on an Intel Xeon (the fixed rules), and on an AMD EPYC (Zen 4)
+#: OpenBLAS was faster for one row too (``flashtile tune``'s decode step of
+#: 12 heads against 2048 keys: 0.29 ms against 0.40).
 _SMALL = tuple(
     Route(
         f"blas.{rows}", ("openblas", "mkl"), fixed, "FLASHTILE_BLAS_SMALL",

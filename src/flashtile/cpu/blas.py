@@ -327,7 +327,7 @@ class GemmEntry(NamedTuple):
 
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 #: The thread table of an entry that needs no pin.
-_NO_PIN = np.zeros((0, 4), dtype=np.int64)
+_NO_PIN = np.zeros((0, 5), dtype=np.int64)
 
 
 @functools.cache

@@ -31,6 +31,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import threading
 
 import numpy as np
 from llvmlite import ir
@@ -47,19 +48,25 @@ _LP64_SGEMM = ("sgemm_", "scipy_sgemm_", "sgemm")
 #: ``internal_api`` names). Every getter returns a C ``int`` and every setter
 #: takes one, but BLIS's take its 64-bit ``dim_t``: the setter is passed a
 #: 64-bit integer (an ``int`` parameter reads its low half) and the getter's
-#: low 32 bits are read. oneMKL's global setter, not threadpoolctl's
-#: thread-local one: the kernel's worker threads call MKL, not the caller.
+#: low 32 bits are read. oneMKL's process-wide setter, not threadpoolctl's
+#: thread-local one (the kernel's worker threads call MKL, not the caller);
+#: its getter answers for the calling thread, whose own count
+#: (``MKL_Set_Num_Threads_Local``, as in threadpoolctl's limits) is cleared
+#: around the read (:data:`_LOCAL`).
 _COUNT_FUNCTIONS = {
     "openblas": ("openblas_get_num_threads", "openblas_set_num_threads"),
     "mkl": ("MKL_Get_Max_Threads", "MKL_Set_Num_Threads"),
     "blis": ("bli_thread_get_num_threads", "bli_thread_set_num_threads"),
     "flexiblas": ("flexiblas_get_num_threads", "flexiblas_set_num_threads"),
 }
+#: A library's setter of the calling thread's own count, returning the
+#: previous one (0: none, the process-wide count applies).
+_LOCAL = {"mkl": "MKL_Set_Num_Threads_Local"}
 #: OpenBLAS symbol prefixes: SciPy's wheels prefix theirs with ``scipy_``.
 _OPENBLAS_PREFIXES = ("", "scipy_")
 
 #: The columns of a :func:`thread_table` row.
-GET, SET, SAVED, DEPTH = 0, 1, 2, 3
+GET, SET, LOCAL, SAVED, DEPTH = 0, 1, 2, 3, 4
 
 
 @functools.cache
@@ -105,36 +112,49 @@ def lp64(controller) -> bool:
     return any(hasattr(controller.dynlib, name) for name in _LP64_SGEMM)
 
 
+#: Shared thread tables by their libraries' functions (see :func:`thread_table`).
+_tables: dict[tuple, np.ndarray] = {}
+_tables_lock = threading.Lock()
+
+
 def thread_table(address: int, library: str) -> np.ndarray:
-    """``(n, 4)`` int64, a row per library :func:`controllers` names: the
+    """``(n, 5)`` int64, a row per library :func:`controllers` names: the
     addresses of its thread-count getter and setter (columns ``GET``,
-    ``SET``), the user's count saved by the first pin (``SAVED``) and the
-    calls holding a pin (``DEPTH``). A library without those functions
-    cannot be pinned and has no row. Each :class:`~.blas.GemmEntry` keeps
-    one, which its kernel calls pin; entries of the same libraries share it
-    (the sgemm and dgemm of one OpenBLAS), so their pins are counted
-    together."""
+    ``SET``) and of its setter of the calling thread's own count (``LOCAL``,
+    0 where it has none), the user's count saved by the first pin
+    (``SAVED``) and the calls holding a pin (``DEPTH``). A library without
+    those functions cannot be pinned and has no row. Each
+    :class:`~.blas.GemmEntry` keeps one, which its kernel calls pin; entries
+    of the same libraries share it (the sgemm and dgemm of one OpenBLAS), so
+    their pins are counted together. (Entries whose libraries overlap
+    without being the same, which only the every-LP64-BLAS fallback of
+    :func:`controllers` gives, count apart.)"""
     functions = tuple(fns for c in controllers(address, library) if (fns := _count_functions(c)))
-    return _shared_table(functions)
+    with _tables_lock:  # one table per set of libraries, also for concurrent first calls
+        if functions not in _tables:
+            rows = [(*fns, 0, 0) for fns in functions]
+            _tables[functions] = np.array(rows, dtype=np.int64).reshape(len(rows), 5)
+        return _tables[functions]
 
 
-@functools.cache
-def _shared_table(functions: tuple) -> np.ndarray:
-    rows = [(get, set_, 0, 0) for get, set_ in functions]
-    return np.array(rows, dtype=np.int64).reshape(len(rows), 4)
-
-
-def _count_functions(controller) -> tuple[int, int] | None:
-    """``(getter, setter)`` addresses of a controller's library, or None."""
-    names = _COUNT_FUNCTIONS.get(controller.internal_api)
+def _count_functions(controller) -> tuple[int, int, int] | None:
+    """``(getter, setter, local setter or 0)`` addresses of a controller's
+    library, or None."""
+    api = controller.internal_api
+    names = _COUNT_FUNCTIONS.get(api)
     if names is None:
         return None
-    prefixes = _OPENBLAS_PREFIXES if controller.internal_api == "openblas" else ("",)
+    local = getattr(controller.dynlib, _LOCAL[api], None) if api in _LOCAL else None
+    prefixes = _OPENBLAS_PREFIXES if api == "openblas" else ("",)
     for prefix in prefixes:
         found = [getattr(controller.dynlib, prefix + name, None) for name in names]
         if None not in found:
-            return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in found)
+            return (*(_address(f) for f in found), 0 if local is None else _address(local))
     return None
+
+
+def _address(function) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value
 
 
 @intrinsic
@@ -167,6 +187,35 @@ def _set_count(typingctx, address, count):
     return types.void(address, count), codegen
 
 
+@intrinsic
+def _set_local(typingctx, address, count):
+    """Call the thread-local setter at ``address`` (C ``int`` in and out)
+    with ``count``; its result (the previous local count) as an int64."""
+    if not (isinstance(address, types.Integer) and isinstance(count, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        function = ir.FunctionType(i32, [i32])
+        value = context.cast(builder, args[1], signature.args[1], types.int32)
+        result = builder.call(builder.inttoptr(args[0], function.as_pointer()), [value])
+        return builder.sext(result, ir.IntType(64))
+
+    return types.int64(address, count), codegen
+
+
+@njit(cache=True, inline="always")
+def _process_count(row):
+    """A table row's process-wide thread count (the calling thread's own one
+    cleared for the read, where the library has one)."""
+    if row[LOCAL] == 0:
+        return _get_count(row[GET])
+    own = _set_local(row[LOCAL], 0)
+    count = _get_count(row[GET])
+    _set_local(row[LOCAL], own)
+    return count
+
+
 @njit(cache=True)
 def pin_blas(table):
     """Pin each library of a :func:`thread_table` to one thread: the first
@@ -175,7 +224,7 @@ def pin_blas(table):
     parallel region): pins and unpins never interleave."""
     for i in range(table.shape[0]):
         if table[i, DEPTH] == 0:
-            count = _get_count(table[i, GET])
+            count = _process_count(table[i])
             table[i, SAVED] = count
             if count > 1:
                 _set_count(table[i, SET], 1)

@@ -378,8 +378,9 @@ def decode_call(
     out = work_empty((batch, hq, tq, dv), q)
     lse = work_empty((batch, hq, tq), q)
     merge_partials(part_out, part_lse, spans, out, lse)
-    unpin_blas(blas_threads)
-    return out, lse, part_flag.any(), np.isfinite(lse).all()
+    flagged, finite = part_flag.any(), np.isfinite(lse).all()
+    unpin_blas(blas_threads)  # last: nothing after it may raise (see launch._call)
+    return out, lse, flagged, finite
 
 
 @njit(fastmath=FASTMATH, cache=True)

@@ -1,5 +1,6 @@
 """Run a plan on the compiled kernels: allocate the outputs (decoding's are
-allocated in compiled code), pin BLAS, call.
+allocated in compiled code), set the thread count, call (the kernels pin
+their BLAS themselves, :mod:`.blas_threads`).
 
 Each function takes a plan from :mod:`flashtile.planning` and returns the
 kernel's results in the work dtype and the kernel's 4-D layout; shaping them
@@ -17,6 +18,7 @@ import types
 
 import numba
 import numpy as np
+from numba.core.errors import NumbaError
 
 from .._validate import BFLOAT16, COMPUTE_DTYPES
 from ..cpuset import usable_cpus
@@ -79,18 +81,23 @@ def _call(threads, entry, kernel, *args):
     (:mod:`.blas_threads`, from ``entry.threads``): with several kernel
     threads it must not start its own, and with one it keeps the products
     bit-identical from call to call (a threaded MKL's result depends on its
-    thread count). A kernel raises only on allocation (MemoryError), after
-    its pin: it is unpinned here. With one thread, Numba's count is set to 1 for the call,
-    so the pool is never woken; with a pool larger than the CPUs the process
-    may use, to the plan's count; otherwise (several threads on an uncapped
-    pool, where ``numba_threads()`` is the calling thread's own count) it is
-    left alone.
+    thread count). The pin is a kernel's first step and its restore its
+    last, so an exception from the kernel's body (an allocation that
+    failed) comes after its pin: it is unpinned here. Dispatch errors
+    (``TypeError``, Numba's own while compiling) come before the kernel
+    runs and are not. With one thread, Numba's count is set to 1 for the
+    call, so the pool is never woken; with a pool larger than the CPUs the
+    process may use, to the plan's count; otherwise (several threads on an
+    uncapped pool, where ``numba_threads()`` is the calling thread's own
+    count) it is left alone.
     """
     swap = threads <= 1 or _USABLE < numba.config.NUMBA_NUM_THREADS
     saved = _swap_threads(threads) if swap else 0
     try:
         return kernel(*args, entry.address, entry.threads)
-    except MemoryError:
+    except (TypeError, NumbaError):
+        raise
+    except Exception:
         _kernels().unpin_blas(entry.threads)
         raise
     finally:
