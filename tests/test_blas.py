@@ -306,16 +306,24 @@ def test_small_products_run_where_their_route_says(route, rows, restore_backend,
     entry is pinned. Each gives a decoding step's result."""
     monkeypatch.setattr(tune, "ROUNDS", 1)
     blas.set_backend("mkl")
-    assert blas.gemm_for(np.float32, rows=blas.SMALL_TILE_ROWS).library == "mkl"
+    assert blas.small_library(blas.SMALL_TILE_ROWS) is None  # the backend's: oneMKL
     q = rng.standard_normal((1, 2 * rows, 1, 16), dtype=np.float32)
     k, v = (rng.standard_normal((1, 2, 700, 16), dtype=np.float32) for _ in range(2))
     want = ft.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64))
     walk = routes.decode_route_name("contiguous", rows, 16, 700)
+    kernels, ran = launch._kernels(), []
+
+    def recorded(dtype, small=None):
+        ran.append(blas.gemm_for(dtype, small).library)
+        return blas.gemm_for(dtype, small)
+
+    monkeypatch.setattr(kernels, "gemm_for", recorded)
     for library in ("openblas", "mkl"):
         with routes.force(route, library), routes.force(walk, "tiles"):
-            entry = blas.gemm_for(np.float32, rows=rows)
+            entry = blas.gemm_for(np.float32, small=blas.small_library(rows))
             assert entry.library == library and entry.pinned == (library == "openblas")
             assert rel_err(ft.decode_attention(q, k, v), want) < 1e-5
+            assert ran[-1] == library  # the planned call ran on it
     blas.set_backend("openblas")  # the measurement runs on oneMKL, then restores this
     times = tune.measure_small(routes.ROUTES[route], ("openblas", "mkl"))
     assert set(times) == {"openblas", "mkl"}
@@ -327,8 +335,10 @@ def test_the_small_products_fixed_rules(restore_backend):
     """Nothing measured (the suite's routes): one row stays on a sequential
     oneMKL, 2 to 7 rows go to OpenBLAS, 8 rows stay on oneMKL."""
     blas.set_backend("mkl")
-    libraries = [blas.gemm_for(np.float32, rows=r).library for r in (1, 2, 7, 8)]
-    assert libraries == ["mkl", "openblas", "openblas", "mkl"]
+    libraries = [blas.small_library(rows) for rows in (1, 2, 7, 8)]
+    assert libraries == ["mkl", "openblas", "openblas", None]
+    blas.set_backend("openblas")
+    assert blas.small_library(1) is None
 
 
 @pytest.mark.skipif("mkl" not in INSTALLED, reason="oneMKL not installed")

@@ -81,6 +81,9 @@ class DecodePlan(NamedTuple):
         walk: how the items walk the cache (:func:`flashtile.workitems.decode_walk`):
             ``"tiles"``, ``"rows"`` (read in place, ``cpu/cache_rows.py``),
             ``"head-tiles"`` or ``"head-rows"`` (every kv head at once).
+        small: the library of the tile products where the ``blas.one`` /
+            ``blas.few`` routes decide it, else None
+            (:func:`flashtile.cpu.blas.small_library`).
     """
 
     q: np.ndarray
@@ -92,6 +95,7 @@ class DecodePlan(NamedTuple):
     tile_keys: int
     threads: int
     walk: str
+    small: str | None = None
 
 
 def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> DecodePlan:
@@ -132,7 +136,12 @@ def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> Deco
         *((layout.heads, tile_keys) if walk in HEAD_WALKS else (1, DECODE_TILE)),
     )  # fmt: skip
     q_work = np.ascontiguousarray(q, dtype=operands)
-    return DecodePlan(q_work, layout, items, spans, variants, scale, tile_keys, threads, walk)
+    from .cpu.blas import small_library  # loads the BLAS (not with flashtile): the kernels will
+
+    small = small_library(rows) if operands != BFLOAT16 else None
+    return DecodePlan(
+        q_work, layout, items, spans, variants, scale, tile_keys, threads, walk, small
+    )
 
 
 def decode_operands(q_dtype, layout: CacheLayout, scale: float, row_walk: bool) -> np.dtype:

@@ -203,6 +203,7 @@ def set_backend(choice: str) -> str:
     resolved = _resolve(choice)
     with _lock:
         _choice, _explicit = resolved, choice != "auto"
+    routes.GENERATION[0] += 1  # plans kept across calls read the backend: planned again
     return resolved
 
 
@@ -220,6 +221,7 @@ def reset_backend(choice: str | None = None) -> None:
     global _choice, _explicit
     with _lock:
         _choice, _explicit = choice, choice is not None
+    routes.GENERATION[0] += 1
 
 
 #: CPU features (LLVM's names) with bf16 dot-product instructions.
@@ -347,16 +349,26 @@ def _entry(library: str, dtype) -> GemmEntry:
     return GemmEntry(address, library, True, thread_table(address, library))
 
 
-def gemm_for(dtype, rows: int | None = None) -> GemmEntry:
+def small_library(rows: int) -> str | None:
+    """The library of tile products of ``rows`` rows where the routes
+    ``blas.one``/``blas.few`` decide it (oneMKL the backend, fewer than
+    :data:`SMALL_TILE_ROWS` rows): the route's answer; else None (the
+    backend's). Read when a decode call is planned, as its walk is."""
+    if not 0 < rows < SMALL_TILE_ROWS or (_choice or backend()) != "mkl":
+        return None
+    return routes.choice(_SMALL_ROUTES[rows > 1])
+
+
+def gemm_for(dtype, small: str | None = None) -> GemmEntry:
     """The ``gemm`` for float32 or float64 operands, from the current
-    :func:`backend` (``rows``, when given, is the row count of the kernel's
-    tiles: see :data:`SMALL_TILE_ROWS`), or for bfloat16 operands (float32
-    results), from :func:`bf16_library`."""
+    :func:`backend` (or with oneMKL the backend, from ``small``: a plan's
+    :func:`small_library`), or for bfloat16 operands (float32 results), from
+    :func:`bf16_library`."""
     if dtype == _BFLOAT16:
         return _entry(bf16_library(), dtype)
     library = _choice or backend()  # (backend() takes a lock: asked on every call)
-    if library == "mkl" and rows is not None and 0 < rows < SMALL_TILE_ROWS:
-        library = routes.choice(_SMALL_ROUTES[rows > 1])
+    if library == "mkl" and small is not None:
+        library = small
     return _entry(library, dtype)
 
 

@@ -184,12 +184,11 @@ def run_decode(plan) -> tuple[np.ndarray, np.ndarray, bool, bool]:
     those, :func:`flashtile.precision.decode_overflowed`)."""
     kernels = _kernels()
     q, layout = plan.q, plan.layout
-    rows = (q.shape[1] // layout.k.shape[1]) * q.shape[2]
     # Numba has no 16-bit floats: the kernel widens the bit patterns itself
     # (or, for bf16 products, multiplies them as they are).
     k, v, fmt = kernels.cache_operands(layout.k, layout.v)
     walk = kernels.walk_flag(plan.walk)
-    gemm_fn = kernels.gemm_for(q.dtype, rows=rows)
+    gemm_fn = kernels.gemm_for(q.dtype, small=plan.small)
     # Raw-score reports (precision.py) matter only for float32 work.
     check_raw = COMPUTE_DTYPES[q.dtype] == np.float32
     if q.dtype == BFLOAT16:
