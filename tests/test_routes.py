@@ -324,9 +324,11 @@ def test_the_bench_header_names_the_routes_in_force():
 
     info = machine_info()
     assert set(info["routes"]) == set(routes.ROUTES)
-    chosen = {"blas": "mkl (measured)", "decode.a": "rows (x)", "decode.b": "rows (y)"}
+    chosen = {"blas": "mkl (measured)", "blas.one": "openblas (measured (x))"}
+    chosen |= {"decode.a": "rows (x)", "decode.b": "rows (y)", "bf16": "widen (fixed)"}
     lines = _route_lines({**chosen, "decode.c": "tiles"})
     assert lines == [
-        "route   : blas = mkl (measured)",
+        "route   : blas = mkl (measured); blas.one = openblas",
+        "route   : bf16 = widen (fixed)",
         "route   : decode walks of 3 classes: rows 2, tiles 1 (flashtile tune lists them)",
     ]

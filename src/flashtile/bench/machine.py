@@ -115,16 +115,21 @@ def header_lines(info: dict, ceiling: float | None) -> list[str]:
 
 
 def _route_lines(chosen: dict[str, str]) -> list[str]:
-    """The routes in force: each non-decode route on a line, the decode walks
+    """The routes in force: each non-decode route on a line, its family's
+    choices appended (``blas.one`` after ``blas``), and the decode walks
     counted by choice (``flashtile tune`` lists each of them)."""
-    lines = [f"route   : {n} = {c}" for n, c in chosen.items() if not n.startswith("decode.")]
+    lines: dict[str, str] = {}
     walks: dict[str, int] = {}
     for name, text in chosen.items():
-        if name.startswith("decode."):
-            walk = text.split(" ", 1)[0]
-            walks[walk] = walks.get(walk, 0) + 1
+        family, choice = name.split(".", 1)[0], text.split(" ", 1)[0]
+        if family == "decode":
+            walks[choice] = walks.get(choice, 0) + 1
+        elif family != name and family in lines:  # after its family (ROUTES order)
+            lines[family] += f"; {name} = {choice}"
+        else:
+            lines[name] = f"route   : {name} = {text}"
     if walks:
         counts = ", ".join(f"{w} {n}" for w, n in sorted(walks.items(), key=lambda i: -i[1]))
-        lines.append(f"route   : decode walks of {sum(walks.values())} classes: {counts} "
-                     "(flashtile tune lists them)")  # fmt: skip
-    return lines
+        lines["decode"] = (f"route   : decode walks of {sum(walks.values())} classes: {counts} "
+                           "(flashtile tune lists them)")  # fmt: skip
+    return list(lines.values())
