@@ -325,10 +325,12 @@ def test_the_bench_header_names_the_routes_in_force():
     info = machine_info()
     assert set(info["routes"]) == set(routes.ROUTES)
     chosen = {"blas": "mkl (measured)", "blas.one": "openblas (measured (x))"}
+    chosen |= {"blas.few": "mkl (forced by FLASHTILE_BLAS_SMALL)"}
     chosen |= {"decode.a": "rows (x)", "decode.b": "rows (y)", "bf16": "widen (fixed)"}
     lines = _route_lines({**chosen, "decode.c": "tiles"})
     assert lines == [
-        "route   : blas = mkl (measured); blas.one = openblas",
+        "route   : blas = mkl (measured); blas.one = openblas; "
+        "blas.few = mkl (forced by FLASHTILE_BLAS_SMALL)",
         "route   : bf16 = widen (fixed)",
         "route   : decode walks of 3 classes: rows 2, tiles 1 (flashtile tune lists them)",
     ]

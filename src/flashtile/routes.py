@@ -182,7 +182,8 @@ _forced: dict[str, str] = {}
 _chosen: dict[str, tuple[str, str]] = {}  # name -> (choice, why), this process's answers
 _measuring: set[str] = set()
 #: ``GENERATION[0]`` moves whenever a route's answer in this process may
-#: have changed (forcing, tuning, forgetting): plans kept across calls
+#: have changed (forcing, tuning, forgetting, and a change of the BLAS
+#: backend, :func:`flashtile.cpu.blas.set_backend`): plans kept across calls
 #: compare it to plan again (:mod:`flashtile.frontdoor`; a list read in
 #: place: no call on the hot path). A variable changed after a call was
 #: planned applies to calls planned afterwards.

@@ -60,7 +60,10 @@ _COUNT_FUNCTIONS = {
     "flexiblas": ("flexiblas_get_num_threads", "flexiblas_set_num_threads"),
 }
 #: A library's setter of the calling thread's own count, returning the
-#: previous one (0: none, the process-wide count applies).
+#: previous one (0: none, the process-wide count applies). A count of the
+#: calling thread's own still governs the products that thread runs itself
+#: (a one-thread plan, under a threaded oneMKL layer that the user chose):
+#: the pin sets the process-wide count only.
 _LOCAL = {"mkl": "MKL_Set_Num_Threads_Local"}
 #: OpenBLAS symbol prefixes: SciPy's wheels prefix theirs with ``scipy_``.
 _OPENBLAS_PREFIXES = ("", "scipy_")

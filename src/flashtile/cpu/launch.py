@@ -18,7 +18,6 @@ import types
 
 import numba
 import numpy as np
-from numba.core.errors import NumbaError
 
 from .._validate import BFLOAT16, COMPUTE_DTYPES
 from ..cpuset import usable_cpus
@@ -82,10 +81,9 @@ def _call(threads, entry, kernel, *args):
     threads it must not start its own, and with one it keeps the products
     bit-identical from call to call (a threaded MKL's result depends on its
     thread count). The pin is a kernel's first step and its restore its
-    last, so an exception from the kernel's body (an allocation that
-    failed) comes after its pin: it is unpinned here. Dispatch errors
-    (``TypeError``, Numba's own while compiling) come before the kernel
-    runs and are not. With one thread, Numba's count is set to 1 for the
+    last, so an exception raised in the kernel's body (an allocation that
+    failed) comes after its pin: it is unpinned here
+    (:func:`_raised_by_kernel`). With one thread, Numba's count is set to 1 for the
     call, so the pool is never woken; with a pool larger than the CPUs the
     process may use, to the plan's count; otherwise (several threads on an
     uncapped pool, where ``numba_threads()`` is the calling thread's own
@@ -95,14 +93,33 @@ def _call(threads, entry, kernel, *args):
     saved = _swap_threads(threads) if swap else 0
     try:
         return kernel(*args, entry.address, entry.threads)
-    except (TypeError, NumbaError):
-        raise
-    except Exception:
-        _kernels().unpin_blas(entry.threads)
+    except Exception as error:
+        if _raised_by_kernel(error):
+            _kernels().unpin_blas(entry.threads)
         raise
     finally:
         if swap:
             _swap_threads(saved)
+
+
+#: Numba's own Python code (its dispatcher's compiling and caching).
+_NUMBA_CODE = os.path.dirname(numba.__file__) + os.sep
+
+
+def _raised_by_kernel(error: Exception) -> bool:
+    """Whether an exception from a kernel call came from its compiled body,
+    after its pin: not a ``TypeError`` (the dispatcher refusing the
+    arguments) and no frame below the call in Numba's Python (compiling,
+    reading its cache), which runs before the kernel does. Compiled code
+    raises with no frame below, or one that names the kernel's source."""
+    if isinstance(error, TypeError):
+        return False
+    frame = error.__traceback__.tb_next
+    while frame is not None:
+        if frame.tb_frame.f_code.co_filename.startswith(_NUMBA_CODE):
+            return False
+        frame = frame.tb_next
+    return True
 
 
 def run_forward(plan, log2=False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
