@@ -161,3 +161,24 @@ def test_precompile_skips_tasks_whose_kernels_another_compiles(monkeypatch):
     ran.clear()
     precompile("float16", report=lambda line: None)
     assert "forward float16" in ran and "backward float16" in ran
+
+
+def test_cached_kernels_of_older_sources_are_cleared_wherever_numba_keeps_them(tmp_path):
+    """A cache directory whose fingerprint is not the present sources' loses
+    its compiled code (kernels built against older helpers); one that
+    matches keeps it."""
+    from flashtile.cpu import STAMP, clear_stale_kernels
+
+    stale = [tmp_path / "forward.forward_call-1.py311.nbi", tmp_path / "forward.x.py311.1.nbc"]
+    for path in stale:
+        path.write_bytes(b"old")
+    (tmp_path / STAMP).write_text("an older fingerprint")
+    (tmp_path / "other.txt").write_text("kept")
+    clear_stale_kernels(tmp_path)
+    assert not any(path.exists() for path in stale) and (tmp_path / "other.txt").exists()
+    fresh = tmp_path / "forward.forward_call-1.py311.nbi"
+    fresh.write_bytes(b"new")
+    clear_stale_kernels(tmp_path)  # the fingerprint now matches: kept
+    assert fresh.exists()
+    clear_stale_kernels(tmp_path / "missing" / "dir")  # created, nothing to clear
+    assert (tmp_path / "missing" / "dir" / STAMP).is_file()

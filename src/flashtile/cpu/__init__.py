@@ -5,12 +5,20 @@ Numba decides whether a cached kernel is stale from the kernel's own source
 file only, so an edit to a helper module (``rowops.py``, ``tiles.py``,
 ``masks.py``) would silently keep running the old code. Importing this
 package therefore fingerprints every source file the kernels are built from
-and clears the cached kernels when the fingerprint changes.
+and clears the cached kernels when the fingerprint changes: in the
+``__pycache__`` next to the modules here, and in the directory Numba
+actually caches them in when that is another one (``NUMBA_CACHE_DIR``, or
+its user-wide directory for a read-only install), which the launcher
+checks before the first kernel call (:func:`clear_stale_kernels`). A stale
+kernel there can be worse than slow: one compiled against an older
+:mod:`.blas_threads` table layout would call a wrong address.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import os
 from pathlib import Path
 
 #: LLVM fast-math flags for every kernel: reassociation (vectorised sums and
@@ -19,22 +27,33 @@ from pathlib import Path
 #: and must compare against it, which ``fastmath=True`` would fold away.
 FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
 
+#: The fingerprint's file in a cache directory.
+STAMP = "flashtile-kernels.sha256"
 
-def _clear_stale_kernel_cache() -> None:
+
+@functools.cache
+def _fingerprint() -> str:
     here = Path(__file__).resolve().parent
     sources = sorted(here.glob("*.py")) + [here.parent / "masks.py"]
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()
-    cache = here / "__pycache__"
-    stamp = cache / "flashtile-kernels.sha256"
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()
+
+
+def clear_stale_kernels(cache: str | os.PathLike) -> None:
+    """Delete Numba's cached code (``*.nbi``, ``*.nbc``) in ``cache`` unless
+    its fingerprint file matches the present sources, then record them.
+    A directory that cannot be written is left as it is (Numba then caches
+    elsewhere, or not at all)."""
+    cache, digest = Path(cache), _fingerprint()
+    stamp = cache / STAMP
     try:
         if stamp.is_file() and stamp.read_text() == digest:
             return
         for path in [*cache.glob("*.nbi"), *cache.glob("*.nbc")]:
             path.unlink()
-        cache.mkdir(exist_ok=True)
+        cache.mkdir(parents=True, exist_ok=True)
         stamp.write_text(digest)
-    except OSError:  # a read-only install: Numba falls back to its own cache dir
+    except OSError:  # a read-only install: Numba falls back to its user-wide directory
         pass
 
 
-_clear_stale_kernel_cache()
+clear_stale_kernels(Path(__file__).resolve().parent / "__pycache__")

@@ -55,6 +55,7 @@ def numba_threads():
 def _kernels() -> types.SimpleNamespace:
     """The kernel modules' entry points, imported once on first use (an import
     statement in each call costs about a microsecond)."""
+    from . import clear_stale_kernels
     from .backward import backward_kernel
     from .blas import gemm_for
     from .blas_threads import unpin_blas
@@ -64,6 +65,9 @@ def _kernels() -> types.SimpleNamespace:
     from .half import to_bfloat16
     from .memory import cache_operands
 
+    cache = getattr(getattr(forward_call, "_cache", None), "_cache_path", None)
+    if cache is not None:  # where Numba keeps this directory's kernels, if elsewhere
+        clear_stale_kernels(cache)
     return types.SimpleNamespace(
         backward_kernel=backward_kernel, gemm_for=gemm_for, forward_call=forward_call,
         unpin_blas=unpin_blas, decode_call=decode_call,
