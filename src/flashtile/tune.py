@@ -28,6 +28,7 @@ A whole ``flashtile tune`` takes a few seconds once the kernels are compiled
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import time
 from statistics import median
@@ -70,9 +71,20 @@ def measure_blas(route: routes.Route, candidates: tuple[str, ...]) -> dict[str, 
         out, lse = attention(q, k, v, causal=True, return_lse=True)
         attention_backward(q, k, v, out, lse, dout, causal=True)
 
-    before = blas.pinned()  # an explicit set_backend stays; "auto" resolves again
-    try:
+    with _backend_restored():
         return _timed({c: functools.partial(step, c) for c in candidates})
+
+
+@contextlib.contextmanager
+def _backend_restored():
+    """The BLAS backend in force before the block, put back after it: a
+    measurement switches it. An explicit ``set_backend`` stays; ``"auto"``
+    resolves again (the measured route may have moved)."""
+    from .cpu import blas
+
+    before = blas.pinned()
+    try:
+        yield
     finally:
         blas.reset_backend(before)
 
@@ -94,12 +106,9 @@ def measure_small(route: routes.Route, candidates: tuple[str, ...]) -> dict[str,
         with routes.force(route.name, library), routes.force(walk, "tiles"):
             decode_attention(q, k, v)
 
-    before = blas.pinned()
-    blas.set_backend("mkl")
-    try:
+    with _backend_restored():
+        blas.set_backend("mkl")
         return _timed({c: functools.partial(step, c) for c in candidates})
-    finally:
-        blas.reset_backend(before)
 
 
 def measure_bf16(route: routes.Route, candidates: tuple[str, ...]) -> dict[str, float]:

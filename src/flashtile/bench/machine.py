@@ -125,8 +125,9 @@ def _route_lines(chosen: dict[str, str]) -> list[str]:
         if family == "decode":
             walks[choice] = walks.get(choice, 0) + 1
         elif family != name and family in lines:  # after its family (ROUTES order)
-            why = text[len(choice) :].strip()  # kept unless measured: the family's line says so
-            lines[family] += f"; {name} = {choice}" + ("" if "measured" in why[:10] else f" {why}")
+            why = text[len(choice) :].strip()
+            measured = why.startswith("(measured")  # the family's line gives the times
+            lines[family] += f"; {name} = {choice}" + ("" if measured else f" {why}")
         else:
             lines[name] = f"route   : {name} = {text}"
     if walks:
