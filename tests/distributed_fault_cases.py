@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -23,6 +24,9 @@ from distributed_cases import case, small_shard
 
 #: Seconds within which every surviving rank must raise.
 FAULT_SECONDS = 10
+#: The timeout of each case's own group: past it a wait raises (well within
+#: the world group's 90 s, so that a hung case fails alone, with its traceback).
+GROUP_SECONDS = 45
 
 
 def _inject(rank, world, run, *, kernel, after, expect_refusal=False):
@@ -38,7 +42,8 @@ def _inject(rank, world, run, *, kernel, after, expect_refusal=False):
     from flashtile.distributed import kernels
     from flashtile.distributed.faults import PeerFailure
 
-    group = dist.new_group(backend="gloo")
+    # (a rank still waiting after GROUP_SECONDS raises: the case fails, the world goes on)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=GROUP_SECONDS))
     saved, calls = kernels.CPU, [0]
     injected = RuntimeError(f"injected into {kernel}")
 

@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import pathlib
 import socket
 import time
 import traceback
@@ -345,12 +346,14 @@ def example_trains_like_one_process(rank, world):
 
 
 def _worker(rank, world, port, out_dir):
+    stacks = _arm_stacks(out_dir, rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=90))
     torch.set_num_threads(1)  # as torchrun does: ranks share the cores
     results, seconds = {}, {}
     for name, (fn, worlds) in CASES.items():
         if world in worlds:
+            print(f"{time.strftime('%X')} {name}", file=stacks, flush=True)
             start = time.perf_counter()
             try:
                 fn(rank, world)
@@ -366,18 +369,47 @@ def _worker(rank, world, port, out_dir):
         json.dump(results, fh)
 
 
+#: Seconds between two dumps of a rank's Python stacks into its log
+#: (``rank<N>.log`` in the world's directory, beside the case it started last).
+STACKS_EVERY = 30
+
+
+def _arm_stacks(out_dir, rank):
+    """Open this rank's log; every :data:`STACKS_EVERY` s its threads' stacks
+    are appended (a world that hangs shows where each rank waited)."""
+    import faulthandler
+
+    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")  # noqa: SIM115 (open until the process ends)
+    faulthandler.dump_traceback_later(STACKS_EVERY, repeat=True, file=log)
+    return log
+
+
+def _logs(out_dir, world) -> str:
+    """The ranks' logs (last case started, stacks if any were dumped), for a failure message."""
+    parts = []
+    for rank in range(world):
+        path = os.path.join(out_dir, f"rank{rank}.log")
+        text = pathlib.Path(path).read_text() if os.path.exists(path) else "(no log)"
+        parts.append(f"--- rank {rank}:\n{text[-6000:]}")
+    return "\n".join(parts)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _run_world(world: int, out_dir: str) -> list[dict]:
-    """Every case in one group of ``world`` ranks; each rank's ``{case: traceback or None}``."""
-    # A fork server imports torch and flashtile once for every rank of every world
-    # (a fresh interpreter per rank spends seconds on imports); it runs no kernel,
-    # so no thread pool exists yet when it forks. Its ranks get one-thread Numba
-    # pools, as a launch for this machine would give them (see threads.py).
+def _start_forkserver() -> None:
+    """Start the fork server that every test here spawns ranks from (once per
+    pytest worker, whichever test comes first).
+
+    It imports torch and flashtile once for every rank of every world (a
+    fresh interpreter per rank spends seconds on imports); it runs no
+    kernel, so no thread pool exists yet when it forks. Its ranks get
+    one-thread Numba pools, as a launch for this machine would give them
+    (see threads.py): a rank's idle pool threads would spin on the cores the
+    other ranks compute on."""
     multiprocessing.set_forkserver_preload(["torch.distributed", "flashtile.distributed", __name__])
     saved = os.environ.get("NUMBA_NUM_THREADS")
     os.environ["NUMBA_NUM_THREADS"] = "1"
@@ -387,6 +419,11 @@ def _run_world(world: int, out_dir: str) -> list[dict]:
         os.environ.pop("NUMBA_NUM_THREADS")
         if saved is not None:
             os.environ["NUMBA_NUM_THREADS"] = saved
+
+
+def _run_world(world: int, out_dir: str) -> list[dict]:
+    """Every case in one group of ``world`` ranks; each rank's ``{case: traceback or None}``."""
+    _start_forkserver()
     ctx = torch.multiprocessing.start_processes(
         _worker,
         args=(world, _free_port(), out_dir),
@@ -398,7 +435,9 @@ def _run_world(world: int, out_dir: str) -> list[dict]:
     try:
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
-                pytest.fail(f"{world} ranks did not finish within {WORLD_TIMEOUT} s (a hang?)")
+                raise TimeoutError(f"{world} ranks did not finish within {WORLD_TIMEOUT} s")
+    except Exception as exc:  # a rank raised outside the cases, or the world hung
+        pytest.fail(f"{exc}\nThe ranks' logs:\n{_logs(out_dir, world)}")
     finally:
         for proc in ctx.processes:
             if proc.is_alive():
@@ -436,6 +475,7 @@ def _killed_worker(rank, world, port, out_dir):
 
 def test_a_killed_rank_makes_the_others_raise(tmp_path):
     world = 3
+    _start_forkserver()
     ctx = torch.multiprocessing.start_processes(
         _killed_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=False,
         start_method="forkserver",
