@@ -331,9 +331,6 @@ def clear_errors_before_any_message(rank, world):
 
 @case(2)
 def example_trains_like_one_process(rank, world):
-    import importlib.util
-    import pathlib
-
     path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "context_parallel.py"
     spec = importlib.util.spec_from_file_location("context_parallel", path)
     example = importlib.util.module_from_spec(spec)
