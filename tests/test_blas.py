@@ -223,7 +223,7 @@ def test_a_kernel_that_raises_after_its_pin_is_unpinned():
     library = _FakeLibrary(3)
     entry = blas.GemmEntry(0, "openblas", True, np.array([library.row()], dtype=np.int64))
     with pytest.raises(IndexError, match="in the kernel"):
-        launch._call(1, entry, _failing_kernel)
+        launch._call(1, 0, entry, _failing_kernel)
     assert library.sets == [1, 3] and entry.threads[0, blas_threads.DEPTH] == 0
 
 
@@ -240,9 +240,9 @@ def test_a_call_refused_by_the_dispatcher_leaves_the_others_pin():
         return table + "text"
 
     with pytest.raises(TypeError):  # the kernel's argument count is wrong
-        launch._call(1, entry, _failing_kernel, np.zeros(1))
+        launch._call(1, 0, entry, _failing_kernel, np.zeros(1))
     with pytest.raises(numba.core.errors.TypingError):
-        launch._call(1, entry, uncompilable)
+        launch._call(1, 0, entry, uncompilable)
     assert library.count == 1 and entry.threads[0, blas_threads.DEPTH] == 1
     blas_threads.unpin_blas(entry.threads)
     assert library.count == 3

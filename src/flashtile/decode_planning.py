@@ -84,6 +84,8 @@ class DecodePlan(NamedTuple):
         small: the library of the tile products where the ``blas.one`` /
             ``blas.few`` routes decide it, else None
             (:func:`flashtile.cpu.blas.small_library`).
+        size: the call's work, as the thread count weighs it (the launcher's
+            join watch sorts calls by it, :mod:`flashtile.cpu.launch`).
     """
 
     q: np.ndarray
@@ -96,6 +98,7 @@ class DecodePlan(NamedTuple):
     threads: int
     walk: str
     small: str | None = None
+    size: int = 0
 
 
 def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> DecodePlan:
@@ -140,7 +143,7 @@ def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> Deco
 
     small = small_library(rows) if operands != BFLOAT16 else None
     return DecodePlan(
-        q_work, layout, items, spans, variants, scale, tile_keys, threads, walk, small
+        q_work, layout, items, spans, variants, scale, tile_keys, threads, walk, small, size
     )
 
 

@@ -10,7 +10,11 @@ median of its calls):
   call (1, 4, 16, 32), forward and forward+backward, through the torch op
   against SDPA;
 - the tiny call through ``flashtile.attention`` against its kernel alone (a
-  ready plan's ``run_forward``): the difference is the front door's cost.
+  ready plan's ``run_forward``): the difference is the front door's cost;
+- the decoding step again while a second process keeps one core busy (a
+  pure-Python loop): there a parallel step can wait at its join for a
+  descheduled thread, and the launcher's join watch runs such small calls
+  on one thread where that is faster on average (:mod:`flashtile.cpu.launch`).
 
 On a busy small machine torch's and Numba's thread pools spin against each
 other and the parallel cases measure the scheduler (docs/decoding.md).
@@ -18,13 +22,21 @@ other and the parallel cases measure the scheduler (docs/decoding.md).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 
 #: Calls per round.
 CALLS = 100
+#: The case timed again with one core busy.
+STEP = "step (1, 12, 1, 64) vs 2048 keys, torch op"
+LOADED = f"{STEP}, a second process busy on one core"
+#: The case whose difference is the front door's cost.
+FRONT = "tiny causal, flashtile.attention vs its kernel alone"
 
 
 def _per_call(fn, calls: int) -> float:
@@ -69,7 +81,7 @@ def _cases(torch) -> dict:
             "flashtile": lambda: flashtile.decode_attention(*n_one), "SDPA": lambda: sdpa(*one),
         },
         "T=1, torch op": {"flashtile": lambda: op(*one), "SDPA": lambda: sdpa(*one)},
-        "step (1, 12, 1, 64) vs 2048 keys, torch op": {
+        STEP: {
             "flashtile": lambda: op(*step), "SDPA": lambda: sdpa(*step),
         },
         "tiny (1, 4, 16, 32) causal, torch op": {
@@ -77,11 +89,40 @@ def _cases(torch) -> dict:
             "SDPA": lambda: sdpa(*tiny, is_causal=True),
         },
         "tiny causal fwd+bwd, torch op": {"flashtile": backward(op), "SDPA": backward(sdpa)},
-        "tiny causal, flashtile.attention vs its kernel alone": {
+        FRONT: {
             "flashtile": lambda: flashtile.attention(*n_tiny, causal=True),
             "kernel": lambda: run_forward(plan),
         },
     }  # fmt: skip
+
+
+@contextlib.contextmanager
+def busy_core():
+    """A second process that keeps one core busy while the block runs."""
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)  # (started, and placed by the scheduler)
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _interleaved(calls: dict, reps: int) -> dict:
+    """``key -> [median us of each round]`` over ``reps`` shuffled rounds."""
+    times = {key: [] for key in calls}
+    rng = random.Random(0)
+    for _ in range(reps):
+        keys = list(calls)
+        rng.shuffle(keys)
+        for key in keys:
+            times[key].append(_per_call(calls[key], CALLS))
+    return times
+
+
+def _with_loaded(case: str) -> tuple:
+    """The table's order: the loaded step right after the step."""
+    return (case, LOADED) if case == STEP else (case,)
 
 
 def measure(reps: int) -> list[dict]:
@@ -93,13 +134,10 @@ def measure(reps: int) -> list[dict]:
     for fn in calls.values():  # compile and warm up
         for _ in range(20):
             fn()
-    times = {key: [] for key in calls}
-    rng = random.Random(0)
-    for _ in range(reps):
-        keys = list(calls)
-        rng.shuffle(keys)
-        for key in keys:
-            times[key].append(_per_call(calls[key], CALLS))
+    times = _interleaved(calls, reps)
+    with busy_core():
+        times.update(_interleaved({(LOADED, w): fn for w, fn in cases[STEP].items()}, reps))
+    cases = {c: pair for case, pair in cases.items() for c in _with_loaded(case)}
     rows = []
     for case, pair in cases.items():
         other = next(w for w in pair if w != "flashtile")
@@ -147,7 +185,7 @@ def run_calls_bench(out, reps: int = 15, records=None) -> int:
     print("", file=out)
     for line in table(rows):
         print(line, file=out)
-    front = rows[-1]["flashtile"] - rows[-1]["other"]
+    front = next(r["flashtile"] - r["other"] for r in rows if r["case"] == FRONT)
     print("", file=out)
     print(f"* the front door's cost (tiny call above its kernel): {front:.1f} us", file=out)
     return 0

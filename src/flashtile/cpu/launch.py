@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import types
 
 import numba
@@ -75,10 +76,73 @@ def _kernels() -> types.SimpleNamespace:
     )  # fmt: skip
 
 
-def _call(threads, entry, kernel, *args):
+# The join watch. A call on several threads ends at a join, where the
+# calling thread waits for every thread of the pool. When another process
+# keeps a core busy, the pool thread on that core may not run until the
+# other process's time slice ends: Numba's OpenMP threads spin for a while
+# after each parallel region, so under a steady stream of calls they use up
+# their share of that core and are descheduled now and then. Measured with
+# a pure-Python loop on one of two cores (the AMD EPYC VM): a decoding step
+# (1, 12, 1, 64) against 2048 keys on two threads took 0.14 ms at the median
+# but 0.56 ms on average (one join in ten waited 4-8 ms), on one thread 0.26
+# and 0.31 ms; torch's SDPA 0.22 and 0.92 ms. For a small call the second
+# core saves less than its waits cost on average.
+#
+# So the launcher measures both ways. Per kernel and size class of work
+# (its bit length: a factor of 2) it keeps the fastest wall time of a
+# parallel call and moving means of the parallel and the serial times (a
+# new time weighs 1/JOIN_WEIGHT). A call whose fastest run is under
+# JOIN_SMALL_NS is watched: when the parallel mean passes the serial one
+# (before any serial run, 2 x threads x the fastest parallel time), its
+# size class runs on one thread for JOIN_HOLD_NS, the serial calls timed,
+# then on its threads again, the parallel mean restarting from the serial
+# one: under a steady load a hold costs the one or two waits that end the
+# next one. Taking turns call by call would not do: the pool's threads,
+# woken now and then, spin beside the serial calls. On a quiet machine the
+# watch costs two clock reads and a mean per parallel call. The results do
+# not depend on the thread count (a plan's items and their merge order are
+# fixed). FLASHTILE_JOIN_WATCH=0 turns it off.
+
+#: A parallel call is watched while its fastest run took less than this (ns):
+#: for larger calls the other cores save more than the waits cost.
+JOIN_SMALL_NS = 2_000_000
+#: The moving means' weight of a new time: 1 / JOIN_WEIGHT.
+JOIN_WEIGHT = 64
+#: How long a watched size class then runs on one thread (ns).
+JOIN_HOLD_NS = 1_000_000_000
+#: Whether the join watch is on.
+JOIN_WATCH = os.environ.get("FLASHTILE_JOIN_WATCH", "1") != "0"
+#: ``(kernel, size class) -> [fastest parallel time, parallel mean (0: from
+#: the serial one), serial mean (0: none yet), end of the hold
+#: (perf_counter_ns; 0: none)]`` (times in ns).
+_WATCH: dict = {}
+
+
+def reset_join_watch() -> None:
+    """Forget the join watch's records (tests, benchmarks)."""
+    _WATCH.clear()
+
+
+def _watched(state: list, threads: int, elapsed: int, end: int) -> None:
+    """Fold a small call's time on ``threads`` into its ``state`` (see
+    ``_WATCH``); hold it to one thread where the parallel mean is the slower."""
+    if threads == 1:  # (a call of a hold)
+        state[2] = state[2] + (elapsed - state[2]) / JOIN_WEIGHT if state[2] else elapsed
+        return
+    state[0] = min(state[0], elapsed)
+    if not state[1]:
+        state[1] = state[2] or elapsed
+    state[1] += (elapsed - state[1]) / JOIN_WEIGHT
+    if state[1] > (state[2] or 2 * threads * state[0]):
+        state[1], state[3] = 0, end + JOIN_HOLD_NS
+
+
+def _call(threads, size, entry, kernel, *args):
     """``kernel(*args, entry.address, entry.threads)`` on the plan's
-    ``threads`` (:func:`flashtile.planning.call_threads`); ``entry``: the
-    kernel's :func:`.blas.gemm_for`.
+    ``threads`` (:func:`flashtile.planning.call_threads`), or on one where
+    the join watch (above) finds that faster; ``size``: the call's work as
+    the plan weighed it (an int); ``entry``: the kernel's
+    :func:`.blas.gemm_for`.
 
     The kernel pins a threaded BLAS to one thread while it runs
     (:mod:`.blas_threads`, from ``entry.threads``): with several kernel
@@ -93,10 +157,17 @@ def _call(threads, entry, kernel, *args):
     uncapped pool, where ``numba_threads()`` is the calling thread's own
     count) it is left alone.
     """
+    watched = threads > 1 and JOIN_WATCH
+    if watched:  # (inline: the parallel path's cost is part of every call)
+        key = (kernel, size.bit_length())
+        state = _WATCH.get(key)
+        start = time.perf_counter_ns()
+        if state is not None and start < state[3]:
+            threads = 1
     swap = threads <= 1 or _USABLE < numba.config.NUMBA_NUM_THREADS
     saved = _swap_threads(threads) if swap else 0
     try:
-        return kernel(*args, entry.address, entry.threads)
+        result = kernel(*args, entry.address, entry.threads)
     except Exception as error:
         if _raised_by_kernel(error):
             _kernels().unpin_blas(entry.threads)
@@ -104,6 +175,15 @@ def _call(threads, entry, kernel, *args):
     finally:
         if swap:
             _swap_threads(saved)
+    if watched:
+        end = time.perf_counter_ns()
+        if state is None:
+            _WATCH[key] = [end - start, end - start, 0, 0]
+        elif state[0] < JOIN_SMALL_NS:
+            _watched(state, threads, end - start, end)
+        elif end - start < state[0]:  # (a large call: its fastest only)
+            state[0] = end - start
+    return result
 
 
 #: Numba's own Python code (its dispatcher's compiling and caching).
@@ -141,8 +221,10 @@ def run_forward(plan, log2=False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     half = q4.dtype == BFLOAT16
     if half:  # Numba has no bf16: the same memory as uint16
         q4, k4, v4 = q4.view(np.uint16), k4.view(np.uint16), v4.view(np.uint16)
+    nb, hq, tq, d = q4.shape  # the call's size, as call_threads weighs it
+    size = nb * hq * tq * k4.shape[2] * (d + v4.shape[3])
     out, visited = _call(
-        plan.threads, kernels.gemm_for(plan.q4.dtype), kernels.forward_call, q4, k4, v4, lse,
+        plan.threads, size, kernels.gemm_for(plan.q4.dtype), kernels.forward_call, q4, k4, v4, lse,
         plan.seqs, plan.items, plan.scale, tuple(plan.variants), plan.block_q, plan.block_k,
         1.0 if log2 else LN2,
     )  # fmt: skip
@@ -184,8 +266,10 @@ def run_backward(plan, out, lse, dout, log2=False) -> tuple[np.ndarray, ...]:
         dout4, dq_bits = dout4.view(np.uint16), dq.view(np.uint16)
     else:
         dq_bits = dq
+    nb, hq, tq, d = q4.shape
+    size = nb * hq * tq * k4.shape[2] * (d + v4.shape[3])
     _call(
-        plan.threads, gemm_fn, kernels.backward_kernel, *bits, lse4, dout4, dq_bits, dk_parts,
+        plan.threads, size, gemm_fn, kernels.backward_kernel, *bits, lse4, dout4, dq_bits, dk_parts,
         dv_parts, sums, plan.seqs, plan.items, plan.scale, tuple(plan.variants), plan.block_q,
         plan.block_k, 1.0 if log2 else LOG2E,
     )  # fmt: skip
@@ -215,7 +299,7 @@ def run_decode(plan) -> tuple[np.ndarray, np.ndarray, bool, bool]:
     if q.dtype == BFLOAT16:
         q = q.view(np.uint16)
     return _call(
-        plan.threads, gemm_fn, kernels.decode_call, q, k, v, fmt, walk, layout.table,
+        plan.threads, plan.size, gemm_fn, kernels.decode_call, q, k, v, fmt, walk, layout.table,
         layout.seqlens, plan.items, plan.spans, check_raw, plan.scale, tuple(plan.variants),
         plan.tile_keys,
     )  # fmt: skip
