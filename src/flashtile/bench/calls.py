@@ -12,9 +12,10 @@ median of its calls):
 - the tiny call through ``flashtile.attention`` against its kernel alone (a
   ready plan's ``run_forward``): the difference is the front door's cost;
 - the decoding step again while a second process keeps one core busy (a
-  pure-Python loop): there a parallel step can wait at its join for a
-  descheduled thread, and the launcher's join watch runs such small calls
-  on one thread where that is faster on average (:mod:`flashtile.cpu.launch`).
+  pure-Python loop), each round's mean time per call (a decoding loop's
+  throughput; the median hides the calls whose join waited for a
+  descheduled thread, which the launcher's join watch answers by running
+  such calls on one thread, :mod:`flashtile.cpu.launch`).
 
 On a busy small machine torch's and Numba's thread pools spin against each
 other and the parallel cases measure the scheduler (docs/decoding.md).
@@ -34,19 +35,19 @@ import time
 CALLS = 100
 #: The case timed again with one core busy.
 STEP = "step (1, 12, 1, 64) vs 2048 keys, torch op"
-LOADED = f"{STEP}, a second process busy on one core"
+LOADED = f"{STEP}, a second process busy on one core, mean"
 #: The case whose difference is the front door's cost.
 FRONT = "tiny causal, flashtile.attention vs its kernel alone"
 
 
-def _per_call(fn, calls: int) -> float:
-    """Median microseconds of ``calls`` calls of ``fn``."""
+def _per_call(fn, calls: int, stat=statistics.median) -> float:
+    """Microseconds of ``calls`` calls of ``fn``: their median (or ``stat``)."""
     times = []
     for _ in range(calls):
         t0 = time.perf_counter_ns()
         fn()
         times.append(time.perf_counter_ns() - t0)
-    return statistics.median(times) / 1e3
+    return stat(times) / 1e3
 
 
 def _cases(torch) -> dict:
@@ -108,15 +109,16 @@ def busy_core():
         proc.wait()
 
 
-def _interleaved(calls: dict, reps: int) -> dict:
-    """``key -> [median us of each round]`` over ``reps`` shuffled rounds."""
+def _interleaved(calls: dict, reps: int, stat=statistics.median) -> dict:
+    """``key -> [us per call of each round]`` over ``reps`` shuffled rounds
+    (the ``stat`` of each round's calls: their median, or mean)."""
     times = {key: [] for key in calls}
     rng = random.Random(0)
     for _ in range(reps):
         keys = list(calls)
         rng.shuffle(keys)
         for key in keys:
-            times[key].append(_per_call(calls[key], CALLS))
+            times[key].append(_per_call(calls[key], CALLS, stat))
     return times
 
 
@@ -136,7 +138,8 @@ def measure(reps: int) -> list[dict]:
             fn()
     times = _interleaved(calls, reps)
     with busy_core():
-        times.update(_interleaved({(LOADED, w): fn for w, fn in cases[STEP].items()}, reps))
+        loaded = {(LOADED, who): fn for who, fn in cases[STEP].items()}
+        times.update(_interleaved(loaded, reps, statistics.fmean))
     cases = {c: pair for case, pair in cases.items() for c in _with_loaded(case)}
     rows = []
     for case, pair in cases.items():
@@ -175,8 +178,9 @@ def run_calls_bench(out, reps: int = 15, records=None) -> int:
         print(line, file=out)
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
-        f"calls   : float32, {reps} shuffled rounds of {CALLS} calls, medians; ratio = the "
-        f"other's time / flashtile's (above 1: flashtile is faster); load {load}",
+        f"calls   : float32, {reps} shuffled rounds of {CALLS} calls, medians (the busy core's "
+        f"row: means); ratio = the other's time / flashtile's (above 1: flashtile is faster); "
+        f"load {load}",
         file=out,
     )
     rows = measure(reps)

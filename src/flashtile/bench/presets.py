@@ -93,7 +93,8 @@ PRESETS: dict[str, Preset] = {
     ),
     "calls": Preset(
         "the fixed cost of small calls (T=1, a decoding step, a tiny causal call) vs "
-        "torch SDPA, and the front door's cost above the kernel",
+        "torch SDPA, the front door's cost above the kernel, and the decoding step "
+        "with a second process busy on one core",
         reps=15,
         run=calls.run_calls_bench,
     ),

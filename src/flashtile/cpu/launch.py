@@ -81,12 +81,11 @@ def _kernels() -> types.SimpleNamespace:
 # keeps a core busy, the pool thread on that core may not run until the
 # other process's time slice ends: Numba's OpenMP threads spin for a while
 # after each parallel region, so under a steady stream of calls they use up
-# their share of that core and are descheduled now and then. Measured with
-# a pure-Python loop on one of two cores (the AMD EPYC VM): a decoding step
-# (1, 12, 1, 64) against 2048 keys on two threads took 0.14 ms at the median
-# but 0.56 ms on average (one join in ten waited 4-8 ms), on one thread 0.26
-# and 0.31 ms; torch's SDPA 0.22 and 0.92 ms. For a small call the second
-# core saves less than its waits cost on average.
+# their share of that core and are descheduled now and then. With a
+# pure-Python loop on one of two cores, one decoding step in ten waited 4-8
+# ms and the mean time was about 4x the median; on one thread it was about
+# half that mean (docs/decoding.md). For a small call the second core
+# saves less than its waits cost on average.
 #
 # So the launcher measures both ways. Per kernel and size class of work
 # (its bit length: a factor of 2) it keeps the fastest wall time of a
