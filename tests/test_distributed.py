@@ -350,7 +350,7 @@ def _worker(rank, world, port, out_dir):
     results, seconds = {}, {}
     for name, (fn, worlds) in CASES.items():
         if world in worlds:
-            print(f"{time.strftime('%X')} {name}", file=stacks, flush=True)
+            print(f"{CASE_MARK}{time.strftime('%X')} {name}", file=stacks, flush=True)
             start = time.perf_counter()
             try:
                 fn(rank, world)
@@ -367,27 +367,35 @@ def _worker(rank, world, port, out_dir):
 
 
 #: Seconds between two dumps of a rank's Python stacks into its log
-#: (``rank<N>.log`` in the world's directory, beside the case it started last).
+#: (``rank<N>.log`` in the world's directory, beside the cases it started).
 STACKS_EVERY = 30
+#: The start of a log line that names the case a rank started.
+CASE_MARK = "case started: "
 
 
 def _arm_stacks(out_dir, rank):
     """Open this rank's log; every :data:`STACKS_EVERY` s its threads' stacks
-    are appended (a world that hangs shows where each rank waited)."""
+    are appended, and when the parent terminates the rank (a world that hangs
+    shows where each rank waited)."""
     import faulthandler
+    import signal
 
     log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")  # noqa: SIM115 (open until the process ends)
     faulthandler.dump_traceback_later(STACKS_EVERY, repeat=True, file=log)
+    faulthandler.register(signal.SIGTERM, file=log, chain=True)
     return log
 
 
 def _logs(out_dir, world) -> str:
-    """The ranks' logs (last case started, stacks if any were dumped), for a failure message."""
+    """Each rank's last case started and the end of its log (the stacks last
+    dumped), for a failure message."""
     parts = []
     for rank in range(world):
-        path = os.path.join(out_dir, f"rank{rank}.log")
-        text = pathlib.Path(path).read_text() if os.path.exists(path) else "(no log)"
-        parts.append(f"--- rank {rank}:\n{text[-6000:]}")
+        path = pathlib.Path(out_dir) / f"rank{rank}.log"
+        text = path.read_text() if path.exists() else "(no log)"
+        cases = [line for line in text.splitlines() if line.startswith(CASE_MARK)]
+        parts.append(f"--- rank {rank}, {cases[-1] if cases else 'no case started'}:")
+        parts.append(text[-5000:])
     return "\n".join(parts)
 
 
@@ -498,7 +506,12 @@ def worlds(tmp_path_factory):
 
     def results(world: int) -> list[dict]:
         if world not in cache:
-            cache[world] = _run_world(world, str(tmp_path_factory.mktemp(f"world{world}")))
+            try:
+                cache[world] = _run_world(world, str(tmp_path_factory.mktemp(f"world{world}")))
+            except pytest.fail.Exception as failed:  # every case of that world fails with it
+                cache[world] = failed
+        if isinstance(cache[world], BaseException):
+            pytest.fail(f"the world of {world} ranks failed:\n{cache[world]}")
         return cache[world]
 
     return results

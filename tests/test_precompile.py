@@ -20,7 +20,7 @@ def _recorded_calls(monkeypatch):
     without compiling anything."""
     calls = []
 
-    def record(threads, entry, kernel, *args):
+    def record(threads, size, entry, kernel, *args):
         name = kernel.py_func.__name__
         calls.append((name, [numba.typeof(a) for a in args]))
         if name == "forward_call":

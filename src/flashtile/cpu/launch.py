@@ -90,31 +90,38 @@ def _kernels() -> types.SimpleNamespace:
 # So the launcher measures both ways. Per kernel and size class of work
 # (its bit length: a factor of 2) it keeps the fastest wall time of a
 # parallel call and moving means of the parallel and the serial times (a
-# new time weighs 1/JOIN_WEIGHT). A call whose fastest run is under
-# JOIN_SMALL_NS is watched: when the parallel mean passes the serial one
-# (before any serial run, 2 x threads x the fastest parallel time), its
-# size class runs on one thread for JOIN_HOLD_NS, the serial calls timed,
-# then on its threads again, the parallel mean restarting from the serial
-# one: under a steady load a hold costs the one or two waits that end the
-# next one. Taking turns call by call would not do: the pool's threads,
-# woken now and then, spin beside the serial calls. On a quiet machine the
-# watch costs two clock reads and a mean per parallel call. The results do
-# not depend on the thread count (a plan's items and their merge order are
-# fixed). FLASHTILE_JOIN_WATCH=0 turns it off.
+# new time weighs 1/JOIN_WEIGHT; the parallel mean starts at the second
+# call, the first one pays for loading the kernel). A call whose fastest
+# run is under JOIN_SMALL_NS is watched: when the parallel mean passes
+# JOIN_MARGIN x the serial one (before any serial run, 2 x threads x the
+# fastest parallel time), its size class runs on one thread for
+# JOIN_HOLD_NS, the serial calls timed, then on its threads again, the
+# parallel mean restarting from the serial one: under a steady load a hold
+# costs the one or two waits that end the next one. Taking turns call by
+# call would not do: the pool's threads, woken now and then, spin beside
+# the serial calls. On a quiet machine the watch costs two clock reads and
+# a mean per parallel call. The results do not depend on the thread count
+# (a plan's items and their merge order are fixed). FLASHTILE_JOIN_WATCH=0
+# turns it off.
 
 #: A parallel call is watched while its fastest run took less than this (ns):
 #: for larger calls the other cores save more than the waits cost.
 JOIN_SMALL_NS = 2_000_000
 #: The moving means' weight of a new time: 1 / JOIN_WEIGHT.
 JOIN_WEIGHT = 64
+#: A hold starts when the parallel mean passes JOIN_MARGIN x the serial one
+#: (the first parallel call after a hold wakes the pool: slower than the rest).
+JOIN_MARGIN = 1.25
 #: How long a watched size class then runs on one thread (ns).
 JOIN_HOLD_NS = 1_000_000_000
 #: Whether the join watch is on.
 JOIN_WATCH = os.environ.get("FLASHTILE_JOIN_WATCH", "1") != "0"
 #: ``(kernel, size class) -> [fastest parallel time, parallel mean (0: from
-#: the serial one), serial mean (0: none yet), end of the hold
-#: (perf_counter_ns; 0: none)]`` (times in ns).
+#: the next call, or the serial mean), serial mean (0: none yet), end of the
+#: hold (on ``_clock``; 0: none)]`` (times in ns).
 _WATCH: dict = {}
+#: The watch's clock (a name of its own: the tests plant one).
+_clock = time.perf_counter_ns
 
 
 def reset_join_watch() -> None:
@@ -132,7 +139,7 @@ def _watched(state: list, threads: int, elapsed: int, end: int) -> None:
     if not state[1]:
         state[1] = state[2] or elapsed
     state[1] += (elapsed - state[1]) / JOIN_WEIGHT
-    if state[1] > (state[2] or 2 * threads * state[0]):
+    if state[1] > (JOIN_MARGIN * state[2] or 2 * threads * state[0]):
         state[1], state[3] = 0, end + JOIN_HOLD_NS
 
 
@@ -160,7 +167,7 @@ def _call(threads, size, entry, kernel, *args):
     if watched:  # (inline: the parallel path's cost is part of every call)
         key = (kernel, size.bit_length())
         state = _WATCH.get(key)
-        start = time.perf_counter_ns()
+        start = _clock()
         if state is not None and start < state[3]:
             threads = 1
     swap = threads <= 1 or _USABLE < numba.config.NUMBA_NUM_THREADS
@@ -175,13 +182,13 @@ def _call(threads, size, entry, kernel, *args):
         if swap:
             _swap_threads(saved)
     if watched:
-        end = time.perf_counter_ns()
+        end = _clock()
         if state is None:
-            _WATCH[key] = [end - start, end - start, 0, 0]
+            _WATCH[key] = [end - start, 0, 0, 0]
         elif state[0] < JOIN_SMALL_NS:
             _watched(state, threads, end - start, end)
-        elif end - start < state[0]:  # (a large call: its fastest only)
-            state[0] = end - start
+        elif end - start < state[0]:  # (a large call: its fastest, the mean from the next)
+            state[0], state[1] = end - start, 0
     return result
 
 
