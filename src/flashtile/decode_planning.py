@@ -26,7 +26,7 @@ from .cpu.launch import numba_threads
 from .cpu.tiles import KernelVariants
 from .kvlayout import CacheLayout
 from .masks import block_key_range
-from .planning import SERIAL_WORK, Call, as_4d, bf16_allowed, kernel_variants
+from .planning import Call, as_4d, bf16_allowed, call_threads, kernel_variants
 from .variants import Variants
 from .workitems import (
     DECODE_TILE,
@@ -77,15 +77,17 @@ class DecodePlan(NamedTuple):
             ``(b, kv head)``'s partials.
         variants: :class:`KernelVariants` (no mask arrays).
         scale: the score multiplier; tile_keys: keys per tile.
-        threads: how many threads run the kernel (1 below SERIAL_WORK).
+        threads: how many threads run the kernel
+            (:func:`flashtile.planning.call_threads`).
         walk: how the items walk the cache (:func:`flashtile.workitems.decode_walk`):
             ``"tiles"``, ``"rows"`` (read in place, ``cpu/cache_rows.py``),
             ``"head-tiles"`` or ``"head-rows"`` (every kv head at once).
         small: the library of the tile products where the ``blas.one`` /
             ``blas.few`` routes decide it, else None
             (:func:`flashtile.cpu.blas.small_library`).
-        size: the call's work, as the thread count weighs it (the launcher's
-            join watch sorts calls by it, :mod:`flashtile.cpu.launch`).
+        size: the call's work, as the thread count weighs it (as
+            :func:`flashtile.planning.call_size` does, over the valid keys;
+            the launcher's join watch sorts calls by it).
     """
 
     q: np.ndarray
@@ -117,7 +119,7 @@ def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> Deco
     _, hq, tq, d = q.shape
     lengths = tuple(layout.seqlens.tolist())
     size = hq * tq * sum(lengths) * (d + layout.v.shape[3])
-    threads = 1 if size < SERIAL_WORK else numba_threads()
+    threads = call_threads(size)
     if va.alibi is None:
         variants = _plain_schedule_variants(va.causal, va.left, va.right, va.softcap, work)
     else:

@@ -126,6 +126,8 @@ class KernelPlan(NamedTuple):  # a tuple: built on every call, in a fraction of 
         out_shape: the caller's leading dims and ``Tq``: the shape of ``lse``
             (``out`` adds ``dv``).
         threads: how many threads run the kernel (:func:`call_threads`).
+        size: the call's work (:func:`call_size`; the launcher's join watch
+            sorts calls by it, :mod:`flashtile.cpu.launch`).
     """
 
     q4: np.ndarray
@@ -141,6 +143,7 @@ class KernelPlan(NamedTuple):  # a tuple: built on every call, in a fraction of 
     dtype: np.dtype
     out_shape: tuple[int, ...]
     threads: int
+    size: int = 0
 
 
 def plan_forward(call: Call, block_q=None, block_k=None) -> KernelPlan:
@@ -160,7 +163,8 @@ def _plan(call, block_q, block_k, backward):
     q4, k4, v4 = kernel_arrays(call)
     shapes, va = call.shapes, call.variants
     work = compute_dtype(q4.dtype)  # the state's dtype (float32 for bf16 arrays)
-    threads = call_threads(shapes)
+    size = call_size(shapes)
+    threads = call_threads(size)
     if backward and va.mods is not None and not va.mods.differentiable:
         raise ValueError(
             f"{va.mods.label} has no derivative here: mods written for the NumPy API run "
@@ -184,7 +188,7 @@ def _plan(call, block_q, block_k, backward):
         )  # fmt: skip
     return KernelPlan(
         q4, k4, v4, seqs, items, parts, variants, call.scale, block_q, block_k, call.q.dtype,
-        shapes.batch + (shapes.tq,), threads,
+        shapes.batch + (shapes.tq,), threads, size,
     )  # fmt: skip
 
 
@@ -245,13 +249,18 @@ def _schedule(seqs, va, heads, extent, work, block_q, block_k, backward, threads
     return block_q, block_k, variants, items, parts
 
 
-def call_threads(shapes: AttentionShapes) -> int:
-    """Threads for a call: Numba's count, or 1 below SERIAL_WORK (see there)."""
+def call_size(shapes: AttentionShapes) -> int:
+    """A call's work as the thread count weighs it: query rows x keys x (d + dv)."""
     heads = 1
     for n in shapes.batch:
         heads *= n
-    work = heads * shapes.tq * shapes.tk * (shapes.d + shapes.dv)
-    return 1 if work < SERIAL_WORK else numba_threads()
+    return heads * shapes.tq * shapes.tk * (shapes.d + shapes.dv)
+
+
+def call_threads(size: int) -> int:
+    """Threads for a call of ``size`` (:func:`call_size`): Numba's count, or 1
+    below SERIAL_WORK (see there)."""
+    return 1 if size < SERIAL_WORK else numba_threads()
 
 
 def as_4d(a, work):

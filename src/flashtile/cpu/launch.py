@@ -146,8 +146,8 @@ def _watched(state: list, threads: int, elapsed: int, end: int) -> None:
 def _call(threads, size, entry, kernel, *args):
     """``kernel(*args, entry.address, entry.threads)`` on the plan's
     ``threads`` (:func:`flashtile.planning.call_threads`), or on one where
-    the join watch (above) finds that faster; ``size``: the call's work as
-    the plan weighed it (an int); ``entry``: the kernel's
+    the join watch (above) finds that faster; ``size``: the call's work
+    (:func:`flashtile.planning.call_size`, an int); ``entry``: the kernel's
     :func:`.blas.gemm_for`.
 
     The kernel pins a threaded BLAS to one thread while it runs
@@ -227,12 +227,10 @@ def run_forward(plan, log2=False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     half = q4.dtype == BFLOAT16
     if half:  # Numba has no bf16: the same memory as uint16
         q4, k4, v4 = q4.view(np.uint16), k4.view(np.uint16), v4.view(np.uint16)
-    nb, hq, tq, d = q4.shape  # the call's size, as call_threads weighs it
-    size = nb * hq * tq * k4.shape[2] * (d + v4.shape[3])
     out, visited = _call(
-        plan.threads, size, kernels.gemm_for(plan.q4.dtype), kernels.forward_call, q4, k4, v4, lse,
-        plan.seqs, plan.items, plan.scale, tuple(plan.variants), plan.block_q, plan.block_k,
-        1.0 if log2 else LN2,
+        plan.threads, plan.size, kernels.gemm_for(plan.q4.dtype), kernels.forward_call, q4, k4,
+        v4, lse, plan.seqs, plan.items, plan.scale, tuple(plan.variants), plan.block_q,
+        plan.block_k, 1.0 if log2 else LN2,
     )  # fmt: skip
     return (out.view(BFLOAT16) if half else out), lse, visited
 
@@ -272,12 +270,10 @@ def run_backward(plan, out, lse, dout, log2=False) -> tuple[np.ndarray, ...]:
         dout4, dq_bits = dout4.view(np.uint16), dq.view(np.uint16)
     else:
         dq_bits = dq
-    nb, hq, tq, d = q4.shape
-    size = nb * hq * tq * k4.shape[2] * (d + v4.shape[3])
     _call(
-        plan.threads, size, gemm_fn, kernels.backward_kernel, *bits, lse4, dout4, dq_bits, dk_parts,
-        dv_parts, sums, plan.seqs, plan.items, plan.scale, tuple(plan.variants), plan.block_q,
-        plan.block_k, 1.0 if log2 else LOG2E,
+        plan.threads, plan.size, gemm_fn, kernels.backward_kernel, *bits, lse4, dout4, dq_bits,
+        dk_parts, dv_parts, sums, plan.seqs, plan.items, plan.scale, tuple(plan.variants),
+        plan.block_q, plan.block_k, 1.0 if log2 else LOG2E,
     )  # fmt: skip
     dk, dv = dk_parts[0], dv_parts[0]
     for p in range(1, plan.parts):  # a fixed order: deterministic sums
