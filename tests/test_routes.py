@@ -278,7 +278,7 @@ def test_a_prepared_attention_call_is_planned_again_too(rng, walks):
 def test_an_explicit_split_count_too_small_for_the_threads_takes_per_head_items(rng, monkeypatch):
     import flashtile.decode_planning as decode_planning
 
-    monkeypatch.setattr(decode_planning, "SERIAL_WORK", 0)  # threaded whatever the size
+    monkeypatch.setattr(decode_planning, "call_threads", lambda size: 2)  # whatever the size
     monkeypatch.setattr(decode_planning, "numba_threads", lambda: 2)
     q = rng.standard_normal((1, 8, 1, 16)).astype(np.float32)
     k, v = (rng.standard_normal((64, 4, 1, 16)).astype(np.float32) for _ in range(2))
