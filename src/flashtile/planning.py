@@ -14,7 +14,8 @@ the plan to :mod:`flashtile.cpu.launch`; the kernels then only execute it
   ``(sequence, kv head, query block)`` (forward) or ``(sequence, kv head,
   part)`` (backward) each, ordered so that ``prange``'s static schedule gives
   every thread a similar share (:mod:`flashtile.workitems`).
-- :func:`call_threads`: a call with little work runs on the calling thread.
+- :func:`call_size`, :func:`call_threads`: a call with little work runs on
+  the calling thread (decoding's plans use the same rule).
 
 Decoding's plans (split-KV work items, and the rule that sends a few
 queries against many keys to the decode kernel) are
