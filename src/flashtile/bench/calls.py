@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import statistics
 import subprocess
 import sys
 import time
+
+from .timing import round_orders
 
 #: Calls per round.
 CALLS = 100
@@ -110,14 +111,12 @@ def busy_core():
 
 
 def _interleaved(calls: dict, reps: int, stat=statistics.median) -> dict:
-    """``key -> [us per call of each round]`` over ``reps`` shuffled rounds
-    (the ``stat`` of each round's calls: their median, or mean)."""
+    """``key -> [us per call of each round]`` over ``reps`` rounds in
+    :func:`.timing.round_orders` (the ``stat`` of each round's calls: their
+    median, or mean)."""
     times = {key: [] for key in calls}
-    rng = random.Random(0)
-    for _ in range(reps):
-        keys = list(calls)
-        rng.shuffle(keys)
-        for key in keys:
+    for order in round_orders(list(calls), reps):
+        for key in order:
             times[key].append(_per_call(calls[key], CALLS, stat))
     return times
 

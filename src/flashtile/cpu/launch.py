@@ -125,7 +125,7 @@ _clock = time.perf_counter_ns
 
 
 def reset_join_watch() -> None:
-    """Forget the join watch's records (tests, benchmarks)."""
+    """Forget the join watch's records (tests)."""
     _WATCH.clear()
 
 
