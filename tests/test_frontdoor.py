@@ -90,6 +90,21 @@ def test_values_that_need_float64_take_it_on_a_prepared_key(shape_q, shape_k):
     np.testing.assert_array_equal(ft.attention(q, k, v), _general(q, k, v)[0])
 
 
+def test_bf16_products_past_float32_are_widened_on_a_prepared_key():
+    """bf16 tile products sum ``q . k`` before the scale: a prepared bf16 key
+    whose values put those sums past float32's range (the scores, at a tiny
+    scale, stay inside it) is widened to float32 products, as a first call is."""
+    q, k, v = _arrays((1, 2, 16, 8), (1, 2, 16, 8), BF16, seed=6)
+    for _ in range(3):
+        ft.attention(q, k, v, scale=1e-20)
+    huge_q, huge_k = (a * BF16.type(1e19) for a in (q, k))
+    got, lse = ft.attention(huge_q, huge_k, v, scale=1e-20, return_lse=True)
+    want, want_lse = _general(huge_q, huge_k, v, scale=1e-20)
+    assert np.isfinite(got.astype(np.float32)).all()
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(lse, want_lse)
+
+
 @pytest.mark.parametrize(
     "keywords, error",
     [

@@ -52,14 +52,13 @@ from ._validate import (
     check_qkv,
     resolve_scale,
 )
-from .cpu.launch import numba_threads, run_decode, run_forward
+from .cpu.launch import NO_LIMITS, numba_threads, run_decode, run_forward
 from .decode_planning import DecodePlan, decode_shaped, plan_decode, plan_decode_call
 from .kvlayout import CacheLayout
 from .merge import add_sinks
 from .planning import Call, KernelPlan, bf16_allowed, bf16_products, plan_forward
 from .precision import (
     FLOAT32_SCORE_LIMIT,
-    bounds,
     decode_bound,
     decode_overflowed,
     narrow_lse,
@@ -343,19 +342,18 @@ def run_prepared(entry: Prepared, q, k, v, return_lse: bool):
     key describes them (checked metadata, NumPy arrays in the caller's
     layout). The first call of a key count plans it (:func:`plan_call`) and
     keeps the plan where the call's values did not decide it; later ones
-    check their score bound (where the work dtype reads it) and run it."""
+    run it, the kernel checking their score bound first where the work dtype
+    reads it (values past it are planned again, as a first call)."""
     tk = k.shape[-2]
     step = entry.steps.get(tk)
     if step is not None and step.products is not None and _stale(step):
         step = None  # planned for another BLAS (set_backend): planned again below
     elif step is not None and step.routes is not None and step.routes != routes.GENERATION[0]:
         step = None  # a decode walk planned before a route changed
-    if step is not None and step.bounded:  # the values must allow the planned work dtype
-        score, products = bounds(entry.scale, q, k, entry.variants, step.shapes.tq, tk)
-        if score >= FLOAT32_SCORE_LIMIT or (step.bf16 and products >= FLOAT32_SCORE_LIMIT):
-            step = None  # float64 (or widened bf16) for these values: the general path
     if step is not None:
-        return _run_step(step, entry.variants, q, k, v, return_lse)
+        result = _run_step(step, entry.variants, q, k, v, return_lse)
+        if result is not None:
+            return result  # (None: float64, or widened bf16, for these values)
     call = prepared_call(entry, q, k, v)
     plan = plan_call(call, entry.block_q, entry.block_k)
     step = _step(call, plan)
@@ -417,8 +415,11 @@ def _products(dtype) -> bool | None:
 
 
 def _run_step(step: Step, va: Variants, q, k, v, return_lse: bool):
-    """A stored step on this call's arrays (no check, no planning). The casts
-    are those of the planners (a view, or a copy for 16-bit inputs widened)."""
+    """A stored step on this call's arrays (no check, no planning), or None
+    when a forward step's values do not fit its work dtype (``step.bounded``:
+    the kernel checks the score bound, and with bf16 products the products'
+    bound, before it computes). The casts are those of the planners (a view,
+    or a copy for 16-bit inputs widened)."""
     plan, (sq, sk, sv), work = step.plan, step.shapes4, step.work
     if type(plan) is DecodePlan:
         k4, v4 = np.ascontiguousarray(k.reshape(sk)), np.ascontiguousarray(v.reshape(sv))
@@ -430,5 +431,11 @@ def _run_step(step: Step, va: Variants, q, k, v, return_lse: bool):
         q4 = np.ascontiguousarray(q.reshape(sq), dtype=work)
         k4 = np.ascontiguousarray(k.reshape(sk), dtype=work)
         v4 = np.ascontiguousarray(v.reshape(sv), dtype=work)
-        out, lse, _ = run_forward(KernelPlan(q4, k4, v4, *plan[3:]))
+        limits = NO_LIMITS
+        if step.bounded:
+            limits = (FLOAT32_SCORE_LIMIT, FLOAT32_SCORE_LIMIT if step.bf16 else np.inf)
+        result = run_forward(KernelPlan(q4, k4, v4, *plan[3:]), limits=limits)
+        if result is None:
+            return None
+        out, lse, _ = result
     return _shaped(out, lse, step.shapes, q.dtype, return_lse)

@@ -85,7 +85,7 @@ def finite_max_abs(a: np.ndarray) -> float:
 
 
 def _compiled_operands(*arrays: np.ndarray) -> list:
-    """Each array as the compiled maxima read it (:func:`_top_finite`), or None:
+    """Each array as the compiled maxima read it (:func:`top_finite`), or None:
     a C-contiguous float32/float64 array, flat (one compilation per dtype,
     not per rank); bf16 always, as its ``uint16`` bits (a strided one copied
     first: ml_dtypes' own max is some 40x slower than the copy). Several in
@@ -104,11 +104,11 @@ def _compiled_operands(*arrays: np.ndarray) -> list:
 _COMPILED_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _top_finite(a):
+def top_finite(a):
     """``max |a|`` over the finite entries of a 1-D contiguous float32/float64
     array, or of bf16 bits (``uint16``), as a float (0 if none). Compiled
     code only (the overload below)."""
-    raise NotImplementedError("_top_finite is only available inside Numba code")
+    raise NotImplementedError("top_finite is only available inside Numba code")
 
 
 #: numba dtype -> (integer view, magnitude bits, bits of +inf, bits -> float):
@@ -122,7 +122,7 @@ _BITS = {
 }
 
 
-@overload(_top_finite)
+@overload(top_finite)
 def _top_finite_overload(a):
     view, magnitude, inf, float_type = _BITS[a.dtype]
     magnitude, inf = view(magnitude), view(inf)
@@ -148,15 +148,15 @@ def _top_finite_overload(a):
 
 @numba.njit(cache=True)  # no fastmath: exact integer compares
 def _max_abs_compiled(a):
-    """:func:`_top_finite` of one array."""
-    return _top_finite(a)
+    """:func:`top_finite` of one array."""
+    return top_finite(a)
 
 
 @numba.njit(cache=True)  # no fastmath: exact integer compares
 def _bounds_compiled(q, k, d, scale, additive):
     """:func:`bound_formula` from the maxima of two arrays, in one compiled call
     (a small call's bound cost more in Python around the passes than in them)."""
-    return bound_formula(_top_finite(q), _top_finite(k), d, scale, additive)
+    return bound_formula(top_finite(q), top_finite(k), d, scale, additive)
 
 
 @register_jitable

@@ -34,7 +34,9 @@ STAMP = "flashtile-kernels.sha256"
 @functools.cache
 def _fingerprint() -> str:
     here = Path(__file__).resolve().parent
-    sources = sorted(here.glob("*.py")) + [here.parent / "masks.py"]
+    # (and the modules outside this package whose compiled code they call)
+    sources = sorted(here.glob("*.py"))
+    sources += [here.parent / name for name in ("masks.py", "dropout.py", "precision.py")]
     return hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()
 
 

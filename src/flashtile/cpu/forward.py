@@ -21,6 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..masks import TILE_EMPTY, TILE_FULL
+from ..precision import bound_formula, top_finite
 from ..units import LOG2E
 from . import FASTMATH
 from .blas_threads import pin_blas, unpin_blas
@@ -218,25 +219,39 @@ def forward_kernel(
 
 @njit(cache=True)
 def forward_call(
-    q, k, v, lse, seqs, items, scale, variant_fields, block_q, block_k, lse_mult, gemm_fn,
-    blas_threads,
+    q, k, v, lse, seqs, items, scale, variant_fields, block_q, block_k, lse_mult, score_limit,
+    products_limit, gemm_fn, blas_threads,
 ):  # fmt: skip
     """:func:`forward_kernel` into ``lse`` (allocated by the caller, in the
     work dtype) with ``out`` and ``visited`` allocated here; returns ``(out,
-    visited)``. Arguments as there; ``variant_fields``: a
+    visited, fits)``. Arguments as there; ``variant_fields``: a
     :class:`.tiles.KernelVariants` as a plain tuple (``tuple(variants)``);
     ``blas_threads``: the BLAS pinned meanwhile (:mod:`.blas_threads`).
     With no query heads or batch (``q.size == 0``) nothing is computed (the
     kernel divides by the head count). One compiled call: inside a model's
-    loop, each allocation from Python costs close to a microsecond."""
-    variants = KernelVariants(*variant_fields)
-    pin_blas(blas_threads)
+    loop, each allocation from Python costs close to a microsecond.
+
+    ``score_limit``, ``products_limit``: in log2 units, inf to check
+    nothing (two floats: a tuple argument costs the dispatcher 0.4 us). A
+    call whose bounds reach either limit
+    (:func:`flashtile.precision.bound_formula` of ``max |q|`` and ``max
+    |k|``, with no additive term) computes nothing and returns ``fits``
+    False: a prepared call checks its values here, in the compiled call
+    (a separate pass from Python cost a tiny call 2 us), and is planned
+    again for them (float64)."""
     out = np.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
     visited = np.empty(items.shape[0], dtype=np.int64)
+    if (score_limit < np.inf or products_limit < np.inf) and q.size > 0 and k.size > 0:
+        top_q, top_k = top_finite(q.reshape(q.size)), top_finite(k.reshape(k.size))
+        score, products = bound_formula(top_q, top_k, q.shape[3], scale, 0.0)
+        if score >= score_limit or products >= products_limit:
+            return out, visited, False
+    variants = KernelVariants(*variant_fields)
+    pin_blas(blas_threads)
     if q.size > 0:
         forward_kernel(
             q, k, v, out, lse, visited, seqs, items, scale, variants, block_q, block_k, lse_mult,
             gemm_fn,
         )  # fmt: skip
     unpin_blas(blas_threads)
-    return out, visited
+    return out, visited, True

@@ -35,6 +35,9 @@ def _swap_threads(n):
     return saved
 
 
+#: :func:`run_forward`'s ``limits`` when nothing is to be checked.
+NO_LIMITS = (np.inf, np.inf)
+
 #: The CPUs this process may use (affinity, and a container's CPU quota:
 #: :func:`flashtile.cpuset.usable_cpus`), read once; with NUMBA_NUM_THREADS
 #: set, the user's pool size instead.
@@ -212,7 +215,7 @@ def _raised_by_kernel(error: Exception) -> bool:
     return True
 
 
-def run_forward(plan, log2=False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def run_forward(plan, log2=False, limits=NO_LIMITS) -> tuple[np.ndarray, ...] | None:
     """``(out (NB, Hq, TQ, dv), lse (NB, Hq, TQ), tiles computed per item)``
     of a forward plan; ``lse`` in natural log, or in log2 units with ``log2``
     (the float64 backward's own: exact for a one-hot row, see
@@ -220,6 +223,9 @@ def run_forward(plan, log2=False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
     ``out`` has the dtype of ``plan.q4`` (bfloat16 too: the kernel reads and
     writes its bits as ``uint16``, :mod:`.half`); ``lse`` the work dtype.
+    ``limits``: ``(score, products)`` bounds the call's values must stay
+    under (:func:`flashtile.precision.bounds`, checked in the kernel call);
+    None when they do not (nothing computed).
     """
     kernels = _kernels()
     q4, k4, v4 = plan.q4, plan.k4, plan.v4
@@ -227,11 +233,13 @@ def run_forward(plan, log2=False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     half = q4.dtype == BFLOAT16
     if half:  # Numba has no bf16: the same memory as uint16
         q4, k4, v4 = q4.view(np.uint16), k4.view(np.uint16), v4.view(np.uint16)
-    out, visited = _call(
+    out, visited, fits = _call(
         plan.threads, plan.size, kernels.gemm_for(plan.q4.dtype), kernels.forward_call, q4, k4,
         v4, lse, plan.seqs, plan.items, plan.scale, tuple(plan.variants), plan.block_q,
-        plan.block_k, 1.0 if log2 else LN2,
+        plan.block_k, 1.0 if log2 else LN2, *limits,
     )  # fmt: skip
+    if not fits:
+        return None
     return (out.view(BFLOAT16) if half else out), lse, visited
 
 
