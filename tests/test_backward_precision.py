@@ -232,3 +232,31 @@ def test_softcap_gradients_where_tanh_saturates():
     ref = dense_extended(*(a.astype(np.float64) for a in (q, k, v, dout)), **kw)[2:5]
     for g, r in zip(got, ref, strict=True):
         assert rel_err(g, r) < 1e-4
+
+
+@pytest.mark.parametrize("lse_dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("work", [np.float32, np.float64])
+def test_the_quick_pass_of_the_rule_never_hides_a_failing_row(work, lse_dtype):
+    """``gradients_unreliable``'s three-reduction pass (no sinks) answers
+    "reliable" only where ``failing_rows`` finds no row: rows with sums past
+    1, NaN, +-inf and large ``lse`` values, each alone among ordinary rows."""
+    from flashtile.precision import _no_row_fails, failing_rows
+
+    rng = np.random.default_rng(0)
+    specials = [np.nan, np.inf, -np.inf, 1e3, -1e3, 1e6, 1e300, 0.0]
+    tol = GRADIENT_TOLERANCE
+    for trial in range(200):
+        sums = (1.0 - rng.random((2, 3, 5)) * tol * 2).astype(work)
+        lse = (rng.standard_normal((2, 3, 5)) * 30).astype(lse_dtype)
+        where = tuple(rng.integers(0, n) for n in sums.shape)
+        if trial % 2:
+            with np.errstate(over="ignore"):  # (1e300 in float32: inf)
+                lse[where] = lse_dtype(specials[trial // 2 % len(specials)])
+        else:
+            sums[where] = work([np.nan, 1.0 + 2 * tol, 0.0, np.inf][trial // 2 % 4])
+        with np.errstate(over="ignore"):
+            fails = bool(failing_rows(np, sums, lse, None).any())
+        if _no_row_fails(sums, lse):
+            assert not fails, (sums[where], lse[where])
+    ordinary = np.ones((2, 3), work), np.zeros((2, 3), lse_dtype)
+    assert _no_row_fails(*ordinary)  # (the pass does answer, on ordinary rows)

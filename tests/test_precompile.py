@@ -26,7 +26,8 @@ def _recorded_calls(monkeypatch):
         if name == "forward_call":
             q4, v4, lse, items = args[0], args[2], args[3], args[5]
             lse[...] = 0
-            return np.zeros(q4.shape[:-1] + v4.shape[-1:], q4.dtype), np.zeros(len(items), int)
+            out = np.zeros(q4.shape[:-1] + v4.shape[-1:], q4.dtype)
+            return out, np.zeros(len(items), int), True
         if name == "decode_call":
             q, v = args[0], args[2]
             work = np.float64 if q.dtype == np.float64 else np.float32

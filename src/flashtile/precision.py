@@ -56,11 +56,10 @@ import functools
 import math
 
 import ml_dtypes
-import numba
 import numpy as np
-from numba.extending import overload, register_jitable
 
 from ._validate import BFLOAT16, compute_dtype
+from .cpu.bounds import bound_formula, bounds_compiled, max_abs_compiled
 from .units import LOG2E
 from .variants import Variants
 
@@ -77,7 +76,7 @@ def finite_max_abs(a: np.ndarray) -> float:
         return 0.0
     bits = _compiled_operands(a)[0]
     if bits is not None:
-        return _max_abs_compiled(bits)
+        return max_abs_compiled(bits)
     hi, lo = float(a.max()), float(a.min())
     if math.isfinite(hi) and math.isfinite(lo):  # the common case: two fast passes
         return max(hi, -lo)
@@ -85,8 +84,8 @@ def finite_max_abs(a: np.ndarray) -> float:
 
 
 def _compiled_operands(*arrays: np.ndarray) -> list:
-    """Each array as the compiled maxima read it (:func:`top_finite`), or None:
-    a C-contiguous float32/float64 array, flat (one compilation per dtype,
+    """Each array as the compiled maxima read it (:mod:`flashtile.cpu.bounds`),
+    or None: a C-contiguous float32/float64 array, flat (one compilation per dtype,
     not per rank); bf16 always, as its ``uint16`` bits (a strided one copied
     first: ml_dtypes' own max is some 40x slower than the copy). Several in
     one call: a call's bound reads ``q`` and ``k``."""
@@ -102,70 +101,6 @@ def _compiled_operands(*arrays: np.ndarray) -> list:
 
 
 _COMPILED_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-
-
-def top_finite(a):
-    """``max |a|`` over the finite entries of a 1-D contiguous float32/float64
-    array, or of bf16 bits (``uint16``), as a float (0 if none). Compiled
-    code only (the overload below)."""
-    raise NotImplementedError("top_finite is only available inside Numba code")
-
-
-#: numba dtype -> (integer view, magnitude bits, bits of +inf, bits -> float):
-#: a finite float's magnitude orders as its sign-cleared bits, and those of
-#: inf and NaN are at or above +inf's (all below the sign bit, so signed
-#: compares work).
-_BITS = {
-    numba.types.float32: (np.int32, 0x7FFFFFFF, 0x7F800000, np.float32),
-    numba.types.float64: (np.int64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000, np.float64),
-    numba.types.uint16: (np.int16, 0x7FFF, 0x7F80, None),  # bf16: the top half of a float32
-}
-
-
-@overload(top_finite)
-def _top_finite_overload(a):
-    view, magnitude, inf, float_type = _BITS[a.dtype]
-    magnitude, inf = view(magnitude), view(inf)
-
-    def impl(a):
-        # One pass of integer compares on the bits, which vectorises.
-        bits = a.view(view)
-        top = view(0)
-        for i in range(bits.size):
-            x = bits[i] & magnitude
-            x = x if x < inf else view(0)
-            top = x if x > top else top
-        if float_type is None:  # bf16 bits: the top half of a float32's
-            wide = np.empty(1, dtype=np.int32)
-            wide[0] = top << 16  # (Numba computes it in int64: stored back as int32)
-            return float(wide.view(np.float32)[0])
-        out = np.empty(1, dtype=view)
-        out[0] = top
-        return float(out.view(float_type)[0])
-
-    return impl
-
-
-@numba.njit(cache=True)  # no fastmath: exact integer compares
-def _max_abs_compiled(a):
-    """:func:`top_finite` of one array."""
-    return top_finite(a)
-
-
-@numba.njit(cache=True)  # no fastmath: exact integer compares
-def _bounds_compiled(q, k, d, scale, additive):
-    """:func:`bound_formula` from the maxima of two arrays, in one compiled call
-    (a small call's bound cost more in Python around the passes than in them)."""
-    return bound_formula(top_finite(q), top_finite(k), d, scale, additive)
-
-
-@register_jitable
-def bound_formula(big_q, big_k, d, scale, additive):
-    """``(score_bound, product_bound)`` from ``max |q|``, ``max |k|`` over
-    finite entries, the head dim, the scale and :func:`additive_bound`
-    (see :func:`bounds`). Python and compiled code."""
-    raw = max(1.0, big_q) * max(1.0, d * big_k)
-    return LOG2E * (abs(scale) * raw + additive), LOG2E * raw
 
 
 def additive_bound(va: Variants, tq: int, tk: int) -> float:
@@ -197,7 +132,7 @@ def bounds(scale: float, q: np.ndarray, k: np.ndarray, va: Variants, tq: int, tk
     if q.dtype == k.dtype and q.size and k.size:
         q_op, k_op = _compiled_operands(q, k)
         if q_op is not None and k_op is not None:  # the common case: one compiled call
-            return _bounds_compiled(q_op, k_op, d, scale, additive)
+            return bounds_compiled(q_op, k_op, d, scale, additive)
     big_q, big_k = (FLOAT16_MAX if a.dtype == np.float16 else finite_max_abs(a) for a in (q, k))
     return bound_formula(big_q, big_k, d, scale, additive)
 
@@ -298,6 +233,8 @@ def gradients_unreliable(sums, lse, dout, sinks) -> bool:
     they were recomputed from, ``dout (..., Tq, dv)``, ``sinks (Hq,)`` or
     None; NumPy arrays. Costs a pass over ``sums`` and ``lse``; ``dout`` is
     read only when some row fails."""
+    if sinks is None and _no_row_fails(sums, lse):  # the common case, in three reductions
+        return False
     off = failing_rows(np, sums.reshape(lse.shape), lse, sinks)
     if not off.any():  # the common case: no pass over dout
         return False
@@ -334,10 +271,36 @@ def failing_rows(xp, sums, lse, sinks, tol=GRADIENT_TOLERANCE):
         sink = _cast(xp, sinks, sums.dtype).reshape((-1, 1))
         expected = 1.0 - xp.exp(sink - xp.where(empty, xp.inf, wide))
     off = (sums - expected > tol) | (wide == xp.inf)  # (NaN: False)
-    eps = sum(_eps(xp, t) for t in (lse.dtype, sums.dtype) if t != xp.float64)
+    eps = _rounding(xp, lse.dtype, sums.dtype)
     if eps:
         off = off | (xp.abs(wide) * eps >= tol) & ~empty
     return off
+
+
+def _no_row_fails(sums, lse, tol=GRADIENT_TOLERANCE) -> bool:
+    """A sufficient test that :func:`failing_rows` (NumPy arrays, no sinks)
+    finds no failing row, from three reductions instead of its dozen array
+    operations (a small training step's backward spent 30 us in them): the
+    largest sum (NaN left out, as the rule does) within ``tol`` of 1, every
+    ``lse`` (in the sums' dtype) finite, and the largest ``|lse|`` below the
+    rule's rounding limit. False means "ask the rule" (an empty row, an
+    inf, a large sum or ``lse``), never "a row fails"."""
+    if sums.size == 0:
+        return True
+    wide = _cast(np, lse, sums.dtype)
+    lo, hi = float(np.fmin.reduce(wide, axis=None)), float(np.fmax.reduce(wide, axis=None))
+    if not (-np.inf < lo and hi < np.inf):  # (all NaN: NaN, which fails both tests)
+        return False
+    top = float(np.fmax.reduce(sums, axis=None))
+    eps = _rounding(np, lse.dtype, sums.dtype)
+    return top - 1.0 <= tol and max(-lo, hi) * eps < tol
+
+
+def _rounding(xp, lse_dtype, work) -> float:
+    """How coarse scores near ``lse`` are, relative to ``|lse|``: the
+    epsilons of ``lse``'s dtype and the work dtype that are narrower than
+    float64 (0 when both are float64; see :func:`failing_rows`)."""
+    return sum(_eps(xp, t) for t in (lse_dtype, work) if t != xp.float64)
 
 
 def _cast(xp, a, dtype):

@@ -21,10 +21,10 @@ import numpy as np
 from numba import njit, prange
 
 from ..masks import TILE_EMPTY, TILE_FULL
-from ..precision import bound_formula, top_finite
 from ..units import LOG2E
 from . import FASTMATH
 from .blas_threads import pin_blas, unpin_blas
+from .bounds import bound_formula, top_finite
 from .half import prob_buffer, split_scale
 from .tile_step import finish_rows, fold_key_tile, item_buffers, one_segment
 from .tiles import (
@@ -234,7 +234,7 @@ def forward_call(
     ``score_limit``, ``products_limit``: in log2 units, inf to check
     nothing (two floats: a tuple argument costs the dispatcher 0.4 us). A
     call whose bounds reach either limit
-    (:func:`flashtile.precision.bound_formula` of ``max |q|`` and ``max
+    (:func:`.bounds.bound_formula` of ``max |q|`` and ``max
     |k|``, with no additive term) computes nothing and returns ``fits``
     False: a prepared call checks its values here, in the compiled call
     (a separate pass from Python cost a tiny call 2 us), and is planned

@@ -185,19 +185,21 @@ def _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_len
     """The result of a plain call, straight on the kernels; None for any other.
 
     Plain (:func:`_plain_key`): no mask, slopes or window; 4-D CPU tensors
-    of a native dtype (``_ops.NATIVE_DTYPES``) that do not require grad,
-    bool flags, ``scale`` and ``softcap`` None or a Python float,
-    ``kv_lengths`` None or a CPU tensor; eager, no gradient wanted. Such a
-    call is the decoding step of a serving loop (a static cache's passes
-    ``kv_lengths``), where the layers of the general path (the op's
-    arguments, NumPy's own validation of what the torch rule has checked)
-    cost as much as the kernel. The first call of each metadata runs the
-    full validation (:func:`._support.refusal`, then
-    :func:`flashtile.frontdoor.check_call`, raising as the general path
+    of a native dtype (``_ops.NATIVE_DTYPES``), bool flags, ``scale`` and
+    ``softcap`` None or a Python float, ``kv_lengths`` None or a CPU tensor;
+    eager. Without a gradient wanted such a call is the decoding step of a
+    serving loop (a static cache's passes ``kv_lengths``), where the layers
+    of the general path (the op's arguments, NumPy's own validation of what
+    the torch rule has checked) cost as much as the kernel. The first call
+    of each metadata runs the full validation (:func:`._support.refusal`,
+    then :func:`flashtile.frontdoor.check_call`, raising as the general path
     does) and is remembered by :mod:`flashtile.frontdoor`; later ones run
     its prepared plan (:func:`flashtile.frontdoor.run_prepared`), or with
     ``kv_lengths`` check the lengths' values by the one rule
-    (:func:`flashtile.variants.resolve_variants`) and plan the call.
+    (:func:`flashtile.variants.resolve_variants`) and plan the call. A call
+    that wants a gradient skips the validation the same way, then runs the
+    op's autograd formula (:class:`._ops.EagerAttention`, as the general
+    path does).
     """
     key = _plain_key(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengths)
     if key is None:
@@ -210,22 +212,44 @@ def _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_len
         )  # fmt: skip
         if refused is not None:
             raise refused.exception()
+    if q.requires_grad or k.requires_grad or v.requires_grad:
+        if torch.is_grad_enabled():
+            if entry is None:  # checked once, as below (its views detached)
+                _prepare(key, *map(as_numpy, (q, k, v)), causal, scale, softcap, kv_lengths)
+            return _differentiable(q, k, v, causal, scale, softcap, return_lse, kv_lengths)
+        q, k, v = q.detach(), k.detach(), v.detach()  # (NumPy views need detached tensors)
     qn, kn, vn = tensors_as_numpy(q, k, v)
-    lengths = None if kv_lengths is None else as_numpy(kv_lengths)
     if entry is None:
-        variants = {} if softcap is None else {"softcap": softcap}
-        if lengths is not None:
-            variants["kv_lengths"] = lengths
-        entry = prepare(key, check_call(qn, kn, vn, causal, scale, variants))
-    if lengths is None:
+        entry = _prepare(key, qn, kn, vn, causal, scale, softcap, kv_lengths)
+    if kv_lengths is None:
         result = run_prepared(entry, qn, kn, vn, return_lse)
     else:  # the lengths' values: checked on every call, by the one rule
+        lengths = as_numpy(kv_lengths)
         shapes = AttentionShapes(*entry.shapes[:2], kn.shape[2], *entry.shapes[3:])
         va = resolve_variants(shapes, causal=causal, softcap=softcap, kv_lengths=lengths)
         result = run_call(Call(qn, kn, vn, shapes, va, entry.scale), return_lse=return_lse)
     if return_lse:
         return as_tensor(result[0]), as_tensor(result[1])
     return as_tensor(result)
+
+
+def _prepare(key, qn, kn, vn, causal, scale, softcap, kv_lengths):
+    """:func:`flashtile.frontdoor.check_call` of a plain call's first call
+    (NumPy views of its tensors), remembered under ``key``."""
+    variants = {} if softcap is None else {"softcap": softcap}
+    if kv_lengths is not None:
+        variants["kv_lengths"] = as_numpy(kv_lengths)
+    return prepare(key, check_call(qn, kn, vn, causal, scale, variants))
+
+
+def _differentiable(q, k, v, causal, scale, softcap, return_lse, kv_lengths):
+    """A checked plain call that wants gradients: the op's arguments (its
+    schema's order; no mask, slopes, window, dropout or sinks) through
+    :class:`._ops.EagerAttention`, as the general path gives them."""
+    lengths = None if kv_lengths is None else kv_lengths.to(torch.int64)
+    args = (q, k, v, None, None, causal, scale, -1, -1, softcap, lengths, 0.0, None, None)
+    out, lse = _ops.EagerAttention.apply(*args)
+    return (out, lse) if return_lse else out
 
 
 def _plain_key(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengths):
@@ -247,8 +271,6 @@ def _plain_key(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengt
         return None  # the Triton kernels' (the one device test), or refused
     if q.dtype not in _ops.NATIVE_DTYPES:
         return None  # float16 is upcast on the general path
-    if q.requires_grad or k.requires_grad or v.requires_grad:
-        return None  # a gradient wanted, or tensors to detach first: the general path
     lengths = None
     if kv_lengths is not None:
         if type(kv_lengths) is not torch.Tensor or not kv_lengths.is_cpu:
