@@ -433,3 +433,36 @@ def test_plain_eager_calls_skip_the_op_layers_and_equal_the_op(dtype, monkeypatc
     assert half.dtype == torch.float16
     grad = ftt.attention(*(t.requires_grad_() for t in tiny), causal=True)
     assert type(grad.grad_fn).__name__ == "EagerAttentionBackward"
+
+
+def test_plain_calls_wanting_gradients_are_validated_once(monkeypatch):
+    """A plain call that wants gradients is refused or accepted by its first
+    call of a metadata and skips the refusal afterwards; its outputs and
+    gradients are the general path's (the op's arguments through the same
+    autograd.Function), bit for bit; under no_grad, tensors that require
+    grad take the plain path detached."""
+    from flashtile import frontdoor
+    from flashtile.torch import _attention
+
+    frontdoor._PREPARED.clear()
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 4, 16, 8, generator=g).requires_grad_() for _ in range(3))
+    with pytest.raises(TypeError, match="dtype"):  # the first call of a key is checked
+        ftt.attention(q, k.detach().double().requires_grad_(), v, causal=True)
+    checked = []
+    real = _attention.refusal
+    monkeypatch.setattr(_attention, "refusal", lambda *a, **kw: checked.append(1) or real(*a, **kw))
+    for _ in range(3):
+        out, lse = ftt.attention(q, k, v, causal=True, softcap=4.0, return_lse=True)
+    assert len(checked) == 1 and type(out.grad_fn).__name__ == "EagerAttentionBackward"
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    # window=(None, None) is no window, but not a plain call: the general path
+    ref, ref_lse = ftt.attention(q, k, v, causal=True, softcap=4.0, window=(None, None),
+                                 return_lse=True)  # fmt: skip
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    for got, want in zip(grads, torch.autograd.grad(ref, (q, k, v), dout), strict=True):
+        assert torch.equal(got, want)
+    with torch.no_grad():
+        assert torch.equal(ftt.attention(q, k, v, causal=True, softcap=4.0), out)
+    assert len(checked) == 2  # (the window call's)
