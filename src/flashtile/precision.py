@@ -11,10 +11,11 @@ the results are cast back (an ``lse`` past float32's range becomes inf).
 The rule is one bound on the magnitude of every score (:func:`bounds`).
 Calls on the forward kernel check it before planning (one pass over ``q``
 and ``k``; a prepared call's kernel makes that pass itself, in the same
-compiled call, :func:`flashtile.cpu.forward.forward_call`); decoding (and attention calls routed to the decode kernel),
-whose cost is reading the cache once, checks it only when a raw score was
-not finite or a row that sees keys got a non-finite ``lse``
-(:func:`decode_overflowed`), and then computes the step again in float64.
+compiled call, :func:`flashtile.cpu.forward.forward_call`); decoding (and
+attention calls routed to the decode kernel), whose cost is reading the
+cache once, checks it only when a raw score was not finite or a row that
+sees keys got a non-finite ``lse`` (:func:`decode_overflowed`), and then
+computes the step again in float64.
 NaN and inf entries are left out of the bound: the NaN policy covers the
 rows they reach, and the other rows still need the right dtype.
 
