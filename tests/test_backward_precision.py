@@ -21,6 +21,8 @@ from flashtile.gradients import check_gradient_inputs, kernel_gradients
 from flashtile.precision import GRADIENT_TOLERANCE, gradients_unreliable
 from precision_sweep import judge
 
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
 @pytest.mark.parametrize("shape", ["peaked", "offset"])
@@ -234,20 +236,24 @@ def test_softcap_gradients_where_tanh_saturates():
         assert rel_err(g, r) < 1e-4
 
 
-@pytest.mark.parametrize("lse_dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("lse_dtype", [np.float32, np.float64, np.float16, BF16], ids=str)
 @pytest.mark.parametrize("work", [np.float32, np.float64])
 def test_the_quick_pass_of_the_rule_never_hides_a_failing_row(work, lse_dtype):
     """``gradients_unreliable``'s three-reduction pass (no sinks) answers
     "reliable" only where ``failing_rows`` finds no row: rows with sums past
-    1, NaN, +-inf and large ``lse`` values, each alone among ordinary rows."""
+    1, NaN, +-inf and large ``lse`` values (some a step either side of the
+    rule's rounding limits, 512 and 1024), each alone among ordinary rows."""
     from flashtile.precision import _no_row_fails, failing_rows
 
     rng = np.random.default_rng(0)
-    specials = [np.nan, np.inf, -np.inf, 1e3, -1e3, 1e6, 1e300, 0.0]
+    edges = [x * f for x in (512.0, 1024.0) for f in (1 - 2**-10, 1.0, 1 + 2**-10)]
+    specials = [np.nan, np.inf, -np.inf, 1e3, -1e3, 1e6, 1e300, 0.0, *edges]
     tol = GRADIENT_TOLERANCE
+    lse_dtype = np.dtype(lse_dtype).type
     for trial in range(200):
         sums = (1.0 - rng.random((2, 3, 5)) * tol * 2).astype(work)
         lse = (rng.standard_normal((2, 3, 5)) * 30).astype(lse_dtype)
+        lse[0, 0, 0] = lse_dtype(-edges[trial % len(edges)])  # (large, and answered by the rule)
         where = tuple(rng.integers(0, n) for n in sums.shape)
         if trial % 2:
             with np.errstate(over="ignore"):  # (1e300 in float32: inf)

@@ -466,3 +466,18 @@ def test_plain_calls_wanting_gradients_are_validated_once(monkeypatch):
     with torch.no_grad():
         assert torch.equal(ftt.attention(q, k, v, causal=True, softcap=4.0), out)
     assert len(checked) == 2  # (the window call's)
+    # a key first checked by a call without gradients; bfloat16, int32 lengths
+    q, k, v = (t.detach().to(torch.bfloat16) for t in (q, k, v))
+    lengths = torch.tensor([9], dtype=torch.int32)
+    ftt.attention(q, k, v, kv_lengths=lengths)
+    out = ftt.attention(*(t.requires_grad_() for t in (q, k, v)), kv_lengths=lengths)
+    assert len(checked) == 3 and type(out.grad_fn).__name__ == "EagerAttentionBackward"
+    ref = ftt.attention(q, k, v, kv_lengths=lengths, window=(None, None))
+    assert torch.equal(out, ref)
+    dout = torch.randn_like(out)
+    for got, want in zip(
+        torch.autograd.grad(out, (q, k, v), dout),
+        torch.autograd.grad(ref, (q, k, v), dout),
+        strict=True,
+    ):
+        assert torch.equal(got, want)

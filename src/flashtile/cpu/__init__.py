@@ -36,7 +36,7 @@ def _fingerprint() -> str:
     here = Path(__file__).resolve().parent
     # (and the modules outside this package whose compiled code they call)
     sources = sorted(here.glob("*.py"))
-    sources += [here.parent / name for name in ("masks.py", "dropout.py")]
+    sources += [here.parent / name for name in ("masks.py", "dropout.py", "units.py")]
     return hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()
 
 

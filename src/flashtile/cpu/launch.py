@@ -224,8 +224,10 @@ def run_forward(plan, log2=False, limits=NO_LIMITS) -> tuple[np.ndarray, ...] | 
     ``out`` has the dtype of ``plan.q4`` (bfloat16 too: the kernel reads and
     writes its bits as ``uint16``, :mod:`.half`); ``lse`` the work dtype.
     ``limits``: ``(score, products)`` bounds the call's values must stay
-    under (:func:`flashtile.precision.bounds`, checked in the kernel call);
-    None when they do not (nothing computed).
+    under, checked in the kernel call; None when they do not (nothing
+    computed). The kernel's bound has no additive term: only for plans
+    without ALiBi slopes or an additive mask (:func:`flashtile.precision.bounds`
+    adds theirs).
     """
     kernels = _kernels()
     q4, k4, v4 = plan.q4, plan.k4, plan.v4
