@@ -334,3 +334,39 @@ def test_the_bench_header_names_the_routes_in_force():
         "route   : bf16 = widen (fixed)",
         "route   : decode walks of 3 classes: rows 2, tiles 1 (flashtile tune lists them)",
     ]
+
+
+def test_a_tiny_calls_products_run_where_blas_tiny_says(rng, monkeypatch):
+    """With oneMKL the BLAS, a tiny call's forward and backward run their
+    products in the route's library, each right against float64; a prepared
+    call follows the route when it moves, a larger call keeps the backend's."""
+    from flashtile.cpu import launch
+    from flashtile.tune import _backend_restored
+
+    if "mkl" not in blas.available():
+        pytest.skip("no oneMKL here: the route decides nothing")
+    kernels = launch._kernels()
+    used, real = [], kernels.gemm_for
+    monkeypatch.setattr(
+        kernels, "gemm_for", lambda d, small=None: used.append(small) or real(d, small)
+    )
+    q, k, v, dout = (rng.standard_normal((1, 4, 16, 32)).astype(np.float32) for _ in range(4))
+    wide = [a.astype(np.float64) for a in (q, k, v, dout)]
+    with _backend_restored():
+        blas.set_backend("mkl")
+        want = flashtile.attention(*wide[:3], causal=True, return_lse=True)
+        want_grads = flashtile.attention_backward(*wide[:3], *want, wide[3], causal=True)
+        for library in routes.ROUTES["blas.tiny"].candidates:
+            with routes.force("blas.tiny", library):
+                used.clear()
+                for _ in range(2):  # (the second call runs the prepared plan)
+                    out, lse = flashtile.attention(q, k, v, causal=True, return_lse=True)
+                grads = flashtile.attention_backward(q, k, v, out, lse, dout, causal=True)
+                assert used == [library] * 3
+            np.testing.assert_allclose(out, want[0], **TOL32)
+            for got, expected in zip(grads, want_grads, strict=True):
+                np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+        used.clear()
+        big = [rng.standard_normal((1, 2, 128, 32)).astype(np.float32) for _ in range(3)]
+        flashtile.attention(*big, causal=True)
+        assert used == [None]

@@ -186,9 +186,9 @@ class Step(NamedTuple):
             BLAS can be switched at run time; a step planned for the other
             answer is planned again); None for other dtypes.
         num_splits: the decode plan's ``num_splits`` (its float64 retry's too).
-        routes: for a decode plan, :data:`flashtile.routes.GENERATION` when it
-            was planned (its walk is a route: planned again once that moves);
-            None for the forward.
+        routes: :data:`flashtile.routes.GENERATION` when it was planned, for
+            a plan that holds a route's answer (a decode plan's walk, a tiny
+            forward's library: planned again once that moves); else None.
     """
 
     plan: KernelPlan | DecodePlan
@@ -349,7 +349,7 @@ def run_prepared(entry: Prepared, q, k, v, return_lse: bool):
     if step is not None and step.products is not None and _stale(step):
         step = None  # planned for another BLAS (set_backend): planned again below
     elif step is not None and step.routes is not None and step.routes != routes.GENERATION[0]:
-        step = None  # a decode walk planned before a route changed
+        step = None  # planned before a route changed (a decode walk, a tiny call's library)
     if step is not None:
         result = _run_step(step, entry.variants, q, k, v, return_lse)
         if result is not None:
@@ -395,7 +395,11 @@ def _step(call: Call, plan) -> Step | None:
     shapes4 = (plan.q4.shape, plan.k4.shape, plan.v4.shape)
     template = plan._replace(q4=None, k4=None, v4=None)
     bounded, bf16 = dtype not in _BOUND_FREE, work == BFLOAT16
-    return Step(template, call.shapes, shapes4, work, bounded, bf16, _products(dtype))
+    # A tiny call's plan holds the route blas.tiny's answer: planned again once that moves.
+    generation = None if plan.small is None else routes.GENERATION[0]
+    return Step(
+        template, call.shapes, shapes4, work, bounded, bf16, _products(dtype), None, generation
+    )
 
 
 def _decode_step(plan: DecodePlan, shapes: AttentionShapes, dtype, num_splits) -> Step:

@@ -84,6 +84,12 @@ MIN_WINDOW_BLOCK_Q = 64
 #: descheduled thread. Below this the second core saves less than that.
 SERIAL_WORK = 1 << 19
 
+#: Tiles of at most this many query rows (heads stacked) times keys are
+#: tiny: a tile product's fixed cost is most of its time there (a 16 x 16
+#: causal tile of 32 dims: two products, 0.8 us in oneMKL), and the route
+#: ``blas.tiny`` picks the library (:func:`flashtile.cpu.blas.tiny_library`).
+TINY_TILE = 32 * 32
+
 
 class Call(NamedTuple):
     """One validated attention call: the planner's input, on either backend
@@ -129,6 +135,8 @@ class KernelPlan(NamedTuple):  # a tuple: built on every call, in a fraction of 
         threads: how many threads run the kernel (:func:`call_threads`).
         size: the call's work (:func:`call_size`; the launcher's join watch
             sorts calls by it, :mod:`flashtile.cpu.launch`).
+        small: the library of tiny tiles' products (:data:`TINY_TILE`,
+            the route ``blas.tiny``), or None: the backend's.
     """
 
     q4: np.ndarray
@@ -145,6 +153,7 @@ class KernelPlan(NamedTuple):  # a tuple: built on every call, in a fraction of 
     out_shape: tuple[int, ...]
     threads: int
     size: int = 0
+    small: str | None = None
 
 
 def plan_forward(call: Call, block_q=None, block_k=None) -> KernelPlan:
@@ -189,8 +198,18 @@ def _plan(call, block_q, block_k, backward):
         )  # fmt: skip
     return KernelPlan(
         q4, k4, v4, seqs, items, parts, variants, call.scale, block_q, block_k, call.q.dtype,
-        shapes.batch + (shapes.tq,), threads, size,
+        shapes.batch + (shapes.tq,), threads, size, _tiny_library(q4, k4, block_q, block_k),
     )  # fmt: skip
+
+
+def _tiny_library(q4, k4, block_q, block_k) -> str | None:
+    """:attr:`KernelPlan.small` of float tiles of these sizes."""
+    rows = block_q * (q4.shape[1] // max(k4.shape[1], 1))  # (GQA: the group's heads stacked)
+    if rows * block_k > TINY_TILE or q4.dtype == BFLOAT16:
+        return None
+    from .cpu.blas import tiny_library  # loads the BLAS, as the kernels will
+
+    return tiny_library()
 
 
 class ScheduleKey(NamedTuple):

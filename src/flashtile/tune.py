@@ -12,6 +12,9 @@ asked for with nothing stored is measured on first use.
   BLAS tiles, float32, d 64 against 2048 keys, of 12 heads (one query row
   per tile) or of 32 query heads over 8 kv heads (4 rows), its small
   products in each library.
+- ``blas.tiny``: with oneMKL as the BLAS, forwards and backwards of ``(1, 4,
+  16, 32)`` float32, causal, the products of their 16 x 16 tiles in each
+  library.
 - ``bf16``: the same at 2048 keys in bfloat16, with each way of running its products
   (flashtile's ``vdpbf16ps`` gemm, oneMKL's bf16 gemm, widened to float32).
 - ``decode.<layout>.<rows>.<d>.<keys>``: one decode step, float32, 8 kv
@@ -111,6 +114,29 @@ def measure_small(route: routes.Route, candidates: tuple[str, ...]) -> dict[str,
         return _timed({c: functools.partial(step, c) for c in candidates})
 
 
+#: Calls per timing of the ``blas.tiny`` measurement (one is some 60 us).
+TINY_CALLS = 100
+
+
+def measure_tiny(route: routes.Route, candidates: tuple[str, ...]) -> dict[str, float]:
+    """TINY_CALLS forwards and backwards of ``(1, 4, 16, 32)`` float32, causal
+    (16 x 16 tiles), oneMKL the BLAS, the tiny tiles' products in each library."""
+    from .cpu import blas
+
+    rng = np.random.default_rng(4)
+    q, k, v, dout = (rng.standard_normal((1, 4, 16, 32), dtype=np.float32) for _ in range(4))
+
+    def calls(library: str) -> None:
+        with routes.force(route.name, library):
+            for _ in range(TINY_CALLS):
+                out, lse = attention(q, k, v, causal=True, return_lse=True)
+                attention_backward(q, k, v, out, lse, dout, causal=True)
+
+    with _backend_restored():
+        blas.set_backend("mkl")
+        return _timed({c: functools.partial(calls, c) for c in candidates})
+
+
 def measure_bf16(route: routes.Route, candidates: tuple[str, ...]) -> dict[str, float]:
     """Forward + backward of ``(1, 8, 2048, 64)`` bfloat16 causal with each
     way of running its products (the ``bf16`` route's candidates this CPU
@@ -174,6 +200,7 @@ def measure_decode(route: routes.Route, candidates: tuple[str, ...]) -> dict[str
 routes.register("blas", measure_blas)
 routes.register("blas.one", measure_small)
 routes.register("blas.few", measure_small)
+routes.register("blas.tiny", measure_tiny)
 routes.register("bf16", measure_bf16)
 for _name in routes.ROUTES:
     if _name.startswith("decode."):

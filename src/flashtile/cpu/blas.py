@@ -297,7 +297,7 @@ def half_path() -> str:
 SMALL_TILE_ROWS = 8
 #: The routes of tile products of 1 and of 2 to SMALL_TILE_ROWS - 1 rows.
 _SMALL_ROUTES = ("blas.one", "blas.few")
-for _route in _SMALL_ROUTES:
+for _route in (*_SMALL_ROUTES, "blas.tiny"):
     routes.limit(_route, available)
 
 
@@ -359,11 +359,21 @@ def small_library(rows: int) -> str | None:
     return routes.choice(_SMALL_ROUTES[rows > 1])
 
 
+def tiny_library() -> str | None:
+    """The library of a tiny call's tile products
+    (:data:`flashtile.planning.TINY_TILE`) where the route ``blas.tiny``
+    decides it (oneMKL the backend): the route's answer; else None (the
+    backend's). Read when a forward or backward is planned."""
+    if (_choice or backend()) != "mkl":
+        return None
+    return routes.choice("blas.tiny")
+
+
 def gemm_for(dtype, small: str | None = None) -> GemmEntry:
     """The ``gemm`` for float32 or float64 operands, from the current
     :func:`backend` (or with oneMKL the backend, from ``small``: a plan's
-    :func:`small_library`), or for bfloat16 operands (float32 results), from
-    :func:`bf16_library`."""
+    :func:`small_library` or :func:`tiny_library`), or for bfloat16 operands
+    (float32 results), from :func:`bf16_library`."""
     if dtype == _BFLOAT16:
         return _entry(bf16_library(), dtype)
     library = _choice or backend()  # (backend() takes a lock: asked on every call)

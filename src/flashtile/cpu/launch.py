@@ -236,9 +236,9 @@ def run_forward(plan, log2=False, limits=NO_LIMITS) -> tuple[np.ndarray, ...] | 
     if half:  # Numba has no bf16: the same memory as uint16
         q4, k4, v4 = q4.view(np.uint16), k4.view(np.uint16), v4.view(np.uint16)
     out, visited, fits = _call(
-        plan.threads, plan.size, kernels.gemm_for(plan.q4.dtype), kernels.forward_call, q4, k4,
-        v4, lse, plan.seqs, plan.items, plan.scale, tuple(plan.variants), plan.block_q,
-        plan.block_k, 1.0 if log2 else LN2, *limits,
+        plan.threads, plan.size, kernels.gemm_for(plan.q4.dtype, plan.small),
+        kernels.forward_call, q4, k4, v4, lse, plan.seqs, plan.items, plan.scale,
+        tuple(plan.variants), plan.block_q, plan.block_k, 1.0 if log2 else LN2, *limits,
     )  # fmt: skip
     if not fits:
         return None
@@ -273,7 +273,7 @@ def run_backward(plan, out, lse, dout, log2=False) -> tuple[np.ndarray, ...]:
     sums = np.zeros(q4.shape[:-1] + (1,), work)
     if q4.size == 0:  # B = 0 or H = 0: nothing to compute (the kernel divides by H)
         return dq, dk_parts[0], dv_parts[0], sums[..., 0]
-    gemm_fn = kernels.gemm_for(q4.dtype)
+    gemm_fn = kernels.gemm_for(q4.dtype, plan.small)
     bits = (q4, k4, v4, out4)
     if q4.dtype == BFLOAT16:  # Numba has no bf16: the same memory as uint16
         bits = tuple(a.view(np.uint16) for a in bits)
