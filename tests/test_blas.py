@@ -338,6 +338,19 @@ def test_small_products_run_where_their_route_says(route, rows, restore_backend,
 
 
 @pytest.mark.skipif("mkl" not in INSTALLED, reason="oneMKL not installed")
+def test_the_tiny_route_is_measured_on_mkl_and_restores_the_backend(restore_backend):
+    """``blas.tiny`` decides only with oneMKL the backend; its measurement runs
+    each candidate on oneMKL and puts back an explicit OpenBLAS."""
+    blas.set_backend("openblas")
+    assert blas.tiny_library() is None
+    times = tune.measure_tiny(routes.ROUTES["blas.tiny"], ("openblas", "mkl"))
+    assert set(times) == {"openblas", "mkl"} and all(t > 0 for t in times.values())
+    assert blas.backend() == blas.pinned() == "openblas" and "blas.tiny" not in routes._forced
+    blas.set_backend("mkl")
+    assert blas.tiny_library() == "mkl"  # (the suite's fixed rule)
+
+
+@pytest.mark.skipif("mkl" not in INSTALLED, reason="oneMKL not installed")
 def test_the_small_products_fixed_rules(restore_backend):
     """Nothing measured (the suite's routes): one row stays on a sequential
     oneMKL, 2 to 7 rows go to OpenBLAS, 8 rows stay on oneMKL."""

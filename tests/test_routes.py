@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -13,7 +14,9 @@ from flashtile import frontdoor, routes, tune
 from flashtile.cli import main
 from flashtile.cpu import blas
 from flashtile.decode_planning import plan_decode
+from flashtile.frontdoor import check_call
 from flashtile.kvlayout import check_cache, decode_variants
+from flashtile.planning import plan_forward
 from flashtile.reference import decode_attention as reference_decode
 from flashtile.workitems import plan_splits
 
@@ -370,3 +373,11 @@ def test_a_tiny_calls_products_run_where_blas_tiny_says(rng, monkeypatch):
         big = [rng.standard_normal((1, 2, 128, 32)).astype(np.float32) for _ in range(3)]
         flashtile.attention(*big, causal=True)
         assert used == [None]
+        # not tiny: one query row against many keys, a GQA group's stacked rows, bf16
+        for q_shape, k_shape, dtype in [
+            ((1, 2, 1, 32), (1, 2, 600, 32), np.float32),
+            ((1, 8, 16, 32), (1, 2, 16, 32), np.float32),
+            ((1, 2, 16, 32), (1, 2, 16, 32), ml_dtypes.bfloat16),
+        ]:
+            arrays = (rng.standard_normal(s).astype(dtype) for s in (q_shape, k_shape, k_shape))
+            assert plan_forward(check_call(*arrays, True, None, {})).small is None

@@ -186,9 +186,9 @@ class Step(NamedTuple):
             BLAS can be switched at run time; a step planned for the other
             answer is planned again); None for other dtypes.
         num_splits: the decode plan's ``num_splits`` (its float64 retry's too).
-        routes: :data:`flashtile.routes.GENERATION` when it was planned, for
-            a plan that holds a route's answer (a decode plan's walk, a tiny
-            forward's library: planned again once that moves); else None.
+        routes: :data:`flashtile.routes.GENERATION` when it was planned
+            (a decode plan's walk and a tiny call's library are routes', the
+            BLAS can be switched: planned again once that moves).
     """
 
     plan: KernelPlan | DecodePlan
@@ -348,15 +348,16 @@ def run_prepared(entry: Prepared, q, k, v, return_lse: bool):
     step = entry.steps.get(tk)
     if step is not None and step.products is not None and _stale(step):
         step = None  # planned for another BLAS (set_backend): planned again below
-    elif step is not None and step.routes is not None and step.routes != routes.GENERATION[0]:
-        step = None  # planned before a route changed (a decode walk, a tiny call's library)
+    elif step is not None and step.routes != routes.GENERATION[0]:
+        step = None  # planned before a route or the BLAS changed
     if step is not None:
         result = _run_step(step, entry.variants, q, k, v, return_lse)
         if result is not None:
             return result  # (None: float64, or widened bf16, for these values)
     call = prepared_call(entry, q, k, v)
+    generation = routes.GENERATION[0]  # (before planning: a route moved meanwhile plans again)
     plan = plan_call(call, entry.block_q, entry.block_k)
-    step = _step(call, plan)
+    step = _step(call, plan, generation)
     if step is not None:
         if len(entry.steps) >= STEPS_MAX:
             entry.steps.clear()
@@ -375,10 +376,13 @@ def prepared_call(entry: Prepared, q, k, v) -> Call:
     return Call(q, k, v, shapes, entry.variants, entry.scale)
 
 
-def _step(call: Call, plan) -> Step | None:
-    """The :class:`Step` of a plan, or None where this call's values or arrays
-    decided it: float64 work for float32 or bfloat16 inputs, bf16 inputs
-    widened for the range of their products, lengths, slopes or masks."""
+def _step(call: Call, plan, generation: int) -> Step | None:
+    """The :class:`Step` of a plan made at route ``generation``
+    (:data:`flashtile.routes.GENERATION`), or None where this call's values
+    or arrays decided it: float64 work for float32 or bfloat16 inputs, bf16
+    inputs widened for the range of their products, lengths, slopes or
+    masks; or a route's answer that is not settled yet (a tiny call's
+    library given by the fixed rule while another route is measured)."""
     va = call.variants
     if va.kv_lengths is not None or va.alibi is not None or va.mask_add is not None:
         return None
@@ -386,7 +390,7 @@ def _step(call: Call, plan) -> Step | None:
         return None
     dtype = call.q.dtype
     if type(plan) is DecodePlan:  # chosen by the metadata: its range is checked after the step
-        return _decode_step(plan, call.shapes, dtype, None)
+        return _decode_step(plan, call.shapes, dtype, None, generation)
     work = plan.q4.dtype
     if work == np.float64 and dtype != np.float64:
         return None  # float32 scores could overflow for these values
@@ -395,22 +399,24 @@ def _step(call: Call, plan) -> Step | None:
     shapes4 = (plan.q4.shape, plan.k4.shape, plan.v4.shape)
     template = plan._replace(q4=None, k4=None, v4=None)
     bounded, bf16 = dtype not in _BOUND_FREE, work == BFLOAT16
-    # A tiny call's plan holds the route blas.tiny's answer: planned again once that moves.
-    generation = None if plan.small is None else routes.GENERATION[0]
+    if plan.small is not None and routes.provisional("blas.tiny"):
+        return None
+    # Planned again when a route or the BLAS moves: a tiny call's library is a route's.
     return Step(
         template, call.shapes, shapes4, work, bounded, bf16, _products(dtype), None, generation
     )
 
 
-def _decode_step(plan: DecodePlan, shapes: AttentionShapes, dtype, num_splits) -> Step:
-    """The :class:`Step` of a decode plan (its queries of ``dtype``)."""
+def _decode_step(plan: DecodePlan, shapes: AttentionShapes, dtype, num_splits, generation=None):
+    """The :class:`Step` of a decode plan (its queries of ``dtype``) made at
+    route ``generation`` (None: the present one)."""
     shapes4 = (plan.q.shape, plan.layout.k.shape, plan.layout.v.shape)
     template = plan._replace(q=None, layout=plan.layout._replace(k=None, v=None))
     work = plan.q.dtype
+    generation = routes.GENERATION[0] if generation is None else generation
     return Step(
-        template, shapes, shapes4, work, False, False, _products(dtype), num_splits,
-        routes.GENERATION[0],
-    )  # fmt: skip
+        template, shapes, shapes4, work, False, False, _products(dtype), num_splits, generation
+    )
 
 
 def _products(dtype) -> bool | None:

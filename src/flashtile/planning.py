@@ -84,11 +84,12 @@ MIN_WINDOW_BLOCK_Q = 64
 #: descheduled thread. Below this the second core saves less than that.
 SERIAL_WORK = 1 << 19
 
-#: Tiles of at most this many query rows (heads stacked) times keys are
-#: tiny: a tile product's fixed cost is most of its time there (a 16 x 16
-#: causal tile of 32 dims: two products, 0.8 us in oneMKL), and the route
-#: ``blas.tiny`` picks the library (:func:`flashtile.cpu.blas.tiny_library`).
-TINY_TILE = 32 * 32
+#: Tiles of at most this many query rows (heads stacked) by this many keys,
+#: not gathered from a block map, are tiny: a tile product's fixed cost is
+#: most of its time there (a 16 x 16 causal tile of 32 dims: two products,
+#: 0.8 us in oneMKL), and the route ``blas.tiny`` picks the library
+#: (:func:`flashtile.cpu.blas.tiny_library`).
+TINY_TILE = 32
 
 
 class Call(NamedTuple):
@@ -198,14 +199,16 @@ def _plan(call, block_q, block_k, backward):
         )  # fmt: skip
     return KernelPlan(
         q4, k4, v4, seqs, items, parts, variants, call.scale, block_q, block_k, call.q.dtype,
-        shapes.batch + (shapes.tq,), threads, size, _tiny_library(q4, k4, block_q, block_k),
+        shapes.batch + (shapes.tq,), threads, size,
+        _tiny_library(q4, k4, block_q, block_k, variants.states.size > 0),
     )  # fmt: skip
 
 
-def _tiny_library(q4, k4, block_q, block_k) -> str | None:
-    """:attr:`KernelPlan.small` of float tiles of these sizes."""
+def _tiny_library(q4, k4, block_q, block_k, gathered) -> str | None:
+    """:attr:`KernelPlan.small` of float tiles of these sizes (``gathered``:
+    a block map's kept blocks are gathered into wider tiles)."""
     rows = block_q * (q4.shape[1] // max(k4.shape[1], 1))  # (GQA: the group's heads stacked)
-    if rows * block_k > TINY_TILE or q4.dtype == BFLOAT16:
+    if rows > TINY_TILE or block_k > TINY_TILE or gathered or q4.dtype == BFLOAT16:
         return None
     from .cpu.blas import tiny_library  # loads the BLAS, as the kernels will
 

@@ -167,8 +167,8 @@ _SMALL = tuple(
     for rows, fixed, doc in (("one", "mkl", "one query row"), ("few", "openblas", "2-7 query rows"))
 )  # fmt: skip
 #: With oneMKL running the tile products, which library runs those of a tiny
-#: call's tiles (at most :data:`flashtile.cpu.blas.TINY_TILE` query rows times
-#: keys), forward and backward; ``FLASHTILE_BLAS_SMALL`` forces it too. On
+#: call's tiles (at most :data:`flashtile.planning.TINY_TILE` query rows by as
+#: many keys), forward and backward; ``FLASHTILE_BLAS_SMALL`` forces it too. On
 #: an AMD EPYC (Zen 4) OpenBLAS ran a (1, 4, 16, 32) causal forward 1.1-1.4
 #: us faster (of 16), inside a transformer layer 2.4-3.2 us; at 64 x 64
 #: tiles the two were within 1%. The fixed rule keeps oneMKL.
