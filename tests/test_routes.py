@@ -381,3 +381,10 @@ def test_a_tiny_calls_products_run_where_blas_tiny_says(rng, monkeypatch):
         ]:
             arrays = (rng.standard_normal(s).astype(dtype) for s in (q_shape, k_shape, k_shape))
             assert plan_forward(check_call(*arrays, True, None, {})).small is None
+        # forced by its variable: settled, so a prepared call keeps its step
+        monkeypatch.setenv("FLASHTILE_BLAS_SMALL", "openblas")
+        monkeypatch.setattr(routes, "_chosen", {})  # (nothing remembered: the variable decides)
+        assert not routes.provisional("blas.tiny")
+        flashtile.attention(q, k, v)
+        key = frontdoor.plain_key(q, k, v, False, None, False, None, None, {})
+        assert frontdoor.prepared(key).steps[16].plan.small == "openblas"

@@ -282,9 +282,12 @@ def explain(name: str, measure: bool = True) -> tuple[str, str]:
 
 def provisional(name: str) -> bool:
     """Whether route ``name``'s answer is not settled in this process: not
-    forced, not remembered (the fixed rule given while another route is
-    measured, or by a report). A caller that keeps answers keeps none then."""
-    return name not in _chosen and name not in _forced
+    forced (here or by its variable), not remembered (the fixed rule given
+    while another route is measured, or by a report). A caller that keeps
+    answers keeps none then."""
+    if name in _chosen or name in _forced:
+        return False
+    return _env_choice(ROUTES[name]) is None
 
 
 def _valid_entry(entry, usable) -> bool:
