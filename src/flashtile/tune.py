@@ -96,8 +96,6 @@ def measure_small(route: routes.Route, candidates: tuple[str, ...]) -> dict[str,
     """A decode step of one or four query rows per tile (``blas.one``,
     ``blas.few``) in BLAS tiles, oneMKL the BLAS, its small products in each
     library."""
-    from .cpu import blas
-
     rows = 1 if route.name == "blas.one" else CLASS_ROWS["few"]
     kv_heads = 12 if rows == 1 else DECODE_HEADS
     rng = np.random.default_rng(3)
@@ -108,6 +106,14 @@ def measure_small(route: routes.Route, candidates: tuple[str, ...]) -> dict[str,
     def step(library: str) -> None:
         with routes.force(route.name, library), routes.force(walk, "tiles"):
             decode_attention(q, k, v)
+
+    return _timed_on_mkl(step, candidates)
+
+
+def _timed_on_mkl(step, candidates: tuple[str, ...]) -> dict[str, float]:
+    """:func:`_timed` of ``step(candidate)`` for each candidate, oneMKL the
+    backend meanwhile (the small-product routes decide only then)."""
+    from .cpu import blas
 
     with _backend_restored():
         blas.set_backend("mkl")
@@ -121,8 +127,6 @@ TINY_CALLS = 100
 def measure_tiny(route: routes.Route, candidates: tuple[str, ...]) -> dict[str, float]:
     """TINY_CALLS forwards and backwards of ``(1, 4, 16, 32)`` float32, causal
     (16 x 16 tiles), oneMKL the BLAS, the tiny tiles' products in each library."""
-    from .cpu import blas
-
     rng = np.random.default_rng(4)
     q, k, v, dout = (rng.standard_normal((1, 4, 16, 32), dtype=np.float32) for _ in range(4))
 
@@ -132,9 +136,7 @@ def measure_tiny(route: routes.Route, candidates: tuple[str, ...]) -> dict[str, 
                 out, lse = attention(q, k, v, causal=True, return_lse=True)
                 attention_backward(q, k, v, out, lse, dout, causal=True)
 
-    with _backend_restored():
-        blas.set_backend("mkl")
-        return _timed({c: functools.partial(calls, c) for c in candidates})
+    return _timed_on_mkl(calls, candidates)
 
 
 def measure_bf16(route: routes.Route, candidates: tuple[str, ...]) -> dict[str, float]:

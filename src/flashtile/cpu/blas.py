@@ -354,9 +354,7 @@ def small_library(rows: int) -> str | None:
     ``blas.one``/``blas.few`` decide it (oneMKL the backend, fewer than
     :data:`SMALL_TILE_ROWS` rows): the route's answer; else None (the
     backend's). Read when a decode call is planned, as its walk is."""
-    if not 0 < rows < SMALL_TILE_ROWS or (_choice or backend()) != "mkl":
-        return None
-    return routes.choice(_SMALL_ROUTES[rows > 1])
+    return _mkl_route(_SMALL_ROUTES[rows > 1]) if 0 < rows < SMALL_TILE_ROWS else None
 
 
 def tiny_library() -> str | None:
@@ -364,9 +362,13 @@ def tiny_library() -> str | None:
     (:data:`flashtile.planning.TINY_TILE`) where the route ``blas.tiny``
     decides it (oneMKL the backend): the route's answer; else None (the
     backend's). Read when a forward or backward is planned."""
-    if (_choice or backend()) != "mkl":
-        return None
-    return routes.choice("blas.tiny")
+    return _mkl_route("blas.tiny")
+
+
+def _mkl_route(name: str) -> str | None:
+    """Route ``name``'s library where oneMKL is the backend (the small-product
+    routes only move products off oneMKL); else None, the backend's."""
+    return routes.choice(name) if (_choice or backend()) == "mkl" else None
 
 
 def gemm_for(dtype, small: str | None = None) -> GemmEntry:
