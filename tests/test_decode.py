@@ -504,3 +504,38 @@ def test_the_row_walk_of_a_long_contiguous_cache(rng):
             np.testing.assert_allclose(
                 out, reference_decode(*wide, cache_seqlens=lengths, **kw), **TOL32
             )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("walk, page", [("rows", None), ("rows", 6), ("rows", 5), ("head-rows", 1)])
+@pytest.mark.parametrize("hq, tq", [(2, 1), (6, 1), (6, 2)], ids=["1row", "3rows", "6rows"])
+def test_the_walks_that_read_rows_fold_keys_in_passes_and_the_rest_one_by_one(
+    rng, dtype, walk, page, hq, tq
+):
+    """The row walks' passes (cache_rows.ROWS_PER_PASS query rows, four keys for
+    one row, four or two value rows) and their remainders: items of 1, 3 and 6
+    rows; runs of every length modulo four (sequences of 1-9 and 130 keys; pages
+    of 6 and 5 keys; one-token pages of two kv heads); unaligned rows; each
+    cache format; against the float64 reference on the cache's values."""
+    dtype = np.dtype(dtype)
+    q, k, v = _problem(rng, batch=8, hq=hq, hkv=2, tq=tq, d=13, dv=11, t_max=130)
+    k, v = k.astype(dtype), v.astype(dtype)
+    lengths = np.array([1, 2, 3, 4, 5, 7, 9, 130])
+    kw = dict(cache_seqlens=lengths, return_lse=True, causal=True)
+    if page == 1:  # one-token pages of every kv head: flash-attn's (B, T, Hkv, d) cache
+        k, v = (x.transpose(0, 2, 1, 3).reshape(-1, 2, 1, x.shape[3]).copy() for x in (k, v))
+        kw["block_table"] = np.arange(k.shape[0]).reshape(8, -1)
+    elif page is not None:
+        k, v, kw["block_table"] = _paged(rng, k, v, lengths, page)
+    with contextlib.ExitStack() as forced:
+        for name, route in routes.ROUTES.items():
+            if name.startswith("decode.") and walk in route.candidates:
+                forced.enter_context(routes.force(name, walk))
+        layout = check_cache(q, k, v, lengths, kw.get("block_table"))[1]
+        assert (
+            plan_decode(q, layout, decode_variants(q, layout, causal=True), 0.3, None).walk == walk
+        )
+        out, lse = flashtile.decode_attention(q, k, v, **kw)
+    want_out, want_lse = reference_decode(*(a.astype(np.float64) for a in (q, k, v)), **kw)
+    np.testing.assert_allclose(out, want_out, **TOL32)
+    np.testing.assert_allclose(lse, want_lse, **TOL32)
