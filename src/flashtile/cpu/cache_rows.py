@@ -5,10 +5,11 @@ measured on the machine, :func:`flashtile.workitems.decode_walk`):
 
 - :class:`RowWalk`: one kv head's items read each key's row where it lies,
   in the cache's own format (float32 as is; bf16 and float16 patterns
-  widened in registers, :func:`.memory.load_value`): a dot product per key
-  and query row, an ``axpy`` per value row, each key prefetching the row
-  :data:`AHEAD` keys on (pages are separate streams the hardware prefetcher
-  does not follow);
+  widened in registers, :func:`.memory.load_value`): the dot products of
+  each key with the query rows, the value rows added into the accumulator
+  rows, in passes that load each element once for several products
+  (:data:`ROWS_PER_PASS`), each key prefetching the row :data:`AHEAD` keys
+  on (pages are separate streams the hardware prefetcher does not follow);
 - :class:`HeadRowsWalk`: an item takes every kv head of its key chunk and
   reads each key's rows of all heads in turn, the memory order of one-token
   pages (flash-attn's ``(B, T, Hkv, d)`` cache).
@@ -188,17 +189,20 @@ def prefetch_row(flat, table_row, heads, hk, page, width, j, j_end):
 
 
 #: Query rows per pass of the score loops, and the rows from which the value
-#: loops take four keys per pass (two below). Each pass loads a key's
-#: elements once for four query rows, and an accumulator row once for four
-#: value rows; the key rows are still first touched in memory order, one
-#: stream. Measured on the Zen 4 EPYC (two threads, 1024-key tiles, float32,
-#: scores and values only; GB/s at 268 MB / 16 MB of K and V): 4 rows at d 128,
-#: one key and one row per pass (before) 29.8-30.2 / 39.8, these passes
-#: 30.9-31.6 / 52.6; 8 rows 15.8 / 17.7 against 18.8 / 23.7. Four keys per pass
-#: in the score loop too (each query row loaded once for four keys) gained as
-#: much in cache but lost 3-13% streaming from memory, where the four key rows
-#: are four interleaved streams: so one- and two-row items keep one key per
-#: pass (their loops are the memory's pace).
+#: loops take four keys per pass (two below). A pass loads a key's elements
+#: once (widened once) for four query rows, and an accumulator row once for
+#: four value rows, while the key rows are still first touched in memory
+#: order. One-row items take four keys per pass in the scores instead (the
+#: row loaded once for four keys). Measured on the Zen 4 EPYC (two threads,
+#: 1024-key tiles, float32, scores and values only; GB/s with 268 MB / 16 MB
+#: of K and V), before -> after: 4 rows at d 128, 29.8-30.2 / 39.8 ->
+#: 30.9-31.6 / 52.6; 8 rows, 15.8 / 17.7 -> 18.8 / 23.7; one row at d 128,
+#: 33.1-34.4 from memory either way. Tried and not kept, because they stream
+#: from memory 3-40% slower (the key rows become interleaved streams, which
+#: the hardware prefetcher follows worse here): four keys per pass in the
+#: scores of several rows (in cache as fast as these passes), four value rows
+#: per pass for one- and two-row items, and four rows by four keys in one
+#: value pass (1.28x faster in cache, 1.6x slower from memory).
 ROWS_PER_PASS = 4
 
 
