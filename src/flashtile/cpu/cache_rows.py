@@ -188,21 +188,24 @@ def prefetch_row(flat, table_row, heads, hk, page, width, j, j_end):
             prefetch(flat, o + c)
 
 
-#: Query rows per pass of the score loops, and the rows from which the value
-#: loops take four keys per pass (two below). A pass loads a key's elements
-#: once (widened once) for four query rows, and an accumulator row once for
-#: four value rows, while the key rows are still first touched in memory
-#: order. One-row items take four keys per pass in the scores instead (the
-#: row loaded once for four keys). Measured on the Zen 4 EPYC (two threads,
-#: 1024-key tiles, float32, scores and values only; GB/s with 268 MB / 16 MB
-#: of K and V), before -> after: 4 rows at d 128, 29.8-30.2 / 39.8 ->
-#: 30.9-31.6 / 52.6; 8 rows, 15.8 / 17.7 -> 18.8 / 23.7; one row at d 128,
-#: 33.1-34.4 from memory either way. Tried and not kept, because they stream
-#: from memory 3-40% slower (the key rows become interleaved streams, which
-#: the hardware prefetcher follows worse here): four keys per pass in the
-#: scores of several rows (in cache as fast as these passes), four value rows
-#: per pass for one- and two-row items, and four rows by four keys in one
-#: value pass (1.28x faster in cache, 1.6x slower from memory).
+#: Query rows per pass of the score loops (the passes are written for four),
+#: and the rows from which the value loops take four keys per pass (two
+#: below). A score pass reads one key row, in memory order, and loads (and
+#: widens) each element once for four query rows; a value pass loads and
+#: stores an accumulator row once for four value rows. One-row items take
+#: four keys per pass in the scores instead (the query row loaded once for
+#: four keys). The passes that read four key rows at once (those two) are
+#: kept where they measured no slower streaming from memory. Measured on the
+#: Zen 4 EPYC (two threads, 1024-key tiles, float32, scores and values only;
+#: GB/s with 268 MB / 16 MB of K and V), before -> after: 4 rows at d 128,
+#: 29.8-30.2 / 39.8 -> 30.9-31.6 / 52.6; 8 rows, 15.8 / 17.7 -> 18.8 / 23.7;
+#: one row at d 128, 33.1-34.4 from memory either way. Tried and not kept,
+#: because they took 1.03-1.6x the time streaming from memory (four key rows
+#: read as interleaved streams, which the hardware prefetcher follows worse
+#: here): four keys per pass in the scores of several rows (in cache as fast
+#: as these passes), four value rows per pass for one-row items, and four
+#: rows by four keys in one value pass (1.28x faster in cache, 1.6x slower
+#: from memory).
 ROWS_PER_PASS = 4
 
 
@@ -232,40 +235,41 @@ def dot_queries4(q0, q1, q2, q3, flat, o, width, fmt):
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def key_scores(q_tile, flat, o, width, fmt, s, t):
     """``s[r, t] = q_tile[r] . flat[o : o + width]`` for every query row,
-    :data:`ROWS_PER_PASS` rows per pass and the rest one by one."""
+    four rows per pass (:data:`ROWS_PER_PASS`) and the rest one by one."""
     rows = q_tile.shape[0]
     r = 0
-    while r + ROWS_PER_PASS <= rows:  # (loops of their own: a branch kept them scalar)
+    while r + 4 <= rows:  # (loops of their own: a branch kept them scalar)
         x = dot_queries4(
             q_tile[r], q_tile[r + 1], q_tile[r + 2], q_tile[r + 3], flat, o, width, fmt
         )
         s[r, t], s[r + 1, t], s[r + 2, t], s[r + 3, t] = x
-        r += ROWS_PER_PASS
+        r += 4
     for i in range(r, rows):
         s[i, t] = dot_row(q_tile[i], flat, o, width, fmt)
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def add_value_rows(acc, p, t, count, flat, o0, o1, o2, o3, width, fmt):
-    """``acc[r] += sum_a p[r, t + a] * row_a`` for ``a < count`` (1, 2 or 4)
-    over the cache rows at flat offsets ``o0 .. o3`` (those past ``count``
-    unread), each ``acc`` row loaded and stored once per call."""
+    """``acc[r] += sum_a p[r, t + a] * row_a`` for ``a < count`` (4, 2 or 1:
+    any other count adds nothing) over the cache rows at flat offsets ``o0
+    .. o3`` (those past ``count`` unread), each ``acc`` row loaded and stored
+    once per call."""
     for r in range(acc.shape[0]):
-        a = acc[r]
+        out = acc[r]
         if count == 4:
             w0, w1, w2, w3 = p[r, t], p[r, t + 1], p[r, t + 2], p[r, t + 3]
             for c in range(width):
-                a[c] += (
+                out[c] += (
                     w0 * load_value(flat, o0 + c, fmt) + w1 * load_value(flat, o1 + c, fmt)
                 ) + (w2 * load_value(flat, o2 + c, fmt) + w3 * load_value(flat, o3 + c, fmt))
         elif count == 2:
             w0, w1 = p[r, t], p[r, t + 1]
             for c in range(width):
-                a[c] += w0 * load_value(flat, o0 + c, fmt) + w1 * load_value(flat, o1 + c, fmt)
-        else:
+                out[c] += w0 * load_value(flat, o0 + c, fmt) + w1 * load_value(flat, o1 + c, fmt)
+        elif count == 1:
             w0 = p[r, t]
             for c in range(width):
-                a[c] += w0 * load_value(flat, o0 + c, fmt)
+                out[c] += w0 * load_value(flat, o0 + c, fmt)
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
@@ -427,12 +431,15 @@ def head_values(p, flat, fmt, table_row, heads, hk0, page, j0, n, acc):
     t = 0
     while t < n:
         count = keys_per_pass(rows, n - t)
-        last = count - 1  # offsets past the pass's keys repeat its last key's (unread)
         for u in range(nh):
+            # Offsets past the pass's keys repeat its first key's (unread).
             o0 = row_offset(table_row, heads, hk0 + u, page, dv, j0 + t)
-            o1 = row_offset(table_row, heads, hk0 + u, page, dv, j0 + t + min(1, last))
-            o2 = row_offset(table_row, heads, hk0 + u, page, dv, j0 + t + min(2, last))
-            o3 = row_offset(table_row, heads, hk0 + u, page, dv, j0 + t + last)
+            o1 = o2 = o3 = o0
+            if count > 1:
+                o1 = row_offset(table_row, heads, hk0 + u, page, dv, j0 + t + 1)
+            if count > 2:
+                o2 = row_offset(table_row, heads, hk0 + u, page, dv, j0 + t + 2)
+                o3 = row_offset(table_row, heads, hk0 + u, page, dv, j0 + t + 3)
             add_value_rows(acc[u], p[u], t, count, flat, o0, o1, o2, o3, width, fmt)
         t += count
 
