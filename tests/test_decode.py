@@ -507,7 +507,17 @@ def test_the_row_walk_of_a_long_contiguous_cache(rng):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("walk, page", [("rows", None), ("rows", 6), ("rows", 5), ("head-rows", 1)])
+@pytest.mark.parametrize(
+    "walk, page",
+    [
+        ("rows", None),
+        ("rows", 6),
+        ("rows", 5),
+        ("head-rows", 1),
+        ("head-rows", 6),
+        ("head-rows", 5),
+    ],
+)
 @pytest.mark.parametrize(
     "hq, tq", [(2, 1), (6, 1), (6, 2), (6, 3)], ids=["1row", "3rows", "6rows", "9rows"]
 )
@@ -517,9 +527,10 @@ def test_the_walks_that_read_rows_fold_keys_in_passes_and_the_rest_one_by_one(
     """The row walks' passes (cache_rows.ROWS_PER_PASS query rows, four keys for
     one row, four or two value rows) and their remainders: items of 1, 3, 6 and
     9 rows; runs of every length modulo four (sequences of 1, 2, 3, 4, 5, 7, 9
-    and 130 keys; pages of 6 and 5 keys; one-token pages of two kv heads);
-    unaligned rows; each cache format; against the float64 reference on the
-    cache's values."""
+    and 130 keys; pages of 6 and 5 keys, read by one head's rows or by
+    every head's page by page; one-token pages of two kv heads); unaligned
+    rows; each cache format; against the float64 reference on the cache's
+    values."""
     dtype = np.dtype(dtype)
     q, k, v = _problem(rng, batch=8, hq=hq, hkv=2, tq=tq, d=13, dv=11, t_max=130)
     k, v = k.astype(dtype), v.astype(dtype)

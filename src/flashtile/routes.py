@@ -102,7 +102,7 @@ class Route:
 _WALK = "FLASHTILE_DECODE_WALK"
 _LAYOUTS = {
     "contiguous": (("tiles", "rows"), "contiguous cache or pages of a tile or more"),
-    "paged": (("tiles", "rows"), "pages smaller than a tile"),
+    "paged": (("tiles", "rows", "head-rows"), "pages smaller than a tile"),
     "tokens": (("head-tiles", "head-rows", "rows", "tiles"),
                "one-token pages of several kv heads (flash-attn's cache)"),
 }  # fmt: skip

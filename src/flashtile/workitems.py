@@ -189,9 +189,15 @@ def decode_tile(rows: int, page: int, walk: str = TILES, head_bytes: int = 0) ->
     """Keys per tile for decode items of ``rows`` query rows over a cache in
     pages of ``page`` keys (a contiguous cache: one page of all its keys).
     Items of the :data:`HEAD_WALKS` read ``head_bytes`` (every kv head's K
-    and V row) per key: tiles of at most HEADS_TILE_BYTES, a power
-    of two from 16 to DECODE_TILE keys (the head walks' chunks are multiples
-    of it)."""
+    and V row) per key: over one-token pages, tiles of at most
+    HEADS_TILE_BYTES, a power of two from 16 to DECODE_TILE keys (the head
+    walks' chunks are multiples of it); the head walk that reads pages of
+    several keys in place, DECODE_TILE keys. It gathers nothing, and its
+    softmax then runs on longer rows: GQA 32/8, d 128, pages of 16, 65536
+    keys, float32, 2 threads (Zen 4 EPYC, three process pairs), 27.5-27.9
+    ms against 29.2-30.7 with 32-key tiles."""
+    if walk == HEAD_ROWS and page > 1:
+        return DECODE_TILE
     if walk in HEAD_WALKS:
         keys = max(1, HEADS_TILE_BYTES // head_bytes)
         return min(DECODE_TILE, max(16, 1 << (keys.bit_length() - 1)))

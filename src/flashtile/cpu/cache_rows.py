@@ -11,8 +11,8 @@ measured on the machine, :func:`flashtile.workitems.decode_walk`):
   (:data:`ROWS_PER_PASS`), each key prefetching the row :data:`AHEAD` keys
   on (pages are separate streams the hardware prefetcher does not follow);
 - :class:`HeadRowsWalk`: an item takes every kv head of its key chunk and
-  reads each key's rows of all heads in turn, the memory order of one-token
-  pages (flash-attn's ``(B, T, Hkv, d)`` cache).
+  reads the rows of all heads in the cache's memory order, with this
+  module's passes (:mod:`.cache_heads`, which also dispatches the two).
 
 The online softmax in between is the forward's own
 (:func:`.tile_step.softmax_tile`). Measured: with one query row in 16-key
@@ -114,44 +114,6 @@ def _walk_heads(walk, kv_heads):
     if is_flag(walk, HeadTilesWalk) or is_flag(walk, HeadRowsWalk):
         return lambda walk, kv_heads: kv_heads
     return lambda walk, kv_heads: 1
-
-
-def walk_rows(walk, lo, hi, rest):
-    """With a walk that reads rows in place, fold keys ``[lo, hi)`` of every
-    head of the item (:func:`walk_cache_rows` for :class:`RowWalk`,
-    :func:`walk_head_rows` for :class:`HeadRowsWalk`) and return ``hi``;
-    with a tile walk, compile to nothing and return ``lo`` (the caller's
-    tile walk then does the keys). ``rest``: ``(q_tiles, k_flat, v_flat,
-    fmt, table_row, kv_heads, hk0, page, tile_keys, s_buf, m, ell, alpha,
-    acc, segs, b, group, length, variants, raw_flag)``, the state with a
-    leading heads axis (:func:`.decode.heads_buffers`). Only callable from
-    compiled code."""
-    raise NotImplementedError("walk_rows is only available inside Numba kernels")
-
-
-@overload(walk_rows)
-def _walk_rows(walk, lo, hi, rest):
-    if is_flag(walk, HeadRowsWalk):
-
-        def heads_impl(walk, lo, hi, rest):
-            walk_head_rows(lo, hi, *rest)
-            return hi
-
-        return heads_impl
-    if not is_flag(walk, RowWalk):
-        return lambda walk, lo, hi, rest: lo
-
-    def impl(walk, lo, hi, rest):
-        q_tiles, k_flat, v_flat, fmt, table_row, heads, hk, page, tile_keys, s_buf = rest[:10]
-        m, ell, alpha, acc, segs, b, group, length, variants, raw_flag = rest[10:]
-        tile = head_tile(b, hk, group, q_tiles.shape[1] // group, length)
-        walk_cache_rows(
-            lo, hi, q_tiles[0], k_flat, v_flat, fmt, table_row, heads, hk, page, tile_keys,
-            s_buf, m[0], ell[0], alpha, acc[0], segs, tile, variants, raw_flag,
-        )  # fmt: skip
-        return hi
-
-    return impl
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
@@ -399,94 +361,4 @@ def walk_cache_rows(
             m, ell, alpha, acc, segs, tile, variants, tile_sees_all(tile, j0, j1, variants),
             raw_flag, hi,
         )  # fmt: skip
-        j0 = j1
-
-
-@njit(fastmath=FASTMATH, cache=True)
-def head_scores(q_tiles, flat, fmt, table_row, heads, hk0, page, j0, n, s):
-    """``s[u, r, t] = q_tiles[u, r] . key_{j0 + t}`` of kv head ``hk0 + u``,
-    for every head of the item: key by key, each key's rows of all heads in
-    turn (:func:`key_scores`), which for one-token pages is the cache's own
-    memory order (one stream for the hardware prefetcher, where one head's
-    rows alone are ``heads * d`` elements apart). ``q_tiles (nh, rows, d)``,
-    ``s (nh, rows, >= n)``."""
-    wide_vectors()
-    nh, d = q_tiles.shape[0], q_tiles.shape[2]
-    width = np.uint64(d)
-    for t in range(n):
-        for u in range(nh):
-            o = row_offset(table_row, heads, hk0 + u, page, d, j0 + t)
-            key_scores(q_tiles[u], flat, o, width, fmt, s[u], t)
-
-
-@njit(fastmath=FASTMATH, cache=True)
-def head_values(p, flat, fmt, table_row, heads, hk0, page, j0, n, acc):
-    """``acc[u] += p[u, :, :n] @ V`` of kv head ``hk0 + u`` for every head of
-    the item, the value rows of keys ``j0 .. j0 + n - 1`` read in the order of
-    :func:`head_scores`, :func:`keys_per_pass` keys per pass over ``acc (nh,
-    rows, dv)`` (as :func:`cache_values`)."""
-    wide_vectors()
-    nh, rows, dv = acc.shape
-    width = np.uint64(dv)
-    t = 0
-    while t < n:
-        count = keys_per_pass(rows, n - t)
-        for u in range(nh):
-            # Offsets past the pass's keys repeat its first key's (unread).
-            o0 = row_offset(table_row, heads, hk0 + u, page, dv, j0 + t)
-            o1 = o2 = o3 = o0
-            if count > 1:
-                o1 = row_offset(table_row, heads, hk0 + u, page, dv, j0 + t + 1)
-            if count > 2:
-                o2 = row_offset(table_row, heads, hk0 + u, page, dv, j0 + t + 2)
-                o3 = row_offset(table_row, heads, hk0 + u, page, dv, j0 + t + 3)
-            add_value_rows(acc[u], p[u], t, count, flat, o0, o1, o2, o3, width, fmt)
-        t += count
-
-
-@njit(fastmath=FASTMATH, cache=True)
-def walk_head_rows(
-    lo, hi, q_tiles, k_flat, v_flat, fmt, table_row, heads, hk0, page, tile_keys, s_buf, m, ell,
-    alpha, acc, segs, b, group, length, variants, raw_flag,
-):  # fmt: skip
-    """Fold keys ``[lo, hi)`` into the state of every head of an item
-    (:class:`HeadRowsWalk`), ``tile_keys`` at a time: the scores of all
-    heads (:func:`head_scores`), each head's online softmax
-    (:func:`.tile_step.softmax_tile`, the raw scores kept for a rebase, as
-    :func:`fold_cache_tile`), then the values of all heads
-    (:func:`head_values`). ``m, ell (nh, rows)``, ``acc (nh, rows, dv)``;
-    ``s_buf``: at least ``2 * nh * rows * tile_keys`` floats.
-
-    Every head's query rows and state are touched per key (16 KiB each at
-    GQA 32/8, d 128), more than L1 holds beside the stream: there this walk
-    reads 14-15 GB/s where the row walk of a ``(B, Hkv, T, d)`` cache reads
-    18-23 (AVX2 AMD EPYC, Tk=65536). Tried and not kept: two keys per pass in
-    the scores (no change), and each head's tile in turn
-    (:func:`fold_cache_tile`, its rows and state in L1) while the next
-    tile's rows of every head were prefetched in memory order, a slice per
-    head: 1.5x this walk's time (the prefetch bursts stall).
-    """
-    wide_vectors()
-    nh, rows = q_tiles.shape[0], q_tiles.shape[1]
-    kept = nh * rows * tile_keys
-    j0 = lo
-    while j0 < hi:
-        j1 = min(j0 + tile_keys, hi)
-        n = j1 - j0
-        s = s_buf[: nh * rows * n].reshape((nh, rows, n))
-        raw = s_buf[kept : kept + nh * rows * n].reshape((nh, rows, n))
-        head_scores(q_tiles, k_flat, fmt, table_row, heads, hk0, page, j0, n, s)
-        if raw_flag.size > 0:
-            flag_non_finite(s.reshape((nh * rows, n)), raw_flag)
-        raw[:] = s
-        segs[0, SEG_KEY], segs[0, SEG_LENGTH] = j0, n
-        for u in range(nh):
-            tile = head_tile(b, hk0 + u, group, rows // group, length)
-            full = tile_sees_all(tile, j0, j1, variants)
-            softmax_tile(
-                s[u], s[u], m[u], ell[u], alpha, q_tiles[u], KeptScores(raw[u]), 1.0, segs, tile,
-                variants, full, raw_flag,
-            )  # fmt: skip
-            rescale_rows(acc[u], alpha)
-        head_values(s, v_flat, fmt, table_row, heads, hk0, page, j0, n, acc)
         j0 = j1

@@ -41,7 +41,8 @@ from numba.extending import overload
 from ..units import LN2, LOG2E
 from . import FASTMATH
 from .blas_threads import pin_blas, unpin_blas
-from .cache_rows import HeadTilesWalk, head_tile, reads_rows, walk_heads, walk_rows
+from .cache_heads import walk_rows
+from .cache_rows import HeadTilesWalk, head_tile, reads_rows, walk_heads
 from .half import prob_buffer, split_scale, work_empty
 from .memory import BFloat16Bits, FloatValues, is_flag, load_value, prefetch_rows
 from .tile_step import finish_rows, fold_key_tile, item_buffers, one_segment

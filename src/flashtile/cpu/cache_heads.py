@@ -1,0 +1,208 @@
+"""The head walk of decoding (:class:`.cache_rows.HeadRowsWalk`), and the
+dispatch of the walks that read cache rows in place (:func:`walk_rows`).
+
+An item of the head walk takes every kv head of its key chunk and reads
+the rows of all heads in the cache's own memory order, with the row walk's
+passes (:mod:`.cache_rows`):
+
+- one-token pages (flash-attn's ``(B, T, Hkv, d)`` cache): key by key, each
+  key's rows of all heads in turn, where one head's rows alone lie ``Hkv *
+  d`` elements apart;
+- pages of several keys (``(blocks, Hkv, P, d)``, a vLLM-style paged
+  cache): page by page, each head's run of keys in the page in turn, so a
+  page's K (or V) rows of all heads are one sequential run. The row walk
+  reads one head's run per page instead (``P * d`` elements, 8 KiB at P =
+  16, d 128, float32) and jumps to the next page: in pages of 16 that read
+  pattern alone streams at 0.66x a whole page's (a parallel sum over the
+  same bytes, Zen 4 EPYC, 512 MiB).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+from numba.extending import overload
+
+from . import FASTMATH
+from .cache_rows import (
+    HeadRowsWalk,
+    RowWalk,
+    add_value_rows,
+    head_tile,
+    key_scores,
+    keys_per_pass,
+    row_offset,
+    walk_cache_rows,
+)
+from .memory import is_flag
+from .tile_step import KeptScores, flag_non_finite, rescale_rows, softmax_tile
+from .tiles import SEG_KEY, SEG_LENGTH, tile_sees_all
+from .vectors import wide_vectors
+
+
+def walk_rows(walk, lo, hi, rest):
+    """With a walk that reads rows in place, fold keys ``[lo, hi)`` of every
+    head of the item (:func:`.cache_rows.walk_cache_rows` for
+    :class:`.cache_rows.RowWalk`, :func:`walk_head_rows` for
+    :class:`.cache_rows.HeadRowsWalk`) and return ``hi``; with a tile walk,
+    compile to nothing and return ``lo`` (the caller's tile walk then does
+    the keys). ``rest``: ``(q_tiles, k_flat, v_flat, fmt, table_row,
+    kv_heads, hk0, page, tile_keys, s_buf, m, ell, alpha, acc, segs, b,
+    group, length, variants, raw_flag)``, the state with a leading heads axis
+    (:func:`.decode.heads_buffers`). Only callable from compiled code."""
+    raise NotImplementedError("walk_rows is only available inside Numba kernels")
+
+
+@overload(walk_rows)
+def _walk_rows(walk, lo, hi, rest):
+    if is_flag(walk, HeadRowsWalk):
+
+        def heads_impl(walk, lo, hi, rest):
+            walk_head_rows(lo, hi, *rest)
+            return hi
+
+        return heads_impl
+    if not is_flag(walk, RowWalk):
+        return lambda walk, lo, hi, rest: lo
+
+    def impl(walk, lo, hi, rest):
+        q_tiles, k_flat, v_flat, fmt, table_row, heads, hk, page, tile_keys, s_buf = rest[:10]
+        m, ell, alpha, acc, segs, b, group, length, variants, raw_flag = rest[10:]
+        tile = head_tile(b, hk, group, q_tiles.shape[1] // group, length)
+        walk_cache_rows(
+            lo, hi, q_tiles[0], k_flat, v_flat, fmt, table_row, heads, hk, page, tile_keys,
+            s_buf, m[0], ell[0], alpha, acc[0], segs, tile, variants, raw_flag,
+        )  # fmt: skip
+        return hi
+
+    return impl
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def head_scores(q_tiles, flat, fmt, table_row, heads, hk0, page, j0, n, s):
+    """``s[u, r, t] = q_tiles[u, r] . key_{j0 + t}`` of kv head ``hk0 + u``,
+    for every head of the item, in the cache's memory order (the module
+    docstring): page by page, each head's run of keys in the page
+    (:func:`.cache_rows.key_scores` key by key); with one-token pages that is
+    key by key, each key's rows of all heads in turn. ``q_tiles (nh, rows,
+    d)``, ``s (nh, rows, >= n)``."""
+    wide_vectors()
+    nh, d = q_tiles.shape[0], q_tiles.shape[2]
+    width = np.uint64(d)
+    t = 0
+    while t < n:
+        j = j0 + t
+        run = min(page - j % page, n - t)
+        for u in range(nh):
+            o = row_offset(table_row, heads, hk0 + u, page, d, j)
+            q_rows, s_rows = q_tiles[u], s[u]  # (views made per key cost reference counts)
+            for i in range(run):
+                key_scores(q_rows, flat, o, width, fmt, s_rows, t + i)
+                o += width
+        t += run
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def token_values(p, flat, fmt, table_row, heads, hk0, j0, n, acc):
+    """``acc[u] += p[u, :, :n] @ V`` of kv head ``hk0 + u`` for every head of
+    the item, from a cache of one-token pages: key by key, each key's value
+    rows of all heads in turn, :func:`.cache_rows.keys_per_pass` keys per
+    pass over ``acc (nh, rows, dv)`` (each key of a pass in its own page)."""
+    wide_vectors()
+    nh, rows, dv = acc.shape
+    width = np.uint64(dv)
+    t = 0
+    while t < n:
+        count = keys_per_pass(rows, n - t)
+        for u in range(nh):
+            # Offsets past the pass's keys repeat its first key's (unread).
+            o0 = row_offset(table_row, heads, hk0 + u, 1, dv, j0 + t)
+            o1 = o2 = o3 = o0
+            if count > 1:
+                o1 = row_offset(table_row, heads, hk0 + u, 1, dv, j0 + t + 1)
+            if count > 2:
+                o2 = row_offset(table_row, heads, hk0 + u, 1, dv, j0 + t + 2)
+                o3 = row_offset(table_row, heads, hk0 + u, 1, dv, j0 + t + 3)
+            add_value_rows(acc[u], p[u], t, count, flat, o0, o1, o2, o3, width, fmt)
+        t += count
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def page_values(p, flat, fmt, table_row, heads, hk0, page, j0, n, acc):
+    """:func:`token_values` for pages of several keys: page by page, each
+    head's run of value rows in the page (the order of :func:`head_scores`),
+    :func:`.cache_rows.keys_per_pass` keys per pass."""
+    wide_vectors()
+    nh, rows, dv = acc.shape
+    width = np.uint64(dv)
+    t = 0
+    while t < n:
+        j = j0 + t
+        run = min(page - j % page, n - t)
+        for u in range(nh):
+            base = row_offset(table_row, heads, hk0 + u, page, dv, j)
+            acc_rows, p_rows = acc[u], p[u]
+            i = 0
+            while i < run:
+                count = keys_per_pass(rows, run - i)
+                o0 = base + np.uint64(i) * width
+                o1 = o0 + width  # (sums: an integer literal times a uint64 is a float64)
+                o2 = o1 + width
+                add_value_rows(
+                    acc_rows, p_rows, t + i, count, flat, o0, o1, o2, o2 + width, width, fmt
+                )
+                i += count
+        t += run
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def walk_head_rows(
+    lo, hi, q_tiles, k_flat, v_flat, fmt, table_row, heads, hk0, page, tile_keys, s_buf, m, ell,
+    alpha, acc, segs, b, group, length, variants, raw_flag,
+):  # fmt: skip
+    """Fold keys ``[lo, hi)`` into the state of every head of an item
+    (:class:`.cache_rows.HeadRowsWalk`), ``tile_keys`` at a time: the scores
+    of all heads (:func:`head_scores`), each head's online softmax
+    (:func:`.tile_step.softmax_tile`, the raw scores kept for a rebase, as
+    :func:`.cache_rows.fold_cache_tile`), then the values of all heads
+    (:func:`token_values` or :func:`page_values`). ``m, ell (nh, rows)``,
+    ``acc (nh, rows, dv)``; ``s_buf``: at least ``2 * nh * rows *
+    tile_keys`` floats.
+
+    With one-token pages every head's query rows and state are touched per
+    key (16 KiB each at GQA 32/8, d 128), more than L1 holds beside the
+    stream: there this walk reads 14-15 GB/s where the row walk of a ``(B,
+    Hkv, T, d)`` cache reads 18-23 (AVX2 AMD EPYC, Tk=65536). Tried and not
+    kept: two keys per pass in the scores (no change), and each head's tile
+    in turn (:func:`.cache_rows.fold_cache_tile`, its rows and state in L1)
+    while the next tile's rows of every head were prefetched in memory
+    order, a slice per head: 1.5x this walk's time (the prefetch bursts
+    stall).
+    """
+    wide_vectors()
+    nh, rows = q_tiles.shape[0], q_tiles.shape[1]
+    kept = nh * rows * tile_keys
+    j0 = lo
+    while j0 < hi:
+        j1 = min(j0 + tile_keys, hi)
+        n = j1 - j0
+        s = s_buf[: nh * rows * n].reshape((nh, rows, n))
+        raw = s_buf[kept : kept + nh * rows * n].reshape((nh, rows, n))
+        head_scores(q_tiles, k_flat, fmt, table_row, heads, hk0, page, j0, n, s)
+        if raw_flag.size > 0:
+            flag_non_finite(s.reshape((nh * rows, n)), raw_flag)
+        raw[:] = s
+        segs[0, SEG_KEY], segs[0, SEG_LENGTH] = j0, n
+        for u in range(nh):
+            tile = head_tile(b, hk0 + u, group, rows // group, length)
+            full = tile_sees_all(tile, j0, j1, variants)
+            softmax_tile(
+                s[u], s[u], m[u], ell[u], alpha, q_tiles[u], KeptScores(raw[u]), 1.0, segs, tile,
+                variants, full, raw_flag,
+            )  # fmt: skip
+            rescale_rows(acc[u], alpha)
+        if page == 1:
+            token_values(s, v_flat, fmt, table_row, heads, hk0, j0, n, acc)
+        else:
+            page_values(s, v_flat, fmt, table_row, heads, hk0, page, j0, n, acc)
+        j0 = j1
