@@ -183,3 +183,26 @@ def test_cached_kernels_of_older_sources_are_cleared_wherever_numba_keeps_them(t
     assert fresh.exists()
     clear_stale_kernels(tmp_path / "missing" / "dir")  # created, nothing to clear
     assert (tmp_path / "missing" / "dir" / STAMP).is_file()
+
+
+def test_numbas_pedantic_scope_warning_is_silenced_for_the_kernels_only():
+    """A first compile of the softcap kernels raises Numba's internal
+    NumbaIRAssumptionWarning, which Numba attributes to the kernel module's
+    file path: silenced there, and nowhere else."""
+    import warnings
+
+    from numba.core.errors import NumbaIRAssumptionWarning
+
+    from flashtile.cpu import quiet_scope_warnings
+
+    kernel_file = launch.__file__.replace("launch.py", "forward.py")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_scope_warnings()  # (what importing flashtile.cpu does)
+        warnings.warn_explicit("phi not in scope", NumbaIRAssumptionWarning, kernel_file, 252)
+        warnings.warn_explicit("phi not in scope", NumbaIRAssumptionWarning, "/elsewhere/x.py", 1)
+        warnings.warn_explicit("other", UserWarning, kernel_file, 252)
+    assert [(w.filename, w.category) for w in seen] == [
+        ("/elsewhere/x.py", NumbaIRAssumptionWarning),
+        (kernel_file, UserWarning),
+    ]
