@@ -195,7 +195,8 @@ def test_the_walk_is_the_route_of_the_layout_and_rows_class(rng):
     for args, name in cases.items():
         for walk in routes.ROUTES[name].candidates:
             with routes.force(name, walk):
-                assert decode_walk(*args) == walk, (args, walk)
+                one_head = walk == "head-rows" and args[3] == 1  # (the row walk: below)
+                assert decode_walk(*args) == ("rows" if one_head else walk), (args, walk)
     # More rows than the routes measure keep BLAS tiles (heads for one-token pages).
     assert decode_walk(17, 16, 8, 2, 64, 64) == "tiles"
     assert decode_walk(17, 1, 64, 8, 64, 64) == "head-tiles"
@@ -206,6 +207,13 @@ def test_the_walk_is_the_route_of_the_layout_and_rows_class(rng):
     assert decode_tile(4, 1, "head-tiles", 8 * 256 * 4) == 32
     assert decode_tile(4, 1, "head-tiles", 64) == 256
     assert decode_tile(4, 1, "head-tiles", 1 << 20) == 16 == decode_tile(4, 1, "head-rows", 1 << 20)
+    # The head walk over pages of several keys reads in place: a full tile.
+    assert decode_tile(4, 16, "head-rows", 8 * 256 * 4) == 256
+    # One kv head: the head walk is the row walk without its prefetch, so
+    # the row walk runs.
+    with routes.force("decode.paged.few.d64.short", "head-rows"):
+        assert decode_walk(4, 16, 8, 2, 64, 64) == "head-rows"
+        assert decode_walk(4, 16, 8, 1, 64, 64) == "rows"
     # Planned: the walks that read rows in place run float32 work only
     # (float64 takes the tiles of the same items); the flag types.
     q, k, v = _problem(rng, batch=1, hq=2, hkv=2, tq=1, d=4, t_max=64)
@@ -214,6 +222,7 @@ def test_the_walk_is_the_route_of_the_layout_and_rows_class(rng):
     cases = (
         ("decode.paged.one.d64.short", "rows", (kp, vp, table), "tiles"),
         ("decode.tokens.one.d64.short", "head-rows", (kt, vt, np.arange(64)[None]), "head-tiles"),
+        ("decode.paged.one.d64.short", "head-rows", (kp, vp, table), "head-tiles"),
     )
     for name, walk, (kc, vc, tab), wide in cases:
         with routes.force(name, walk):
@@ -527,14 +536,14 @@ def test_the_walks_that_read_rows_fold_keys_in_passes_and_the_rest_one_by_one(
     """The row walks' passes (cache_rows.ROWS_PER_PASS query rows, four keys for
     one row, four or two value rows) and their remainders: items of 1, 3, 6 and
     9 rows; runs of every length modulo four (sequences of 1, 2, 3, 4, 5, 7, 9
-    and 130 keys; pages of 6 and 5 keys, read by one head's rows or by
+    and 600 keys; pages of 6 and 5 keys, read by one head's rows or by
     every head's page by page; one-token pages of two kv heads); unaligned
     rows; each cache format; against the float64 reference on the cache's
     values."""
     dtype = np.dtype(dtype)
-    q, k, v = _problem(rng, batch=8, hq=hq, hkv=2, tq=tq, d=13, dv=11, t_max=130)
+    q, k, v = _problem(rng, batch=8, hq=hq, hkv=2, tq=tq, d=13, dv=11, t_max=600)
     k, v = k.astype(dtype), v.astype(dtype)
-    lengths = np.array([1, 2, 3, 4, 5, 7, 9, 130])
+    lengths = np.array([1, 2, 3, 4, 5, 7, 9, 600])  # (600: tiles of 256 end mid-page)
     kw = dict(cache_seqlens=lengths, return_lse=True, causal=True)
     if page == 1:  # one-token pages of every kv head: flash-attn's (B, T, Hkv, d) cache
         k, v = (x.transpose(0, 2, 1, 3).reshape(-1, 2, 1, x.shape[3]).copy() for x in (k, v))

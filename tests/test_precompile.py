@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numba
 import numpy as np
 import pytest
@@ -206,3 +209,10 @@ def test_numbas_pedantic_scope_warning_is_silenced_for_the_kernels_only():
         ("/elsewhere/x.py", NumbaIRAssumptionWarning),
         (kernel_file, UserWarning),
     ]
+    # Importing the package installs it (pytest's collection undid that here).
+    check = (
+        "import warnings, flashtile.cpu as c;"
+        "assert any(f[0] == 'ignore' and f[2] is c.NumbaIRAssumptionWarning"
+        " and f[3].match('/a/flashtile/cpu/forward') for f in warnings.filters)"
+    )
+    subprocess.run([sys.executable, "-c", check], check=True)

@@ -190,6 +190,16 @@ def test_a_corrupt_cache_falls_back_to_the_fixed_rule(store, monkeypatch, text):
     assert routes.explain("decode.paged.one.d64.short") == ("rows", "fixed rule (not measured)")
 
 
+def test_an_entry_measured_before_a_candidate_was_added_is_measured_again(store, monkeypatch):
+    name = "decode.paged.one.d64.short"  # head-rows joined its candidates later
+    old = {name: {"choice": "rows", "times": {"tiles": 2.0e-3, "rows": 1.0e-3}}}
+    store.write_text(json.dumps({routes.machine_key(): old}))
+    planted = {"tiles": 2.0e-3, "rows": 1.0e-3, "head-rows": 0.5e-3}
+    monkeypatch.setitem(routes._measures, name, lambda route, candidates: planted)
+    assert routes.explain(name)[0] == "head-rows"
+    assert json.loads(store.read_text())[routes.machine_key()][name]["times"] == planted
+
+
 def test_an_unwritable_cache_directory_never_fails_a_call(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("")

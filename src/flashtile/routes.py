@@ -291,13 +291,15 @@ def provisional(name: str) -> bool:
 
 
 def _valid_entry(entry, usable) -> bool:
-    """Whether a cache entry is a choice this process can run and its times."""
+    """Whether a cache entry is a choice this process can run and the times
+    of every candidate it can run: an entry stored before a candidate was
+    added (a new walk, a library installed since) is measured again."""
     if not (isinstance(entry, dict) and entry.get("choice") in usable):
         return False
     times = entry.get("times")
     return (
         isinstance(times, dict)
-        and bool(times)
+        and all(c in times for c in usable)
         and all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in times.values())
     )
 

@@ -134,17 +134,17 @@ def backward_items(seqs, n_kv, block_q, threads) -> tuple[np.ndarray, int]:
 #: route (:func:`decode_walk`): the decode-shaped calls' limit
 #: (:data:`flashtile.decode_planning.DECODE_MAX_ROWS`).
 DECODE_ROUTED_ROWS = 16
-#: A tile of an item that walks every kv head at once (a cache of one-token
-#: pages, :func:`decode_walk`) spans at most this many bytes of K and V rows
-#: of all heads: gathered (head-tiles), they stay in L2 while each head's
-#: products read them.
+#: A tile of an item that walks every kv head at once (:func:`decode_tile`:
+#: head-tiles, and head-rows over one-token pages) spans at most this many
+#: bytes of K and V rows of all heads: gathered (head-tiles), they stay in L2
+#: while each head's products read them.
 HEADS_TILE_BYTES = 256 * 1024
 
 #: How decode items walk their keys (:func:`decode_walk`): BLAS tiles of one
 #: kv head, gathered when they span pages; one kv head's rows read in place
 #: (cpu/cache_rows.py); every kv head's rows of a tile gathered at once in
-#: memory order for BLAS (cpu/decode.py); or every kv head's rows of each key
-#: read in place in memory order (cpu/cache_rows.py).
+#: memory order for BLAS (cpu/decode.py); or every kv head's rows read in
+#: place in memory order (cpu/cache_heads.py).
 TILES, ROWS, HEAD_TILES, HEAD_ROWS = "tiles", "rows", "head-tiles", "head-rows"
 #: The walks whose items take every kv head of their key chunk.
 HEAD_WALKS = (HEAD_TILES, HEAD_ROWS)
@@ -164,7 +164,9 @@ def decode_walk(rows: int, page: int, pages: int, kv_heads: int, head_dim: int, 
 
     - ``contiguous``: one page per sequence or pages of at least a tile,
       whose tiles BLAS reads in place;
-    - ``paged``: pages smaller than a DECODE_TILE tile (gathered for BLAS);
+    - ``paged``: pages smaller than a DECODE_TILE tile (gathered for BLAS,
+      or read in place one head's run per page, or page by page for every
+      head);
     - ``tokens``: one-token pages of several kv heads (flash-attn's ``(B, T,
       Hkv, d)`` cache read in place, :mod:`flashtile.flash_attn`): one head's
       keys lie ``Hkv * d`` elements apart, a separate stream per key that the
@@ -182,20 +184,23 @@ def decode_walk(rows: int, page: int, pages: int, kv_heads: int, head_dim: int, 
         layout = "contiguous"
     if rows > DECODE_ROUTED_ROWS:
         return HEAD_TILES if layout == "tokens" else TILES
-    return routes.choice(routes.decode_route_name(layout, rows, head_dim, keys))
+    walk = routes.choice(routes.decode_route_name(layout, rows, head_dim, keys))
+    # With one kv head the head walk is the row walk without the row walk's
+    # prefetch of small pages' separate streams.
+    return ROWS if walk == HEAD_ROWS and kv_heads == 1 else walk
 
 
 def decode_tile(rows: int, page: int, walk: str = TILES, head_bytes: int = 0) -> int:
     """Keys per tile for decode items of ``rows`` query rows over a cache in
     pages of ``page`` keys (a contiguous cache: one page of all its keys).
     Items of the :data:`HEAD_WALKS` read ``head_bytes`` (every kv head's K
-    and V row) per key: over one-token pages, tiles of at most
-    HEADS_TILE_BYTES, a power of two from 16 to DECODE_TILE keys (the head
-    walks' chunks are multiples of it); the head walk that reads pages of
-    several keys in place, DECODE_TILE keys. It gathers nothing, and its
-    softmax then runs on longer rows: GQA 32/8, d 128, pages of 16, 65536
-    keys, float32, 2 threads (Zen 4 EPYC, three process pairs), 27.5-27.9
-    ms against 29.2-30.7 with 32-key tiles."""
+    and V row) per key: tiles of at most HEADS_TILE_BYTES, a power of two
+    from 16 to DECODE_TILE keys (the head walks' chunks are multiples of
+    it), but DECODE_TILE keys for the head walk that reads pages of several
+    keys in place: it gathers nothing, and its softmax then runs on longer
+    rows (GQA 32/8, d 128, pages of 16, 65536 keys, float32, 2 threads, Zen
+    4 EPYC, three process pairs: 27.5-27.9 ms against 29.2-30.7 with 32-key
+    tiles)."""
     if walk == HEAD_ROWS and page > 1:
         return DECODE_TILE
     if walk in HEAD_WALKS:

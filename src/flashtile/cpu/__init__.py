@@ -34,7 +34,9 @@ def quiet_scope_warnings() -> None:
     compile, and in ``flashtile precompile``. The check does not touch the
     code generated, and the results are tested against the reference. Only
     this category, raised at this package's files (Numba names the module by
-    its file's path, hence the pattern)."""
+    its file's path, hence the pattern). A first import inside
+    ``warnings.catch_warnings()`` (pytest's collection) loses the filter
+    with the block; calling this again restores it."""
     warnings.filterwarnings(
         "ignore", category=NumbaIRAssumptionWarning, module=r".*flashtile[/\\.]cpu[/\\.]"
     )

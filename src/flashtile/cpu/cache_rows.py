@@ -71,7 +71,7 @@ class HeadTilesWalk(NamedTuple):
 
 class HeadRowsWalk(NamedTuple):
     """Walk flag: a decode call's items take every kv head of their key chunk
-    and read each key's rows of all heads in place, in memory order (this module)."""
+    and read the rows of all heads in place, in memory order (:mod:`.cache_heads`)."""
 
 
 #: The flag of each of :func:`flashtile.workitems.decode_walk`'s walks.

@@ -4,8 +4,8 @@ A decode step has a handful of queries per sequence and a long cache, so
 the work is reading K and V once. One work item is one ``(sequence, kv head,
 key chunk)``: the ``group * Tq`` queries of the query heads that read the kv
 head, stacked as rows (as in :mod:`.forward`), against one chunk of that
-sequence's keys; with the head walks (one-token pages) one item takes every
-kv head of its chunk. Chunks of one sequence run in parallel and each writes a
+sequence's keys; with the head walks one item takes every kv head of its
+chunk. Chunks of one sequence run in parallel and each writes a
 partial ``(out, lse)``; :func:`merge_partials` folds them with the
 ``merge_states`` rule. Planning (how many chunks, which thread takes which)
 is :func:`flashtile.decode_planning.plan_decode`'s job.
