@@ -134,7 +134,9 @@ def test_the_benchmark_page_is_drawn_from_the_kept_runs(tmp_path):
     images = {caption: f"img/{name}" for caption, name in page.captions(runs).items()}
     text = page.page(runs, images)
     assert text == (ROOT / "docs" / "benchmarks.md").read_text()
-    assert len(text.splitlines()) < 300
+    # (a readable page: one run per preset; a section run on another BLAS
+    # or CPU than the page's names its own, a line or two each)
+    assert len(text.splitlines()) < 320
     for name in images.values():
         assert (ROOT / "docs" / name).is_file()
     page.plots(runs, tmp_path)
