@@ -31,6 +31,7 @@ from .cache_rows import (
     head_tile,
     key_scores,
     keys_per_pass,
+    page_run,
     row_offset,
     walk_cache_rows,
 )
@@ -91,10 +92,9 @@ def head_scores(q_tiles, flat, fmt, table_row, heads, hk0, page, j0, n, s):
     width = np.uint64(d)
     t = 0
     while t < n:
-        j = j0 + t
-        run = min(page - j % page, n - t)
+        run = 0  # (the same for every head)
         for u in range(nh):
-            o = row_offset(table_row, heads, hk0 + u, page, d, j)
+            run, o = page_run(table_row, heads, hk0 + u, page, d, j0 + t, n - t)
             q_rows, s_rows = q_tiles[u], s[u]  # (views made per key cost reference counts)
             for i in range(run):
                 key_scores(q_rows, flat, o, width, fmt, s_rows, t + i)
@@ -137,10 +137,9 @@ def page_values(p, flat, fmt, table_row, heads, hk0, page, j0, n, acc):
     width = np.uint64(dv)
     t = 0
     while t < n:
-        j = j0 + t
-        run = min(page - j % page, n - t)
+        run = 0  # (the same for every head)
         for u in range(nh):
-            base = row_offset(table_row, heads, hk0 + u, page, dv, j)
+            run, base = page_run(table_row, heads, hk0 + u, page, dv, j0 + t, n - t)
             acc_rows, p_rows = acc[u], p[u]
             i = 0
             while i < run:
