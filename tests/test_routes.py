@@ -36,9 +36,17 @@ def store(tmp_path, monkeypatch):
 @pytest.fixture
 def walks(monkeypatch) -> list[str]:
     """The walk of every decode kernel call the test makes, in order."""
-    seen = []
-    run = frontdoor.run_decode
-    monkeypatch.setattr(frontdoor, "run_decode", lambda plan: seen.append(plan.walk) or run(plan))
+    from flashtile.cpu import cache_rows, launch
+
+    seen, names = [], {type(flag): name for name, flag in cache_rows._WALKS.items()}
+    run = launch.run_launch  # every decode kernel call, prepared (frontdoor's name) or not
+
+    def spy(call, q, k, v):
+        seen.append(names[type(call.walk)])
+        return run(call, q, k, v)
+
+    monkeypatch.setattr(launch, "run_launch", spy)
+    monkeypatch.setattr(frontdoor, "run_launch", spy)
     return seen
 
 

@@ -52,7 +52,15 @@ from ._validate import (
     check_qkv,
     resolve_scale,
 )
-from .cpu.launch import NO_LIMITS, numba_threads, run_decode, run_forward
+from .cpu.launch import (
+    NO_LIMITS,
+    DecodeLaunch,
+    decode_launch,
+    numba_threads,
+    run_decode,
+    run_forward,
+    run_launch,
+)
 from .decode_planning import DecodePlan, decode_shaped, plan_decode, plan_decode_call
 from .kvlayout import CacheLayout
 from .merge import add_sinks
@@ -141,13 +149,15 @@ def _shaped(out, lse, shapes: AttentionShapes, dtype, return_lse):
     return (out, narrow_lse(lse, dtype)) if return_lse else out
 
 
-def run_decode_checked(plan: DecodePlan, va: Variants, q, num_splits):
+def run_decode_checked(plan: DecodePlan, va: Variants, q, num_splits, result=None):
     """``(out, lse)`` of a decode plan, computed again in float64 where its
     float32 scores could have passed float32's range (the question is asked
     only when a raw score or a row's ``lse`` was not finite:
     :func:`flashtile.precision.decode_overflowed`). ``q``: the validated
-    queries (any layout of the plan's sizes); ``num_splits`` as planned."""
-    out, lse, flagged, finite = run_decode(plan)
+    queries (any layout of the plan's sizes); ``num_splits`` as planned;
+    ``result``: :func:`~flashtile.cpu.launch.run_decode`'s of this plan
+    where the caller ran it (a prepared step, :func:`_run_step`)."""
+    out, lse, flagged, finite = run_decode(plan) if result is None else result
     if finite and not flagged:  # the common case: nothing to ask
         return out, lse
     layout = plan.layout
@@ -189,6 +199,8 @@ class Step(NamedTuple):
         routes: :data:`flashtile.routes.GENERATION` when it was planned
             (a decode plan's walk and a tiny call's library are routes', the
             BLAS can be switched: planned again once that moves).
+        launch: a decode plan's kernel call but its arrays
+            (:func:`flashtile.cpu.launch.decode_launch`); None for the forward.
     """
 
     plan: KernelPlan | DecodePlan
@@ -200,6 +212,7 @@ class Step(NamedTuple):
     products: bool | None
     num_splits: int | None = None
     routes: int | None = None
+    launch: DecodeLaunch | None = None
 
 
 class Prepared(NamedTuple):
@@ -414,8 +427,10 @@ def _decode_step(plan: DecodePlan, shapes: AttentionShapes, dtype, num_splits, g
     template = plan._replace(q=None, layout=plan.layout._replace(k=None, v=None))
     work = plan.q.dtype
     generation = routes.GENERATION[0] if generation is None else generation
+    launch = decode_launch(plan)
+    products = _products(dtype)
     return Step(
-        template, shapes, shapes4, work, False, False, _products(dtype), num_splits, generation
+        template, shapes, shapes4, work, False, False, products, num_splits, generation, launch
     )
 
 
@@ -431,12 +446,17 @@ def _run_step(step: Step, va: Variants, q, k, v, return_lse: bool):
     bound, before it computes). The casts are those of the planners (a view,
     or a copy for 16-bit inputs widened)."""
     plan, (sq, sk, sv), work = step.plan, step.shapes4, step.work
-    if type(plan) is DecodePlan:
+    if step.launch is not None:  # a decode plan: its kernel call as it was made
         k4, v4 = np.ascontiguousarray(k.reshape(sk)), np.ascontiguousarray(v.reshape(sv))
-        layout = CacheLayout(k4, v4, *plan.layout[2:])
         q4 = q.reshape(sq)  # the caller's dtype: the retry's bound reads it
-        run = DecodePlan(np.ascontiguousarray(q4, dtype=work), layout, *plan[2:])
-        out, lse = run_decode_checked(run, va, q4, step.num_splits)
+        qw = np.ascontiguousarray(q4, dtype=work)
+        result = run_launch(step.launch, qw, k4, v4)
+        if result[3] and not result[2]:  # finite, nothing flagged: run_decode_checked's answer
+            out, lse = result[0], result[1]
+        else:  # its retry reads the plan
+            layout = CacheLayout(k4, v4, *plan.layout[2:])
+            run = DecodePlan(qw, layout, *plan[2:])
+            out, lse = run_decode_checked(run, va, q4, step.num_splits, result)
     else:
         q4 = np.ascontiguousarray(q.reshape(sq), dtype=work)
         k4 = np.ascontiguousarray(k.reshape(sk), dtype=work)

@@ -16,6 +16,7 @@ import functools
 import os
 import time
 import types
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -294,24 +295,69 @@ def run_backward(plan, out, lse, dout, log2=False) -> tuple[np.ndarray, ...]:
     return dq, dk, dv, sums[..., 0]
 
 
+class DecodeLaunch(NamedTuple):
+    """A decode plan's kernel call but its arrays ``q, k, v``
+    (:func:`decode_launch`), in the kernel's argument order from ``walk``.
+
+    Attributes:
+        threads, size: the plan's thread count and work (:func:`_call`).
+        gemm: :func:`.blas.gemm_for`'s entry; kernel: ``decode_call``.
+        walk: :func:`.cache_rows.walk_flag` of the plan's walk.
+        table, seqlens, items, spans, scale, tile_keys: the plan's.
+        check_raw: whether the kernel reports raw scores that are not finite
+            (float32 work: :mod:`flashtile.precision`).
+        variants: the plan's :class:`.tiles.KernelVariants` as a plain tuple.
+    """
+
+    threads: int
+    size: int
+    gemm: object
+    kernel: object
+    walk: object
+    table: np.ndarray
+    seqlens: np.ndarray
+    items: np.ndarray
+    spans: np.ndarray
+    check_raw: bool
+    scale: float
+    variants: tuple
+    tile_keys: int
+
+
+def decode_launch(plan) -> DecodeLaunch:
+    """The decode kernel call of ``plan`` but its arrays, as :func:`run_launch`
+    takes it. Everything in it follows from the plan's metadata, so a
+    repeated call of the same metadata (a prepared step,
+    :mod:`flashtile.frontdoor`) keeps it and runs it on its own arrays: a
+    decoding step between a model's layers runs with Python's code and data
+    evicted from the caches, where each Python step skipped saves several
+    microseconds."""
+    kernels = _kernels()
+    q = plan.q
+    return DecodeLaunch(
+        plan.threads, plan.size, kernels.gemm_for(q.dtype, small=plan.small), kernels.decode_call,
+        kernels.walk_flag(plan.walk), plan.layout.table, plan.layout.seqlens, plan.items,
+        plan.spans, COMPUTE_DTYPES[q.dtype] == np.float32, plan.scale, tuple(plan.variants),
+        plan.tile_keys,
+    )  # fmt: skip
+
+
+def run_launch(launch: DecodeLaunch, q, k, v) -> tuple[np.ndarray, np.ndarray, bool, bool]:
+    """:func:`run_decode` of the plan that gave ``launch`` (:func:`decode_launch`),
+    on arrays ``q, k, v`` of its shapes and dtypes: ``q (B, Hq, Tq, d)``
+    C-contiguous in the plan's work dtype, ``k, v`` its cache arrays."""
+    threads, size, gemm_fn, kernel, walk, *rest = launch
+    # Numba has no 16-bit floats: the kernel widens the bit patterns itself
+    # (or, for bf16 products, multiplies them as they are).
+    k, v, fmt = _kernels().cache_operands(k, v)
+    if q.dtype == BFLOAT16:
+        q = q.view(np.uint16)
+    return _call(threads, size, gemm_fn, kernel, q, k, v, fmt, walk, *rest)
+
+
 def run_decode(plan) -> tuple[np.ndarray, np.ndarray, bool, bool]:
     """``(out (B, Hq, Tq, dv), lse (B, Hq, Tq), flagged, finite)`` of a decode
     plan, in the work dtype; ``flagged``: some raw score was not finite,
     ``finite``: every ``lse`` is (the caller checks the float32 range from
     those, :func:`flashtile.precision.decode_overflowed`)."""
-    kernels = _kernels()
-    q, layout = plan.q, plan.layout
-    # Numba has no 16-bit floats: the kernel widens the bit patterns itself
-    # (or, for bf16 products, multiplies them as they are).
-    k, v, fmt = kernels.cache_operands(layout.k, layout.v)
-    walk = kernels.walk_flag(plan.walk)
-    gemm_fn = kernels.gemm_for(q.dtype, small=plan.small)
-    # Raw-score reports (precision.py) matter only for float32 work.
-    check_raw = COMPUTE_DTYPES[q.dtype] == np.float32
-    if q.dtype == BFLOAT16:
-        q = q.view(np.uint16)
-    return _call(
-        plan.threads, plan.size, gemm_fn, kernels.decode_call, q, k, v, fmt, walk, layout.table,
-        layout.seqlens, plan.items, plan.spans, check_raw, plan.scale, tuple(plan.variants),
-        plan.tile_keys,
-    )  # fmt: skip
+    return run_launch(decode_launch(plan), plan.q, plan.layout.k, plan.layout.v)

@@ -95,8 +95,10 @@ def _visibility(
     ``Tk > Tq``: the keys past ``Tq`` are unfilled slots, which the top-left
     crop drops.
     """
-    causal, window = False, None
     tq = query.shape[-2]
+    if tq == 1 and attention_mask is None and position_bias is None:  # a decoding step's
+        return _Visibility(key, value, None, False, None)
+    causal, window = False, None
     if attention_mask is None and tq > 1 and _resolve_causal(module, is_causal):
         key, value, position_bias, causal, window = top_left_causal(tq, key, value, position_bias)
         if causal and sliding_window is not None:
