@@ -15,7 +15,14 @@ import pytest
 import flashtile
 from dense import dense_attention, dense_variant_attention
 from flashtile import routes
-from flashtile.cpu.cache_rows import HeadRowsWalk, HeadTilesWalk, RowWalk, TileWalk, walk_flag
+from flashtile.cpu.cache_rows import (
+    HeadRowsWalk,
+    HeadTilesWalk,
+    RowWalk,
+    TileWalk,
+    walk_flag,
+    walk_prefetches,
+)
 from flashtile.cpu.decode import copy_row
 from flashtile.cpu.memory import Float16Bits
 from flashtile.decode_planning import plan_decode
@@ -234,6 +241,8 @@ def test_the_walk_is_the_route_of_the_layout_and_rows_class(rng):
                 # One chunk: an item per kv head, or one for both heads.
                 assert len(plan.items) == (1 if want.startswith("head") else 2)
     assert isinstance(walk_flag("rows"), RowWalk) and isinstance(walk_flag("tiles"), TileWalk)
+    assert isinstance(walk_flag("tiles-stream"), TileWalk)  # (a runtime flag tells it apart)
+    assert walk_prefetches("tiles") and not walk_prefetches("tiles-stream")
     assert isinstance(walk_flag("head-tiles"), HeadTilesWalk)
     assert isinstance(walk_flag("head-rows"), HeadRowsWalk)
 

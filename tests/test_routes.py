@@ -38,11 +38,14 @@ def walks(monkeypatch) -> list[str]:
     """The walk of every decode kernel call the test makes, in order."""
     from flashtile.cpu import cache_rows, launch
 
-    seen, names = [], {type(flag): name for name, flag in cache_rows._WALKS.items()}
-    run = launch.run_launch  # every decode kernel call, prepared (frontdoor's name) or not
+    seen, run = [], launch.run_launch  # every decode kernel call, prepared (frontdoor's) or not
+    names = {
+        (type(flag), cache_rows.walk_prefetches(name)): name
+        for name, flag in cache_rows._WALKS.items()
+    }
 
     def spy(call, q, k, v):
-        seen.append(names[type(call.walk)])
+        seen.append(names[type(call.walk), call.ahead])
         return run(call, q, k, v)
 
     monkeypatch.setattr(launch, "run_launch", spy)

@@ -80,7 +80,8 @@ class DecodePlan(NamedTuple):
         threads: how many threads run the kernel
             (:func:`flashtile.planning.call_threads`).
         walk: how the items walk the cache (:func:`flashtile.workitems.decode_walk`):
-            ``"tiles"``, ``"rows"`` (read in place, ``cpu/cache_rows.py``),
+            ``"tiles"``, ``"tiles-stream"`` (no software prefetch of the
+            next tile), ``"rows"`` (read in place, ``cpu/cache_rows.py``),
             ``"head-tiles"`` or ``"head-rows"`` (every kv head at once).
         small: the library of the tile products where the ``blas.one`` /
             ``blas.few`` routes decide it, else None

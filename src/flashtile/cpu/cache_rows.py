@@ -76,8 +76,8 @@ class HeadRowsWalk(NamedTuple):
 
 #: The flag of each of :func:`flashtile.workitems.decode_walk`'s walks.
 _WALKS = {
-    "tiles": TileWalk(), "rows": RowWalk(), "head-tiles": HeadTilesWalk(),
-    "head-rows": HeadRowsWalk(),
+    "tiles": TileWalk(), "tiles-stream": TileWalk(), "rows": RowWalk(),
+    "head-tiles": HeadTilesWalk(), "head-rows": HeadRowsWalk(),
 }  # fmt: skip
 
 
@@ -86,6 +86,15 @@ def walk_flag(walk: str) -> TileWalk | RowWalk | HeadTilesWalk | HeadRowsWalk:
     is :func:`flashtile.workitems.decode_walk`'s). The flag is a type of its
     own, so the kernels of other calls do not compile the other walks."""
     return _WALKS[walk]
+
+
+def walk_prefetches(walk: str) -> bool:
+    """Whether items of several rows that fold tiles read in place prefetch
+    each next tile in software (the decode kernel's runtime flag ``ahead``):
+    every walk but ``"tiles-stream"``, which leaves the stream to the
+    hardware prefetcher (the route measures which is faster,
+    :mod:`flashtile.routes`)."""
+    return walk != "tiles-stream"
 
 
 def reads_rows(walk) -> bool:

@@ -240,7 +240,7 @@ def _gather_tile(walk, src, fmt, table_row, page, j0, j1, buf):
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def decode_kernel(
     q, k, v, fmt, walk, table, seqlens, items, spans, part_out, part_lse, part_flag, scale,
-    variants, tile_keys, gemm_fn,
+    variants, tile_keys, ahead, gemm_fn,
 ):  # fmt: skip
     """Partial attention of each item's queries over its key chunk.
 
@@ -270,8 +270,9 @@ def decode_kernel(
             range, or a NaN/inf input: :mod:`flashtile.precision` then
             checks the range).
         variants: :class:`.tiles.KernelVariants` (no mask arrays).
-        tile_keys: keys per tile. gemm_fn: the ``address`` of :func:`.blas.gemm_for`
-            of the dtype.
+        tile_keys: keys per tile. ahead: items of several rows prefetch each
+            next tile read in place (:func:`.cache_rows.walk_prefetches`).
+            gemm_fn: the ``address`` of :func:`.blas.gemm_for` of the dtype.
     """
     tq, d = q.shape[2], q.shape[3]
     page, dv, hkv = k.shape[2], v.shape[3], k.shape[1]
@@ -283,8 +284,9 @@ def decode_kernel(
     # prefetcher keeps up with: prefetching the next tile at once stalls on
     # the core's few outstanding misses (no prefetch: 0.76-0.86x the time,
     # 12 heads, d 64, Tk=32768). With a GQA group's rows there is compute to
-    # hide it behind (32/8, d 128: without it 1.13-1.23x the time).
-    prefetch_ahead = rows > 1
+    # hide it behind (32/8, d 128 on a Xeon: without it 1.13-1.23x the time),
+    # but not on every CPU: the "tiles-stream" walk, measured, turns it off.
+    prefetch_ahead = rows > 1 and ahead
     # Items that read rows in place (walk: .cache_rows.walk_flag) keep the raw
     # scores after the scores (a rebase reads them) and gather nothing.
     row_wise = reads_rows(walk)
@@ -347,7 +349,7 @@ def decode_kernel(
 @njit(fastmath=FASTMATH, cache=True)
 def decode_call(
     q, k, v, fmt, walk, table, seqlens, items, spans, check_raw, scale, variant_fields, tile_keys,
-    gemm_fn, blas_threads,
+    ahead, gemm_fn, blas_threads,
 ):  # fmt: skip
     """One decoding call in compiled code: :func:`decode_kernel` over
     ``items`` into partials, then :func:`merge_partials` over ``spans``.
@@ -374,7 +376,7 @@ def decode_call(
     part_flag = np.zeros(items.shape[0] if check_raw else 0, dtype=np.uint8)
     decode_kernel(
         q, k, v, fmt, walk, table, seqlens, items, spans, part_out, part_lse, part_flag, scale,
-        variants, tile_keys, gemm_fn,
+        variants, tile_keys, ahead, gemm_fn,
     )  # fmt: skip
     out = work_empty((batch, hq, tq, dv), q)
     lse = work_empty((batch, hq, tq), q)

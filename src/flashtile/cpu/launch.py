@@ -64,7 +64,7 @@ def _kernels() -> types.SimpleNamespace:
     from .backward import backward_kernel
     from .blas import gemm_for
     from .blas_threads import unpin_blas
-    from .cache_rows import walk_flag
+    from .cache_rows import walk_flag, walk_prefetches
     from .decode import decode_call
     from .forward import forward_call
     from .half import to_bfloat16
@@ -77,6 +77,7 @@ def _kernels() -> types.SimpleNamespace:
         backward_kernel=backward_kernel, gemm_for=gemm_for, forward_call=forward_call,
         unpin_blas=unpin_blas, decode_call=decode_call,
         cache_operands=cache_operands, to_bfloat16=to_bfloat16, walk_flag=walk_flag,
+        walk_prefetches=walk_prefetches,
     )  # fmt: skip
 
 
@@ -307,6 +308,7 @@ class DecodeLaunch(NamedTuple):
         check_raw: whether the kernel reports raw scores that are not finite
             (float32 work: :mod:`flashtile.precision`).
         variants: the plan's :class:`.tiles.KernelVariants` as a plain tuple.
+        ahead: :func:`.cache_rows.walk_prefetches` of the plan's walk.
     """
 
     threads: int
@@ -322,6 +324,7 @@ class DecodeLaunch(NamedTuple):
     scale: float
     variants: tuple
     tile_keys: int
+    ahead: bool
 
 
 def decode_launch(plan) -> DecodeLaunch:
@@ -338,7 +341,7 @@ def decode_launch(plan) -> DecodeLaunch:
         plan.threads, plan.size, kernels.gemm_for(q.dtype, small=plan.small), kernels.decode_call,
         kernels.walk_flag(plan.walk), plan.layout.table, plan.layout.seqlens, plan.items,
         plan.spans, COMPUTE_DTYPES[q.dtype] == np.float32, plan.scale, tuple(plan.variants),
-        plan.tile_keys,
+        plan.tile_keys, kernels.walk_prefetches(plan.walk),
     )  # fmt: skip
 
 
