@@ -217,7 +217,7 @@ def print_routes(out=print, measure: bool = True) -> None:
 
     blas.available()
     for name, choice, why, doc in routes.report(measure):
-        out(f"  {name:36s} {choice:10s} {why}  [{doc}]")
+        out(f"  {name:36s} {choice:12s} {why}  [{doc}]")
 
 
 def run_tune(args: argparse.Namespace) -> int:

@@ -267,8 +267,8 @@ def _plain_key(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengt
     qs, ks, vs = q.shape, k.shape, v.shape
     if not (len(qs) == len(ks) == len(vs) == 4 and ks[2] == vs[2] and ks[2] > 0):
         return None
-    if not (q.is_cpu and k.is_cpu and v.is_cpu):
-        return None  # CUDA tensors (the Triton kernels'), or refused: the general path
+    if _support.is_cuda_call(q, k, v) or not (q.is_cpu and k.is_cpu and v.is_cpu):
+        return None  # the Triton kernels' (the one device test), or refused
     if q.dtype not in _ops.NATIVE_DTYPES:
         return None  # float16 is upcast on the general path
     lengths = None
