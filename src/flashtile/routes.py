@@ -104,7 +104,7 @@ _WALK = "FLASHTILE_DECODE_WALK"
 #: the tiles without the software prefetch of each next tile (the hardware
 #: prefetcher's stream alone): measured on Xeons, the prefetch made GQA 32/8,
 #: d 128 steps at 65536 keys 1.13-1.23x faster; on a Zen 4 EPYC it made GQA
-#: 16/4, d 64 steps 1.15-1.4x slower and 32/8, d 128 no faster.
+#: 16/4, d 64 steps 1.06-1.4x slower and 32/8, d 128 no faster (docs/decoding.md).
 _LAYOUTS = {
     "contiguous": (("tiles", "rows"), "contiguous cache or pages of a tile or more"),
     "paged": (("tiles", "rows", "head-rows"), "pages smaller than a tile"),
