@@ -144,11 +144,11 @@ HEADS_TILE_BYTES = 256 * 1024
 #: kv head, gathered when they span pages; one kv head's rows read in place
 #: (cpu/cache_rows.py); every kv head's rows of a tile gathered at once in
 #: memory order for BLAS (cpu/decode.py); or every kv head's rows read in
-#: place in memory order (cpu/cache_heads.py). TILES_STREAM is TILES without
-#: the software prefetch of each next tile that items of several rows make
+#: place in memory order (cpu/cache_heads.py). The routes of several-row
+#: items over contiguous caches also offer "tiles-stream": TILES without the
+#: software prefetch of each next tile
 #: (:func:`flashtile.cpu.cache_rows.walk_prefetches`).
 TILES, ROWS, HEAD_TILES, HEAD_ROWS = "tiles", "rows", "head-tiles", "head-rows"
-TILES_STREAM = "tiles-stream"
 #: The walks whose items take every kv head of their key chunk.
 HEAD_WALKS = (HEAD_TILES, HEAD_ROWS)
 
@@ -157,7 +157,7 @@ def decode_walk(rows: int, page: int, pages: int, kv_heads: int, head_dim: int, 
     """How decode items of ``rows`` query rows walk a cache of ``pages``
     pages per sequence of ``page`` keys each, ``kv_heads`` kv heads of head
     dim ``head_dim``, the longest sequence ``keys`` keys (:data:`TILES`,
-    :data:`TILES_STREAM`, :data:`ROWS`, :data:`HEAD_TILES` or :data:`HEAD_ROWS`).
+    ``"tiles-stream"``, :data:`ROWS`, :data:`HEAD_TILES` or :data:`HEAD_ROWS`).
 
     The walks compute the same; which is fastest depends on the CPU and the
     shape, so it is a measured route (:mod:`flashtile.routes`,
