@@ -385,3 +385,33 @@ def test_direct_call_matches_transformers_sdpa(name, case):
         want, _ = sdpa_attention_forward(module, q, k, v, mask, **kw)
     assert got.shape == (b, tq, hq, d)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoding_step_matches_transformers_sdpa(name, dtype):
+    # A decoding step (one query, no mask) takes the plain path straight from the hook:
+    # GQA read in place, the (B, 1, Hq, d) layout sdpa returns, and gradients when asked.
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    fn = AttentionInterface()[name]
+    gen = torch.Generator().manual_seed(9)
+    b, hq, hkv, tk, d = 2, 6, 2, 37, 16
+    q = torch.randn(b, hq, 1, d, generator=gen).to(dtype)
+    k, v = (torch.randn(b, hkv, tk, d, generator=gen).to(dtype) for _ in range(2))
+    module = torch.nn.Module()
+    module.num_key_value_groups = hq // hkv
+    module.is_causal = True
+    with torch.no_grad():
+        got, _ = fn(module, q, k, v, None, scaling=0.3)
+        want, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.3)
+    assert got.shape == (b, 1, hq, d) and got.is_contiguous() and got.dtype == dtype
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    if dtype == torch.float32:  # the step with a gradient wanted: the op's autograd formula
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+        fn(module, qg, kg, vg, None, scaling=0.3)[0].square().sum().backward()
+        qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+        sdpa_attention_forward(module, qr, kr, vr, None, scaling=0.3)[0].square().sum().backward()
+        for mine, theirs in ((qg, qr), (kg, kr), (vg, vr)):
+            torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-5, rtol=1e-5)

@@ -303,6 +303,9 @@ class DecodeLaunch(NamedTuple):
     Attributes:
         threads, size: the plan's thread count and work (:func:`_call`).
         gemm: :func:`.blas.gemm_for`'s entry; kernel: ``decode_call``.
+        halves: whether the cache holds 16-bit values (the kernel reads their
+            bits: ``uint16`` views of the cache, and of bf16 queries).
+        fmt: the cache's format flag (:func:`.memory.cache_operands`).
         walk: :func:`.cache_rows.walk_flag` of the plan's walk.
         table, seqlens, items, spans, scale, tile_keys: the plan's.
         check_raw: whether the kernel reports raw scores that are not finite
@@ -315,6 +318,8 @@ class DecodeLaunch(NamedTuple):
     size: int
     gemm: object
     kernel: object
+    halves: bool
+    fmt: object
     walk: object
     table: np.ndarray
     seqlens: np.ndarray
@@ -336,12 +341,13 @@ def decode_launch(plan) -> DecodeLaunch:
     evicted from the caches, where each Python step skipped saves several
     microseconds."""
     kernels = _kernels()
-    q = plan.q
+    q, k = plan.q, plan.layout.k
+    bits, _, fmt = kernels.cache_operands(k, k)  # (views of 16-bit values' bits)
     return DecodeLaunch(
         plan.threads, plan.size, kernels.gemm_for(q.dtype, small=plan.small), kernels.decode_call,
-        kernels.walk_flag(plan.walk), plan.layout.table, plan.layout.seqlens, plan.items,
-        plan.spans, COMPUTE_DTYPES[q.dtype] == np.float32, plan.scale, tuple(plan.variants),
-        plan.tile_keys, kernels.walk_prefetches(plan.walk),
+        bits is not k, fmt, kernels.walk_flag(plan.walk), plan.layout.table, plan.layout.seqlens,
+        plan.items, plan.spans, COMPUTE_DTYPES[q.dtype] == np.float32, plan.scale,
+        tuple(plan.variants), plan.tile_keys, kernels.walk_prefetches(plan.walk),
     )  # fmt: skip
 
 
@@ -349,13 +355,13 @@ def run_launch(launch: DecodeLaunch, q, k, v) -> tuple[np.ndarray, np.ndarray, b
     """:func:`run_decode` of the plan that gave ``launch`` (:func:`decode_launch`),
     on arrays ``q, k, v`` of its shapes and dtypes: ``q (B, Hq, Tq, d)``
     C-contiguous in the plan's work dtype, ``k, v`` its cache arrays."""
-    threads, size, gemm_fn, kernel, walk, *rest = launch
-    # Numba has no 16-bit floats: the kernel widens the bit patterns itself
-    # (or, for bf16 products, multiplies them as they are).
-    k, v, fmt = _kernels().cache_operands(k, v)
-    if q.dtype == BFLOAT16:
-        q = q.view(np.uint16)
-    return _call(threads, size, gemm_fn, kernel, q, k, v, fmt, walk, *rest)
+    threads, size, gemm_fn, kernel, halves, *rest = launch
+    if halves:  # Numba has no 16-bit floats: the kernel widens the bit patterns
+        # itself (or, for bf16 products, multiplies them as they are).
+        k, v = k.view(np.uint16), v.view(np.uint16)
+        if q.dtype == BFLOAT16:
+            q = q.view(np.uint16)
+    return _call(threads, size, gemm_fn, kernel, q, k, v, *rest)
 
 
 def run_decode(plan) -> tuple[np.ndarray, np.ndarray, bool, bool]:

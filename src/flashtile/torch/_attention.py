@@ -269,7 +269,8 @@ def _plain_key(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengt
         return None
     if _support.is_cuda_call(q, k, v) or not (q.is_cpu and k.is_cpu and v.is_cpu):
         return None  # the Triton kernels' (the one device test), or refused
-    if q.dtype not in _ops.NATIVE_DTYPES:
+    dtype = q.dtype  # (read once: each read of a tensor's attribute costs microseconds cold)
+    if dtype not in _ops.NATIVE_DTYPES:
         return None  # float16 is upcast on the general path
     lengths = None
     if kv_lengths is not None:
@@ -279,7 +280,7 @@ def _plain_key(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengt
     if not _ops.nothing_intercepts() or forward_ad._current_level >= 0:
         return None  # recorded, intercepted, or dual tensors possible: the general path
     return (
-        "torch", qs, ks[0], ks[1], ks[3], vs[0], vs[1], vs[3], q.dtype, k.dtype, v.dtype,
+        "torch", qs, ks[0], ks[1], ks[3], vs[0], vs[1], vs[3], dtype, k.dtype, v.dtype,
         causal, scale, softcap, enable_gqa, lengths, numba_threads(),
     )  # fmt: skip
 

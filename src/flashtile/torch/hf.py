@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._attention import attention
+from ._attention import _plain_eager, attention
 from .routing import top_left_causal
 
 __all__ = ["register_transformers", "tiled_attention_forward"]
@@ -195,6 +195,15 @@ def tiled_attention_forward(
         transformers' sdpa path returns; attention weights are never formed.
     """
     _warn_no_weights(kwargs.get("output_attentions", False))
+    step = query.shape[-2] == 1 and attention_mask is None and position_bias is None
+    if step and s_aux is None and not dropout:
+        # A decoding step (see _visibility): the plain path, as attention() would
+        # take it, without its layers (between a model's layers Python runs cold,
+        # where each layer costs microseconds).
+        gqa = key.shape[-3] != query.shape[-3]
+        out = _plain_eager(query, key, value, False, scaling, softcap, gqa, False, None)
+        if out is not None:  # (Tq = 1: (B, Hq, 1, d) is (B, 1, Hq, d), a view)
+            return out.reshape(out.shape[0], 1, out.shape[1], out.shape[3]), None
     seen = _visibility(
         module, query, key, value, attention_mask, is_causal, sliding_window, position_bias
     )
