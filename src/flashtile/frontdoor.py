@@ -439,14 +439,19 @@ def _products(dtype) -> bool | None:
     return bf16_products(dtype) if dtype == BFLOAT16 else None
 
 
-def _block(a: np.ndarray, shape: tuple, dtype) -> np.ndarray:
-    """``a`` as a C-contiguous block of ``shape`` and ``dtype``: ``a`` itself
-    when it is one (a decoding step's arrays usually are: NumPy's reshape and
-    copy functions cost microseconds each with Python's code cold between a
-    model's layers), else a view or a copy."""
-    if a.shape == shape and a.dtype == dtype and a.flags.c_contiguous:
-        return a
-    return np.ascontiguousarray(a.reshape(shape), dtype=dtype)
+def _blocks(q, k, v, shapes4: tuple, work, cache: bool) -> list:
+    """``[q, k, v]`` as C-contiguous blocks of ``shapes4``, in the ``work``
+    dtype (``k``, ``v`` in their own with ``cache``, a decode plan's): each
+    array itself when it already is one (a decoding step's usually are:
+    NumPy's reshape and copy functions cost microseconds each with Python's
+    code cold between a model's layers), else a view or a copy."""
+    dtypes = (work, k.dtype, v.dtype) if cache else (work, work, work)
+    blocks = [q, k, v]
+    for i in range(3):
+        a, shape, dtype = blocks[i], shapes4[i], dtypes[i]
+        if not (a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):
+            blocks[i] = np.ascontiguousarray(a.reshape(shape), dtype=dtype)
+    return blocks
 
 
 def _run_step(step: Step, va: Variants, q, k, v, return_lse: bool):
@@ -455,20 +460,19 @@ def _run_step(step: Step, va: Variants, q, k, v, return_lse: bool):
     the kernel checks the score bound, and with bf16 products the products'
     bound, before it computes). The casts are those of the planners (a view,
     or a copy for 16-bit inputs widened)."""
-    plan, (sq, sk, sv), work = step.plan, step.shapes4, step.work
+    plan, work = step.plan, step.work
     if step.launch is not None:  # a decode plan: its kernel call as it was made
-        k4, v4 = _block(k, sk, k.dtype), _block(v, sv, v.dtype)
-        result = run_launch(step.launch, _block(q, sq, work), k4, v4)
+        qw, k4, v4 = _blocks(q, k, v, step.shapes4, work, True)
+        result = run_launch(step.launch, qw, k4, v4)
         if result[3] and not result[2]:  # finite, nothing flagged: run_decode_checked's answer
             out, lse = result[0], result[1]
         else:  # its retry reads the plan
-            q4 = q.reshape(sq)  # the caller's dtype: the retry's bound reads it
-            qw = np.ascontiguousarray(q4, dtype=work)
+            q4 = q.reshape(step.shapes4[0])  # the caller's dtype: the retry's bound reads it
             layout = CacheLayout(k4, v4, *plan.layout[2:])
             run = DecodePlan(qw, layout, *plan[2:])
             out, lse = run_decode_checked(run, va, q4, step.num_splits, result)
     else:
-        q4, k4, v4 = _block(q, sq, work), _block(k, sk, work), _block(v, sv, work)
+        q4, k4, v4 = _blocks(q, k, v, step.shapes4, work, False)
         limits = NO_LIMITS
         if step.bounded:
             limits = (FLOAT32_SCORE_LIMIT, FLOAT32_SCORE_LIMIT if step.bf16 else np.inf)
