@@ -298,13 +298,13 @@ def run_backward(plan, out, lse, dout, log2=False) -> tuple[np.ndarray, ...]:
 
 class DecodeLaunch(NamedTuple):
     """A decode plan's kernel call but its arrays ``q, k, v``
-    (:func:`decode_launch`), in the kernel's argument order from ``walk``.
+    (:func:`decode_launch`), in the kernel's argument order from ``fmt``.
 
     Attributes:
         threads, size: the plan's thread count and work (:func:`_call`).
         gemm: :func:`.blas.gemm_for`'s entry; kernel: ``decode_call``.
-        halves: whether the cache holds 16-bit values (the kernel reads their
-            bits: ``uint16`` views of the cache, and of bf16 queries).
+        cache_bits, q_bits: whether the kernel reads the cache's, and the
+            queries', bit patterns (``uint16`` views: 16-bit values).
         fmt: the cache's format flag (:func:`.memory.cache_operands`).
         walk: :func:`.cache_rows.walk_flag` of the plan's walk.
         table, seqlens, items, spans, scale, tile_keys: the plan's.
@@ -318,7 +318,8 @@ class DecodeLaunch(NamedTuple):
     size: int
     gemm: object
     kernel: object
-    halves: bool
+    cache_bits: bool
+    q_bits: bool
     fmt: object
     walk: object
     table: np.ndarray
@@ -345,9 +346,9 @@ def decode_launch(plan) -> DecodeLaunch:
     bits, _, fmt = kernels.cache_operands(k, k)  # (views of 16-bit values' bits)
     return DecodeLaunch(
         plan.threads, plan.size, kernels.gemm_for(q.dtype, small=plan.small), kernels.decode_call,
-        bits is not k, fmt, kernels.walk_flag(plan.walk), plan.layout.table, plan.layout.seqlens,
-        plan.items, plan.spans, COMPUTE_DTYPES[q.dtype] == np.float32, plan.scale,
-        tuple(plan.variants), plan.tile_keys, kernels.walk_prefetches(plan.walk),
+        bits is not k, q.dtype == BFLOAT16, fmt, kernels.walk_flag(plan.walk), plan.layout.table,
+        plan.layout.seqlens, plan.items, plan.spans, COMPUTE_DTYPES[q.dtype] == np.float32,
+        plan.scale, tuple(plan.variants), plan.tile_keys, kernels.walk_prefetches(plan.walk),
     )  # fmt: skip
 
 
@@ -355,12 +356,15 @@ def run_launch(launch: DecodeLaunch, q, k, v) -> tuple[np.ndarray, np.ndarray, b
     """:func:`run_decode` of the plan that gave ``launch`` (:func:`decode_launch`),
     on arrays ``q, k, v`` of its shapes and dtypes: ``q (B, Hq, Tq, d)``
     C-contiguous in the plan's work dtype, ``k, v`` its cache arrays."""
-    threads, size, gemm_fn, kernel, halves, *rest = launch
-    if halves:  # Numba has no 16-bit floats: the kernel widens the bit patterns
-        # itself (or, for bf16 products, multiplies them as they are).
+    threads, size, gemm_fn, kernel, cache_bits, q_bits, *rest = launch
+    # Numba has no 16-bit floats: the kernel widens the bit patterns itself
+    # (or, for bf16 products, multiplies them as they are). The views are
+    # cache_operands' answer, kept in the launch: asked on every call, its
+    # dtype tests cost microseconds between a model's layers.
+    if cache_bits:
         k, v = k.view(np.uint16), v.view(np.uint16)
-        if q.dtype == BFLOAT16:
-            q = q.view(np.uint16)
+    if q_bits:
+        q = q.view(np.uint16)
     return _call(threads, size, gemm_fn, kernel, q, k, v, *rest)
 
 

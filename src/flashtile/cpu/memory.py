@@ -18,7 +18,8 @@ apart from the array: :func:`cache_operands` (the one rule) pairs each cache
 with a *format flag*, an instance of :class:`FloatValues`,
 :class:`Float16Bits` or :class:`BFloat16Bits`. Each is its own Numba type,
 so the conversion is chosen at compile time and a flag that does not match
-the array's dtype fails to compile instead of misreading the bits.
+the array's dtype fails to compile instead of misreading the bits. A
+prepared decode step keeps its answer (:func:`.launch.decode_launch`).
 """
 
 from __future__ import annotations

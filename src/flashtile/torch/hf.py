@@ -96,8 +96,6 @@ def _visibility(
     crop drops.
     """
     tq = query.shape[-2]
-    if tq == 1 and attention_mask is None and position_bias is None:  # a decoding step's
-        return _Visibility(key, value, None, False, None)
     causal, window = False, None
     if attention_mask is None and tq > 1 and _resolve_causal(module, is_causal):
         key, value, position_bias, causal, window = top_left_causal(tq, key, value, position_bias)
@@ -197,9 +195,10 @@ def tiled_attention_forward(
     _warn_no_weights(kwargs.get("output_attentions", False))
     step = query.shape[-2] == 1 and attention_mask is None and position_bias is None
     if step and s_aux is None and not dropout:
-        # A decoding step (see _visibility): the plain path, as attention() would
-        # take it, without its layers (between a model's layers Python runs cold,
-        # where each layer costs microseconds).
+        # A decoding step: one query sees the whole cache (_visibility's answer,
+        # no mask, not causal). The plain path, as attention() would take it,
+        # without its layers: between a model's layers Python runs cold, where
+        # each layer costs microseconds.
         gqa = key.shape[-3] != query.shape[-3]
         out = _plain_eager(query, key, value, False, scaling, softcap, gqa, False, None)
         if out is not None:  # (Tq = 1: (B, Hq, 1, d) is (B, 1, Hq, d), a view)
