@@ -396,7 +396,7 @@ def test_plain_eager_calls_skip_the_op_layers_and_equal_the_op(dtype, monkeypatc
     key count changes (a decoding loop), with the op's results bit for bit;
     kv_lengths values are checked on every call."""
     from flashtile import frontdoor
-    from flashtile.torch import _ops
+    from flashtile.torch import _attention, _ops
 
     def torch_keys():
         return sum(key[0] == "torch" for key in frontdoor._PREPARED)
@@ -411,7 +411,12 @@ def test_plain_eager_calls_skip_the_op_layers_and_equal_the_op(dtype, monkeypatc
         out, lse = ftt.attention(q, k, v, enable_gqa=True, return_lse=True, scale=0.3)
         want = op(q, k, v, None, None, False, 0.3, -1, -1, None, None, 0.0, None, None)
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+        for _ in range(2):  # its stored step, without lse: the kernel's own output
+            again = ftt.attention(q, k, v, enable_gqa=True, scale=0.3)
+            assert torch.equal(again, want[0]) and again.dtype == dtype
     assert torch_keys() == 1
+    key = next(key for key in frontdoor._PREPARED if key[0] == "torch")
+    assert key[_attention._KEY_DTYPES] == (dtype,) * 3  # (where the plain path reads them)
     for n in (3, 601):  # a static cache: its filled length, values checked on every call
         lengths = torch.tensor([n])
         out = ftt.attention(q, k, v, enable_gqa=True, kv_lengths=lengths)

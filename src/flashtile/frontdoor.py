@@ -44,6 +44,7 @@ import numpy as np
 from . import routes
 from ._validate import (
     BFLOAT16,
+    COMPUTE_DTYPES,
     AttentionShapes,
     check_cu_seqlens_pair,
     check_flag,
@@ -201,6 +202,8 @@ class Step(NamedTuple):
             BLAS can be switched: planned again once that moves).
         launch: a decode plan's kernel call but its arrays
             (:func:`flashtile.cpu.launch.decode_launch`); None for the forward.
+        as_is: the kernel's ``out`` is the call's result as it is (the
+            caller's layout and dtype), when ``lse`` is not asked for.
     """
 
     plan: KernelPlan | DecodePlan
@@ -213,6 +216,7 @@ class Step(NamedTuple):
     num_splits: int | None = None
     routes: int | None = None
     launch: DecodeLaunch | None = None
+    as_is: bool = False
 
 
 class Prepared(NamedTuple):
@@ -415,9 +419,11 @@ def _step(call: Call, plan, generation: int) -> Step | None:
     if plan.small is not None and routes.provisional("blas.tiny"):
         return None
     # Planned again when a route or the BLAS moves: a tiny call's library is a route's.
+    as_is = _as_is(call.shapes, shapes4, work, dtype)
     return Step(
-        template, call.shapes, shapes4, work, bounded, bf16, _products(dtype), None, generation
-    )
+        template, call.shapes, shapes4, work, bounded, bf16, _products(dtype), None, generation,
+        None, as_is,
+    )  # fmt: skip
 
 
 def _decode_step(plan: DecodePlan, shapes: AttentionShapes, dtype, num_splits, generation=None):
@@ -428,10 +434,19 @@ def _decode_step(plan: DecodePlan, shapes: AttentionShapes, dtype, num_splits, g
     work = plan.q.dtype
     generation = routes.GENERATION[0] if generation is None else generation
     launch = decode_launch(plan)
-    products = _products(dtype)
+    # (The kernel's out is in the work dtype's compute dtype: float32 for bf16.)
+    products, as_is = _products(dtype), _as_is(shapes, shapes4, COMPUTE_DTYPES[work], dtype)
     return Step(
-        template, shapes, shapes4, work, False, False, products, num_splits, generation, launch
-    )
+        template, shapes, shapes4, work, False, False, products, num_splits, generation, launch,
+        as_is,
+    )  # fmt: skip
+
+
+def _as_is(shapes: AttentionShapes, shapes4: tuple, out_dtype, dtype) -> bool:
+    """:attr:`Step.as_is`: :func:`_shaped` has nothing to do with the kernel's
+    ``out`` (for queries of ``shapes4[0]``, in ``out_dtype``) for inputs of
+    ``dtype``: the test it makes, made once."""
+    return shapes4[0][:-1] == shapes.batch + (shapes.tq,) and out_dtype == dtype
 
 
 def _products(dtype) -> bool | None:
@@ -461,12 +476,14 @@ def _run_step(step: Step, va: Variants, q, k, v, return_lse: bool):
     bound, before it computes). The casts are those of the planners (a view,
     or a copy for 16-bit inputs widened)."""
     plan, work = step.plan, step.work
+    as_is = step.as_is and not return_lse
     if step.launch is not None:  # a decode plan: its kernel call as it was made
         qw, k4, v4 = _blocks(q, k, v, step.shapes4, work, True)
         result = run_launch(step.launch, qw, k4, v4)
         if result[3] and not result[2]:  # finite, nothing flagged: run_decode_checked's answer
             out, lse = result[0], result[1]
-        else:  # its retry reads the plan
+        else:  # its retry reads the plan (and may give float64, cast below)
+            as_is = False
             q4 = q.reshape(step.shapes4[0])  # the caller's dtype: the retry's bound reads it
             layout = CacheLayout(k4, v4, *plan.layout[2:])
             run = DecodePlan(qw, layout, *plan[2:])
@@ -480,4 +497,6 @@ def _run_step(step: Step, va: Variants, q, k, v, return_lse: bool):
         if result is None:
             return None
         out, lse, _ = result
+    if as_is:
+        return out  # (a decoding step's common case: no reshape, no cast)
     return _shaped(out, lse, step.shapes, q.dtype, return_lse)

@@ -218,7 +218,10 @@ def _plain_eager(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_len
                 _prepare(key, *map(as_numpy, (q, k, v)), causal, scale, softcap, kv_lengths)
             return _differentiable(q, k, v, causal, scale, softcap, return_lse, kv_lengths)
         q, k, v = q.detach(), k.detach(), v.detach()  # (NumPy views need detached tensors)
-    qn, kn, vn = tensors_as_numpy(q, k, v)
+    if torch.bfloat16 in key[_KEY_DTYPES]:
+        qn, kn, vn = tensors_as_numpy(q, k, v)  # (ml_dtypes views: NumPy has no bfloat16)
+    else:  # (the dtypes known from the key: no test per tensor)
+        qn, kn, vn = q.numpy(), k.numpy(), v.numpy()
     if entry is None:
         entry = _prepare(key, qn, kn, vn, causal, scale, softcap, kv_lengths)
     if kv_lengths is None:
@@ -250,6 +253,10 @@ def _differentiable(q, k, v, causal, scale, softcap, return_lse, kv_lengths):
     args = (q, k, v, None, None, causal, scale, -1, -1, softcap, lengths, 0.0, None, None)
     out, lse = _ops.EagerAttention.apply(*args)
     return (out, lse) if return_lse else out
+
+
+#: Where :func:`_plain_key`'s key holds the dtypes of ``q``, ``k``, ``v``.
+_KEY_DTYPES = slice(8, 11)
 
 
 def _plain_key(q, k, v, causal, scale, softcap, enable_gqa, return_lse, kv_lengths):
