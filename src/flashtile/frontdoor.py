@@ -65,7 +65,14 @@ from .cpu.launch import (
 from .decode_planning import DecodePlan, decode_shaped, plan_decode, plan_decode_call
 from .kvlayout import CacheLayout
 from .merge import add_sinks
-from .planning import Call, KernelPlan, bf16_allowed, bf16_products, plan_forward
+from .planning import (
+    Call,
+    KernelPlan,
+    as_blocks,
+    bf16_allowed,
+    bf16_products,
+    plan_forward,
+)
 from .precision import (
     FLOAT32_SCORE_LIMIT,
     decode_bound,
@@ -454,21 +461,6 @@ def _products(dtype) -> bool | None:
     return bf16_products(dtype) if dtype == BFLOAT16 else None
 
 
-def _blocks(q, k, v, shapes4: tuple, work, cache: bool) -> list:
-    """``[q, k, v]`` as C-contiguous blocks of ``shapes4``, in the ``work``
-    dtype (``k``, ``v`` in their own with ``cache``, a decode plan's): each
-    array itself when it already is one (a decoding step's usually are:
-    NumPy's reshape and copy functions cost microseconds each with Python's
-    code cold between a model's layers), else a view or a copy."""
-    dtypes = (work, k.dtype, v.dtype) if cache else (work, work, work)
-    blocks = [q, k, v]
-    for i in range(3):
-        a, shape, dtype = blocks[i], shapes4[i], dtypes[i]
-        if not (a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):
-            blocks[i] = np.ascontiguousarray(a.reshape(shape), dtype=dtype)
-    return blocks
-
-
 def _run_step(step: Step, va: Variants, q, k, v, return_lse: bool):
     """A stored step on this call's arrays (no check, no planning), or None
     when a forward step's values do not fit its work dtype (``step.bounded``:
@@ -478,7 +470,7 @@ def _run_step(step: Step, va: Variants, q, k, v, return_lse: bool):
     plan, work = step.plan, step.work
     as_is = step.as_is and not return_lse
     if step.launch is not None:  # a decode plan: its kernel call as it was made
-        qw, k4, v4 = _blocks(q, k, v, step.shapes4, work, True)
+        qw, k4, v4 = as_blocks(q, k, v, step.shapes4, work, True)
         result = run_launch(step.launch, qw, k4, v4)
         if result[3] and not result[2]:  # finite, nothing flagged: run_decode_checked's answer
             out, lse = result[0], result[1]
@@ -489,7 +481,7 @@ def _run_step(step: Step, va: Variants, q, k, v, return_lse: bool):
             run = DecodePlan(qw, layout, *plan[2:])
             out, lse = run_decode_checked(run, va, q4, step.num_splits, result)
     else:
-        q4, k4, v4 = _blocks(q, k, v, step.shapes4, work, False)
+        q4, k4, v4 = as_blocks(q, k, v, step.shapes4, work, False)
         limits = NO_LIMITS
         if step.bounded:
             limits = (FLOAT32_SCORE_LIMIT, FLOAT32_SCORE_LIMIT if step.bf16 else np.inf)

@@ -294,6 +294,22 @@ def as_4d(a, work):
     return np.ascontiguousarray(a.reshape((1,) * (4 - a.ndim) + a.shape), dtype=work)
 
 
+def as_blocks(q, k, v, shapes4: tuple, work, cache: bool) -> list:
+    """``[q, k, v]`` as C-contiguous blocks of ``shapes4`` (a stored plan's
+    kernel shapes), in the ``work`` dtype (``k``, ``v`` in their own with
+    ``cache``, a decode plan's): each array itself when it already is one
+    (a decoding step's usually are: NumPy's reshape and copy functions cost
+    microseconds each with Python's code cold between a model's layers),
+    else a view or a copy, as :func:`as_4d`."""
+    dtypes = (work, k.dtype, v.dtype) if cache else (work, work, work)
+    blocks = [q, k, v]
+    for i in range(3):
+        a, shape, dtype = blocks[i], shapes4[i], dtypes[i]
+        if not (a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):
+            blocks[i] = np.ascontiguousarray(a.reshape(shape), dtype=dtype)
+    return blocks
+
+
 def bf16_products(dtype) -> bool:
     """Whether inputs of ``dtype`` reach the kernels as bfloat16 (the CPU and
     BLAS have bf16 products, :func:`flashtile.cpu.blas.bf16_products`)."""
