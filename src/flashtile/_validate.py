@@ -56,7 +56,7 @@ def as_numpy(x) -> np.ndarray:
 
 def tensors_as_numpy(*tensors) -> list[np.ndarray]:
     """Torch tensors that do not require grad as NumPy views of their memory,
-    several in one call (a decoding step converts three): bfloat16 as
+    several in one call (a bf16 decoding step converts three): bfloat16 as
     ``ml_dtypes.bfloat16`` (``Tensor.numpy()`` raises on bf16); GPU tensors
     are refused by ``Tensor.numpy()``, as ``np.asarray`` does."""
     torch = sys.modules["torch"]  # imported: the tensors are its

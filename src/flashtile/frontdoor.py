@@ -210,7 +210,8 @@ class Step(NamedTuple):
         launch: a decode plan's kernel call but its arrays
             (:func:`flashtile.cpu.launch.decode_launch`); None for the forward.
         as_is: the kernel's ``out`` is the call's result as it is (the
-            caller's layout and dtype), when ``lse`` is not asked for.
+            caller's layout and dtype), when ``lse`` is not asked for and a
+            decode step did not have to compute again in float64.
     """
 
     plan: KernelPlan | DecodePlan
@@ -490,5 +491,5 @@ def _run_step(step: Step, va: Variants, q, k, v, return_lse: bool):
             return None
         out, lse, _ = result
     if as_is:
-        return out  # (a decoding step's common case: no reshape, no cast)
+        return out  # (float32 and float64 steps of 4-D inputs: no reshape, no cast)
     return _shaped(out, lse, step.shapes, q.dtype, return_lse)
