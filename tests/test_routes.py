@@ -23,13 +23,22 @@ from flashtile.workitems import plan_splits
 TOL32 = dict(rtol=3e-5, atol=3e-5)
 
 
+def planted_context(route) -> str:
+    """The context of every route that has one, under the ``store`` fixture."""
+    return "tiles on planted"
+
+
 @pytest.fixture
 def store(tmp_path, monkeypatch):
     """An empty routes cache of the test's own; this process's answers
-    forgotten before and after (other tests see the machine's routes again)."""
+    forgotten before and after (other tests see the machine's routes again);
+    the routes' contexts planted (the real ones resolve, and may measure,
+    the BLAS routes)."""
     monkeypatch.setenv("FLASHTILE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("FLASHTILE_TUNE", "1")  # (the suite runs the fixed rules: conftest)
     monkeypatch.setattr(routes, "_chosen", {})
+    monkeypatch.setattr(routes, "_under", {})
+    monkeypatch.setattr(routes, "_contexts", dict.fromkeys(routes._contexts, planted_context))
     return tmp_path / routes.CACHE_FILE
 
 
@@ -130,13 +139,14 @@ def test_the_fastest_planted_measurement_is_chosen_stored_and_read_back(store, m
         return {"tiles": 2.0e-3, "rows": 1.0e-3, "head-rows": 3.0e-3}
 
     monkeypatch.setitem(routes._measures, name, planted)
-    measured = "(rows 1.00 ms, tiles 2.00 ms, head-rows 3.00 ms)"
+    measured = "(rows 1.00 ms, tiles 2.00 ms, head-rows 3.00 ms; tiles on planted)"
     assert routes.explain(name) == ("rows", f"measured now {measured}")
     assert seen == [(name, ("tiles", "rows", "head-rows"))]
     entry = json.loads(store.read_text())[routes.machine_key()][name]
     assert entry == {
         "choice": "rows",
         "times": {"tiles": 2.0e-3, "rows": 1.0e-3, "head-rows": 3.0e-3},
+        "under": "tiles on planted",
     }
     # A later process (this one's answers forgotten) reads it without measuring.
     routes.forget()
@@ -211,6 +221,48 @@ def test_an_entry_measured_before_a_candidate_was_added_is_measured_again(store,
     assert json.loads(store.read_text())[routes.machine_key()][name]["times"] == planted
 
 
+def test_an_entry_serves_only_under_the_context_it_was_measured_in(store, monkeypatch):
+    # A decode walk measured with OpenBLAS running its tiles (FLASHTILE_BLAS,
+    # set_backend) is measured again under oneMKL, and the other way round.
+    name, under, seen = "decode.contiguous.few.d64.short", ["tiles on a"], []
+    monkeypatch.setitem(routes._contexts, name, lambda route: under[0])
+
+    def planted(route, candidates):
+        seen.append(under[0])
+        fast, slow = (1e-3, 2e-3) if under[0] == "tiles on a" else (3e-3, 1e-3)
+        return {"tiles": fast, "rows": slow, "tiles-stream": 3e-3 if fast < 3e-3 else 2e-3}
+
+    monkeypatch.setitem(routes._measures, name, planted)
+    assert routes.choice(name) == "tiles"
+    routes.forget()  # (a later process under the same context reads it)
+    assert routes.explain(name) == ("tiles", "measured (tiles 1.00 ms, rows 2.00 ms, "
+                                    "tiles-stream 3.00 ms; tiles on a)")  # fmt: skip
+    under[0] = "tiles on b"
+    routes.moved()  # (as set_backend does: the answer is resolved again)
+    assert routes.choice(name) == "rows" and seen == ["tiles on a", "tiles on b"]
+    entry = json.loads(store.read_text())[routes.machine_key()][name]
+    assert entry["choice"] == "rows" and entry["under"] == "tiles on b"
+    routes.moved()  # (nothing it depends on moved: the answer stands)
+    assert routes.choice(name) == "rows" and len(seen) == 2
+
+
+def test_the_decode_walks_and_bf16_measure_under_the_library_of_their_tiles(monkeypatch):
+    from flashtile.cpu import blas
+
+    one, many = (routes.ROUTES[f"decode.paged.{rows}.d64.short"] for rows in ("one", "many"))
+    assert routes._contexts[one.name] is tune.tiles_library
+    assert routes._contexts["bf16"] is tune.tiles_library
+    monkeypatch.setattr(blas, "_choice", "openblas")
+    assert tune.tiles_library(one) == tune.tiles_library(many) == "tiles on openblas"
+    if "mkl" in blas.available():
+        monkeypatch.setattr(blas, "_choice", "mkl")
+        assert tune.tiles_library(many) == tune.tiles_library(routes.ROUTES["bf16"])
+        assert tune.tiles_library(many) == "tiles on mkl"
+        for library in ("openblas", "mkl"):  # one row: the blas.one route's library
+            with routes.force("blas.one", library):
+                assert tune.tiles_library(one) == f"tiles on {library}"
+
+
 def test_an_unwritable_cache_directory_never_fails_a_call(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -261,7 +313,7 @@ def test_the_tune_command_measures_stores_and_reports(store, monkeypatch, capsys
     lines = {line.split()[0]: line.split(None, 2)[1:] for line in text.splitlines()[2:-1]}
     assert lines["decode.paged.one.d64.short"][0] == "rows"
     assert lines["decode.paged.one.d64.short"][1].startswith(
-        "measured now (rows 1.00 ms, tiles 3.00 ms)"
+        "measured now (rows 1.00 ms, tiles 3.00 ms; tiles on planted)"
     )
     assert lines[other][1].startswith("fixed rule (not measured yet)")
     assert str(store) in text

@@ -31,7 +31,10 @@ The cache is ``routes.json`` in ``FLASHTILE_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/flashtile``, else ``~/.cache/flashtile``, keyed by
 :func:`machine_key`: the CPU model and its vector features, the kernel
 threads, and the versions of flashtile and the libraries whose code runs
-the candidates. A missing, unreadable or corrupt cache (or one written for
+the candidates; an entry of a route whose ranking moves with another
+choice (the decode walks' BLAS tiles with the BLAS that runs them) also
+names the context it was measured under (:func:`depends`), and serves only
+there. A missing, unreadable or corrupt cache (or one written for
 another machine) never fails a call: the route is measured again, or
 falls back to the fixed rule. Processes measuring at once do not
 coordinate (the last writer's file wins; a lost entry is measured again).
@@ -195,8 +198,11 @@ Measure = Callable[[Route, tuple[str, ...]], dict[str, float]]
 _lock = threading.RLock()
 _measures: dict[str, Measure] = {}
 _available: dict[str, Callable[[], tuple[str, ...]]] = {}
+_contexts: dict[str, Callable[[Route], str]] = {}
 _forced: dict[str, str] = {}
 _chosen: dict[str, tuple[str, str]] = {}  # name -> (choice, why), this process's answers
+_under: dict[str, str] = {}  # name -> the context of its answer in _chosen (depends)
+_check: set[str] = set()  # answers whose context may have moved since (moved)
 _measuring: set[str] = set()
 #: ``GENERATION[0]`` moves whenever a route's answer in this process may
 #: have changed (forcing, tuning, forgetting, and a change of the BLAS
@@ -216,6 +222,23 @@ def limit(name: str, available: Callable[[], tuple[str, ...]]) -> None:
     """Register which of route ``name``'s candidates this process can run
     (``available()``: e.g. no ``"mkl"`` without oneMKL)."""
     _available[name] = available
+
+
+def depends(name: str, context: Callable[[Route], str]) -> None:
+    """Register what route ``name``'s measurement ran under besides the
+    machine (:func:`machine_key`): ``context(route)`` names it, e.g. the
+    library that runs the candidates' tile products (with OpenBLAS running
+    them, a decode step's BLAS tiles took 5x their time with oneMKL on an
+    AVX2 AMD EPYC, and lost to the rows read in place they beat there). An
+    entry serves only under the context it was measured in; under another
+    (``FLASHTILE_BLAS`` set, :func:`flashtile.cpu.blas.set_backend`) the
+    route is measured again, and its entry replaced."""
+    _contexts[name] = context
+
+
+def _context(route: Route) -> str:
+    context = _contexts.get(route.name)
+    return "" if context is None else context(route)
 
 
 def candidates(name: str) -> tuple[str, ...]:
@@ -252,7 +275,12 @@ def _env_choice(route: Route) -> str | None:
 def choice(name: str) -> str:
     """Route ``name``'s choice in force (the module docstring gives the order)."""
     answer = _chosen.get(name)  # a planner asks on every call: the common case first
-    if answer is not None and name not in _forced and not os.environ.get(ROUTES[name].env):
+    if (
+        answer is not None
+        and name not in _forced
+        and name not in _check
+        and not os.environ.get(ROUTES[name].env)
+    ):
         return answer[0]
     return explain(name)[0]
 
@@ -269,21 +297,26 @@ def explain(name: str, measure: bool = True) -> tuple[str, str]:
     if forced is not None:
         return forced, f"forced by {route.env}"
     with _lock:
-        if name in _chosen:
-            return _chosen[name]
+        answer = _chosen.get(name)
+        if answer is not None and name not in _check:
+            return answer
+        under = _context(route)
+        _check.discard(name)
+        if answer is not None and _under.get(name) == under:
+            return answer  # (its context moved back, or never did)
         entry = _read_cache().get(name)
         usable = candidates(name)
-        if _valid_entry(entry, usable):
-            answer = (entry["choice"], f"measured ({_times_text(entry['times'])})")
+        if _valid_entry(entry, usable, under):
+            answer = (entry["choice"], f"measured ({_times_text(entry)})")
         elif measure and name in _measures and not _measuring and _lazy_tuning():
-            answer = _measure_and_store(route)
+            answer = _measure_and_store(route, under)
         elif _measuring or (not measure and _lazy_tuning()):
             # Not remembered: measured on its own first use (a measurement of
             # another route runs meanwhile, or a report was asked for).
             return _fixed(route), "fixed rule (not measured yet)"
         else:
             answer = (_fixed(route), "fixed rule (not measured)")
-        _chosen[name] = answer
+        _chosen[name], _under[name] = answer, under
         return answer
 
 
@@ -297,11 +330,14 @@ def provisional(name: str) -> bool:
     return _env_choice(ROUTES[name]) is None
 
 
-def _valid_entry(entry, usable) -> bool:
-    """Whether a cache entry is a choice this process can run and the times
-    of every candidate it can run: an entry stored before a candidate was
-    added (a new walk, a library installed since) is measured again."""
+def _valid_entry(entry, usable, under: str) -> bool:
+    """Whether a cache entry is a choice this process can run, measured under
+    context ``under`` (:func:`depends`; "": none), with the times of every
+    candidate it can run: an entry stored before a candidate was added (a
+    new walk, a library installed since) is measured again."""
     if not (isinstance(entry, dict) and entry.get("choice") in usable):
+        return False
+    if entry.get("under", "") != under:
         return False
     times = entry.get("times")
     return (
@@ -316,8 +352,15 @@ def _lazy_tuning() -> bool:
     return os.environ.get("FLASHTILE_TUNE", "1").strip().lower() not in off
 
 
-def _moved() -> None:
-    GENERATION[0] += 1
+def moved() -> None:
+    """Something a route's answer depends on may have changed (a force, a
+    tuning, the BLAS backend): plans kept across calls are planned again
+    (:data:`GENERATION`), and a route with a context (:func:`depends`)
+    compares it with its answer's on its next use (a measurement's forces
+    move a hundred times a second: each only marks them)."""
+    with _lock:
+        _check.update(_contexts)
+        GENERATION[0] += 1
 
 
 def tune(names: list[str] | None = None) -> dict[str, dict]:
@@ -328,18 +371,21 @@ def tune(names: list[str] | None = None) -> dict[str, dict]:
     with _lock, Progress(len(chosen), "tune") as progress:
         for name in chosen:
             progress.show(name)
-            _chosen.pop(name, None)
-            _chosen[name] = _measure_and_store(ROUTES[name])
+            route = ROUTES[name]
+            under = _context(route)
+            _chosen[name], _under[name] = _measure_and_store(route, under), under
             results[name] = _read_cache().get(name, {})
             progress.step()
-        _moved()
+        moved()
     return results
 
 
-def _measure_and_store(route: Route) -> tuple[str, str]:
+def _measure_and_store(route: Route, under: str) -> tuple[str, str]:
     """Time ``route``'s candidates (its registered measurement) and store the
-    fastest; the fixed rule when it cannot be measured here, or when the
-    measurement fails (an allocation, a compilation: never the caller's call)."""
+    fastest, with the context ``under`` (:func:`depends`; asked before: the
+    measurement switches what it names); the fixed rule when it cannot be
+    measured here, or when the measurement fails (an allocation, a
+    compilation: never the caller's call)."""
     usable = candidates(route.name)
     if len(usable) < 2:
         return _fixed(route), "fixed rule (one candidate on this machine)"
@@ -352,14 +398,18 @@ def _measure_and_store(route: Route) -> tuple[str, str]:
         _measuring.discard(route.name)
     if not times:
         return _fixed(route), "fixed rule (the measurement timed nothing)"
-    best = min(times, key=times.get)
-    _write_entry(route.name, {"choice": best, "times": times})
-    return best, f"measured now ({_times_text(times)})"
+    entry = {"choice": min(times, key=times.get), "times": times}
+    if under:
+        entry["under"] = under
+    _write_entry(route.name, entry)
+    return entry["choice"], f"measured now ({_times_text(entry)})"
 
 
-def _times_text(times: dict) -> str:
-    ranked = sorted(times.items(), key=lambda item: item[1])  # fastest first
-    return ", ".join(f"{c} {t * 1e3:.2f} ms" for c, t in ranked)
+def _times_text(entry: dict) -> str:
+    """An entry's times, fastest first, and its context (:func:`depends`)."""
+    ranked = sorted(entry["times"].items(), key=lambda item: item[1])
+    text = ", ".join(f"{c} {t * 1e3:.2f} ms" for c, t in ranked)
+    return f"{text}; {entry['under']}" if entry.get("under") else text
 
 
 @contextlib.contextmanager
@@ -375,7 +425,7 @@ def force(name: str, value: str | None) -> Iterator[None]:
             _forced.pop(name, None)
         else:
             _forced[name] = value
-        _moved()
+        moved()
     try:
         yield
     finally:
@@ -384,14 +434,14 @@ def force(name: str, value: str | None) -> Iterator[None]:
                 _forced.pop(name, None)
             else:
                 _forced[name] = before
-            _moved()
+            moved()
 
 
 def forget() -> None:
     """Drop this process's answers (the next :func:`choice` reads the cache again)."""
     with _lock:
         _chosen.clear()
-        _moved()
+        moved()
 
 
 def report(measure: bool = True) -> list[tuple[str, str, str, str]]:

@@ -17,15 +17,18 @@ asked for with nothing stored is measured on first use.
   library.
 - ``bf16``: the same at 2048 keys in bfloat16, with each way of running its products
   (flashtile's ``vdpbf16ps`` gemm, oneMKL's bf16 gemm, widened to float32).
-- ``decode.<layout>.<rows>.<d>.<keys>``: one decode step, float32, 8 kv
+- ``decode.<layout>.<rows>.<d>.<keys>``: decode steps, float32, 8 kv
   heads of d 64 or 128, 1, 4 or 16 query rows per item (8, 32 or 128 query
   heads), against 2048 keys ("short") or 64 MiB of keys and values ("long":
   16384 or 8192 keys, more than most L2 and L3 caches hold per core), the
   cache contiguous, in shuffled 16-key pages, or in one-token pages
   (flash-attn's layout).
 
-A whole ``flashtile tune`` takes a few seconds once the kernels are compiled
-(``flashtile precompile`` compiles them, then tunes).
+The 2048-key decode problems time :data:`SHORT_STEPS` steps per call. The
+decode walks and ``bf16`` are measured under a context (:func:`tiles_library`:
+the library that runs their BLAS tiles) and measured again under another.
+A whole ``flashtile tune`` takes about ten seconds once the kernels are
+compiled (``flashtile precompile`` compiles them, then tunes).
 """
 
 from __future__ import annotations
@@ -53,6 +56,12 @@ DECODE_HEADS, LONG_BYTES, SHORT_PROBLEM_KEYS = 8, 64 << 20, 2048
 CLASS_ROWS = {"one": 1, "few": 4, "many": 16}
 #: Keys per page of the decode measurements' "paged" layout.
 PAGE = 16
+#: Decode steps per timing of the 2048-key problems (one is some 0.1-0.3
+#: ms): a force moves the routes, so a force's first step is planned again
+#: (a few hundred us), which the steps of a model's loop are not; timed
+#: one by one, two walks within 10% of each other swapped ranks from run
+#: to run on a 2-core AVX2 EPYC.
+SHORT_STEPS = 10
 
 
 def _timed(calls: dict) -> dict[str, float]:
@@ -105,7 +114,8 @@ def measure_small(route: routes.Route, candidates: tuple[str, ...]) -> dict[str,
 
     def step(library: str) -> None:
         with routes.force(route.name, library), routes.force(walk, "tiles"):
-            decode_attention(q, k, v)
+            for _ in range(SHORT_STEPS):
+                decode_attention(q, k, v)
 
     return _timed_on_mkl(step, candidates)
 
@@ -191,12 +201,26 @@ def measure_decode(route: routes.Route, candidates: tuple[str, ...]) -> dict[str
     rows = CLASS_ROWS[rows_class]
     d = 64 if d_class == "d64" else 128
     q, k, v, table, lengths = _decode_problem(layout, rows, d, keys_class == "long")
+    steps = 1 if keys_class == "long" else SHORT_STEPS
 
     def step(walk: str) -> None:
         with routes.force(route.name, walk):
-            decode_attention(q, k, v, cache_seqlens=lengths, block_table=table)
+            for _ in range(steps):
+                decode_attention(q, k, v, cache_seqlens=lengths, block_table=table)
 
     return _timed({c: functools.partial(step, c) for c in candidates})
+
+
+def tiles_library(route: routes.Route) -> str:
+    """What runs the float32 tile products of ``route``'s measurement (its
+    context, :func:`flashtile.routes.depends`): the BLAS backend, or with
+    oneMKL the small-product route of a decode class's rows (the ``bf16``
+    route's widened candidate, and the decode walks' tiles; the walks that
+    read rows in place and the bf16 gemms run no BLAS)."""
+    from .cpu import blas
+
+    rows_class = route.name.split(".")[2] if route.name.startswith("decode.") else "many"
+    return f"tiles on {blas.small_library(CLASS_ROWS[rows_class]) or blas.backend()}"
 
 
 routes.register("blas", measure_blas)
@@ -204,9 +228,11 @@ routes.register("blas.one", measure_small)
 routes.register("blas.few", measure_small)
 routes.register("blas.tiny", measure_tiny)
 routes.register("bf16", measure_bf16)
+routes.depends("bf16", tiles_library)
 for _name in routes.ROUTES:
     if _name.startswith("decode."):
         routes.register(_name, measure_decode)
+        routes.depends(_name, tiles_library)
 
 
 def print_routes(out=print, measure: bool = True) -> None:

@@ -203,7 +203,7 @@ def set_backend(choice: str) -> str:
     resolved = _resolve(choice)
     with _lock:
         _choice, _explicit = resolved, choice != "auto"
-    routes.GENERATION[0] += 1  # plans kept across calls read the backend: planned again
+    routes.moved()  # plans kept across calls, and the decode walks, read the backend
     return resolved
 
 
@@ -221,7 +221,7 @@ def reset_backend(choice: str | None = None) -> None:
     global _choice, _explicit
     with _lock:
         _choice, _explicit = choice, choice is not None
-    routes.GENERATION[0] += 1
+    routes.moved()
 
 
 #: CPU features (LLVM's names) with bf16 dot-product instructions.
