@@ -206,6 +206,24 @@ def test_bf16_bit_conversions_match_ml_dtypes(rng):
     assert np.all(np.abs(operand[~normal].view(BF16).astype(np.float32)) < 1.2e-38)
 
 
+def test_the_widened_paths_casts_are_ml_dtypes_bit_for_bit(rng):
+    # Without bf16 products the inputs are widened (their bits shifted) and
+    # the result rounded back (compiled): on any layout, as ml_dtypes casts.
+    from flashtile.planning import contiguous
+    from flashtile.precision import narrow_out
+
+    x = rng.standard_normal((3, 4, 5, 6)).astype(np.float32) * 1e3
+    x.flat[:7] = [np.nan, np.inf, -np.inf, 1e-40, -0.0, 3.4e38, 1.00390625]  # (the last: a tie)
+    for view in (lambda a: a, lambda a: a.transpose(0, 2, 1, 3), lambda a: a[:, ::2, :, 1:]):
+        narrow = narrow_out(view(x), BF16)
+        assert narrow.dtype == BF16 and narrow.shape == view(x).shape
+        assert np.array_equal(narrow.view(np.uint16), view(x).astype(BF16).view(np.uint16))
+        wide = contiguous(view(x.astype(BF16)), np.float32)
+        assert wide.flags.c_contiguous and wide.shape == view(x).shape
+        want = view(x.astype(BF16)).astype(np.float32)
+        assert np.array_equal(wide.view(np.uint32), want.view(np.uint32))
+
+
 def test_hardware_rounding_follows_numbas_target_features(monkeypatch):
     # NUMBA_CPU_NAME=generic sets CPU_FEATURES to "": no conversion
     # instruction may be assumed then (LLVM would call a missing helper).

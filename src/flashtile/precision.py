@@ -198,6 +198,10 @@ def narrow_out(a: np.ndarray, dtype) -> np.ndarray:
     cast to it gives, without NumPy's overflow warning."""
     if a.dtype == dtype:
         return a
+    if dtype == BFLOAT16 and a.dtype == np.float32:  # a widened bf16 call's (no bf16 products)
+        from .cpu.half import to_bfloat16  # (compiled: 7x faster than ml_dtypes' cast)
+
+        return to_bfloat16(a)
     with np.errstate(over="ignore"):
         return a.astype(dtype)
 
@@ -312,6 +316,10 @@ def _cast(xp, a, dtype):
     a = np.asarray(a)
     if a.dtype == dtype:
         return a
+    if dtype == BFLOAT16 and a.dtype == np.float32:  # a widened bf16 call's (no bf16 products)
+        from .cpu.half import to_bfloat16  # (compiled: 7x faster than ml_dtypes' cast)
+
+        return to_bfloat16(a)
     with np.errstate(over="ignore"):
         return a.astype(dtype)
 
