@@ -558,3 +558,32 @@ def test_bfloat16_cases_run_the_bf16_paths(capsys):
     assert not [r for r in rows if "FAILED" in r or "ERROR" in r]
     with pytest.raises(ValueError, match="float32 only"):
         Case(64, 16, False, "fwd", variant=Variant(kv_heads=1), dtype="bfloat16")
+
+
+def test_the_loaded_step_alone_pools_each_providers_processes(monkeypatch):
+    # The calls preset's loaded step with each provider alone in a process of
+    # its own: processes taking turns, their calls pooled, the output's last
+    # line read (a warning may come first); the child's body times the step.
+    import types
+
+    from flashtile.bench import calls
+
+    seen = []
+
+    def run(argv, **kwargs):
+        who = "flashtile" if "'flashtile'" in argv[-1] else "SDPA"
+        seen.append(who)
+        times = [1.0, 2.0, 9.0] if who == "flashtile" else [3.0, 3.0, 3.0]
+        return types.SimpleNamespace(stdout="a warning\n" + json.dumps(times) + "\n")
+
+    monkeypatch.setattr(calls.subprocess, "run", run)
+    monkeypatch.setattr(calls, "ALONE_ROUNDS", 2)
+    got = calls._alone_times(2)
+    assert sorted(seen) == ["SDPA", "SDPA", "flashtile", "flashtile"]
+    mean, median = (f"{calls.ALONE}, {stat}" for stat in ("mean", "median"))
+    assert got[(mean, "flashtile")] == [4.0] and got[(median, "flashtile")] == [2.0]
+    assert got[(mean, "SDPA")] == got[(median, "SDPA")] == [3.0]
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(calls, "ALONE_CALLS", 3)
+    times = calls.step_alone("flashtile", torch.get_num_threads())
+    assert len(times) == 3 and all(t > 0 for t in times)

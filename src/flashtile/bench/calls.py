@@ -15,7 +15,12 @@ median of its calls):
   pure-Python loop), each round's mean time per call (a decoding loop's
   throughput; the median hides the calls whose join waited for a
   descheduled thread, which the launcher's join watch answers by running
-  such calls on one thread, :mod:`flashtile.cpu.launch`).
+  such calls on one thread, :mod:`flashtile.cpu.launch`); and with each
+  provider alone in a process of its own, as a serving loop runs one of
+  them (processes taking turns, :data:`ALONE_ROUNDS` each, all calls
+  pooled): the mean and the median. In one process the two thread pools
+  spin against each other after their rounds: on an AVX2 EPYC flashtile's
+  mean was 0.77 ms there and 0.43 alone, SDPA's 0.75 and 0.72-0.80.
 
 On a busy small machine torch's and Numba's thread pools spin against each
 other and the parallel cases measure the scheduler (docs/decoding.md).
@@ -24,6 +29,7 @@ other and the parallel cases measure the scheduler (docs/decoding.md).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import statistics
 import subprocess
@@ -37,6 +43,11 @@ CALLS = 100
 #: The case timed again with one core busy.
 STEP = "step (1, 12, 1, 64) vs 2048 keys, torch op"
 LOADED = f"{STEP}, a second process busy on one core, mean"
+#: The loaded step with each provider alone in its process: its two rows.
+ALONE = f"{STEP}, a second process busy on one core, each alone in its process"
+ALONE_ROWS = {f"{ALONE}, mean": statistics.fmean, f"{ALONE}, median": statistics.median}
+#: Processes per provider for those rows, and the calls each times.
+ALONE_ROUNDS, ALONE_CALLS = 3, 1000
 #: The case whose difference is the front door's cost.
 FRONT = "tiny causal, flashtile.attention vs its kernel alone"
 
@@ -122,8 +133,43 @@ def _interleaved(calls: dict, reps: int, stat=statistics.median) -> dict:
 
 
 def _with_loaded(case: str) -> tuple:
-    """The table's order: the loaded step right after the step."""
-    return (case, LOADED) if case == STEP else (case,)
+    """The table's order: the loaded steps right after the step."""
+    return (case, LOADED, *ALONE_ROWS) if case == STEP else (case,)
+
+
+def step_alone(who: str, threads: int) -> list[float]:
+    """Microseconds of each of ALONE_CALLS decoding steps by ``who``
+    (``"flashtile"`` or ``"SDPA"``) after a warm-up, on ``threads`` torch
+    threads: the body of :func:`_alone_times`' process."""
+    import torch
+
+    torch.set_num_threads(threads)
+    fn = _cases(torch)[STEP][who]
+    for _ in range(300):
+        fn()
+    times = []
+    for _ in range(ALONE_CALLS):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+    return times
+
+
+def _alone_times(threads: int) -> dict:
+    """``{(row, provider): [its statistic]}`` of the :data:`ALONE_ROWS`: the
+    step by each provider in processes of its own, taking turns."""
+    pooled = {"flashtile": [], "SDPA": []}
+    for order in round_orders(list(pooled), ALONE_ROUNDS):
+        for who in order:
+            code = (
+                "import json; from flashtile.bench.calls import step_alone; "
+                f"print(json.dumps(step_alone({who!r}, {threads})))"
+            )
+            run = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, check=True
+            )
+            pooled[who] += json.loads(run.stdout.splitlines()[-1])
+    return {(row, who): [stat(t)] for row, stat in ALONE_ROWS.items() for who, t in pooled.items()}
 
 
 def measure(reps: int) -> list[dict]:
@@ -139,6 +185,7 @@ def measure(reps: int) -> list[dict]:
     with busy_core():
         loaded = {(LOADED, who): fn for who, fn in cases[STEP].items()}
         times.update(_interleaved(loaded, reps, statistics.fmean))
+        times.update(_alone_times(torch.get_num_threads()))
     cases = {c: pair for case, pair in cases.items() for c in _with_loaded(case)}
     rows = []
     for case, pair in cases.items():
@@ -178,8 +225,9 @@ def run_calls_bench(out, reps: int = 15, records=None) -> int:
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
         f"calls   : float32, {reps} shuffled rounds of {CALLS} calls, medians (the busy core's "
-        f"row: means); ratio = the other's time / flashtile's (above 1: flashtile is faster); "
-        f"load {load}",
+        f"first row: means; its others: {ALONE_ROUNDS} processes of {ALONE_CALLS} calls per "
+        f"provider, pooled); ratio = the other's time / flashtile's (above 1: flashtile is "
+        f"faster); load {load}",
         file=out,
     )
     rows = measure(reps)
