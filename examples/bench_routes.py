@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 import flashtile
-from flashtile import routes
+from flashtile import route_cache, routes
 
 #: ``(mode, T, d, causal)``: the core preset's cases.
 CASES = (
@@ -66,7 +66,7 @@ def main() -> None:
     dtype = np.float32 if args.dtype == "float32" else ml_dtypes.bfloat16
     forced = list(routes.candidates(route))
     choice, why = routes.explain(route)
-    model, features = routes.cpu_model()
+    model, features = route_cache.cpu_model()
     print(f"CPU {model} ({' '.join(features)}); {args.dtype}, B=1, H=8")
     print(f"route {route} = {choice} ({why})\n")
     print("| case | chosen ms | " + " | ".join(f"{c} ms" for c in forced) + " | speed |")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import flashtile
-from flashtile import frontdoor, routes, tune
+from flashtile import frontdoor, route_cache, routes, tune
 from flashtile.cli import main
 from flashtile.cpu import blas
 from flashtile.decode_planning import plan_decode
@@ -39,7 +39,7 @@ def store(tmp_path, monkeypatch):
     monkeypatch.setattr(routes, "_chosen", {})
     monkeypatch.setattr(routes, "_under", {})
     monkeypatch.setattr(routes, "_contexts", dict.fromkeys(routes._contexts, planted_context))
-    return tmp_path / routes.CACHE_FILE
+    return tmp_path / route_cache.CACHE_FILE
 
 
 @pytest.fixture
@@ -142,7 +142,7 @@ def test_the_fastest_planted_measurement_is_chosen_stored_and_read_back(store, m
     measured = "(rows 1.00 ms, tiles 2.00 ms, head-rows 3.00 ms; tiles on planted)"
     assert routes.explain(name) == ("rows", f"measured now {measured}")
     assert seen == [(name, ("tiles", "rows", "head-rows"))]
-    entry = json.loads(store.read_text())[routes.machine_key()][name]
+    entry = json.loads(store.read_text())[route_cache.machine_key()][name]
     assert entry == {
         "choice": "rows",
         "times": {"tiles": 2.0e-3, "rows": 1.0e-3, "head-rows": 3.0e-3},
@@ -206,7 +206,7 @@ ENTRY = '{"KEY": {"decode.paged.one.d64.short": ENTRY}}'
     ],
 )  # fmt: skip
 def test_a_corrupt_cache_falls_back_to_the_fixed_rule(store, monkeypatch, text):
-    store.write_text(text.replace("KEY", routes.machine_key()))
+    store.write_text(text.replace("KEY", route_cache.machine_key()))
     monkeypatch.setenv("FLASHTILE_TUNE", "0")
     assert routes.explain("decode.paged.one.d64.short") == ("rows", "fixed rule (not measured)")
 
@@ -214,11 +214,11 @@ def test_a_corrupt_cache_falls_back_to_the_fixed_rule(store, monkeypatch, text):
 def test_an_entry_measured_before_a_candidate_was_added_is_measured_again(store, monkeypatch):
     name = "decode.paged.one.d64.short"  # head-rows joined its candidates later
     old = {name: {"choice": "rows", "times": {"tiles": 2.0e-3, "rows": 1.0e-3}}}
-    store.write_text(json.dumps({routes.machine_key(): old}))
+    store.write_text(json.dumps({route_cache.machine_key(): old}))
     planted = {"tiles": 2.0e-3, "rows": 1.0e-3, "head-rows": 0.5e-3}
     monkeypatch.setitem(routes._measures, name, lambda route, candidates: planted)
     assert routes.explain(name)[0] == "head-rows"
-    assert json.loads(store.read_text())[routes.machine_key()][name]["times"] == planted
+    assert json.loads(store.read_text())[route_cache.machine_key()][name]["times"] == planted
 
 
 def test_an_entry_serves_only_under_the_context_it_was_measured_in(store, monkeypatch):
@@ -240,7 +240,7 @@ def test_an_entry_serves_only_under_the_context_it_was_measured_in(store, monkey
     under[0] = "tiles on b"
     routes.moved()  # (as set_backend does: the answer is resolved again)
     assert routes.choice(name) == "rows" and seen == ["tiles on a", "tiles on b"]
-    entry = json.loads(store.read_text())[routes.machine_key()][name]
+    entry = json.loads(store.read_text())[route_cache.machine_key()][name]
     assert entry["choice"] == "rows" and entry["under"] == "tiles on b"
     routes.moved()  # (nothing it depends on moved: the answer stands)
     assert routes.choice(name) == "rows" and len(seen) == 2

@@ -29,7 +29,7 @@ candidate on a short representative problem, side by side.
 
 The cache is ``routes.json`` in ``FLASHTILE_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/flashtile``, else ``~/.cache/flashtile``, keyed by
-:func:`machine_key`: the CPU model and its vector features, the kernel
+:func:`.route_cache.machine_key`: the CPU model and its vector features, the kernel
 threads, and the versions of flashtile and the libraries whose code runs
 the candidates; an entry of a route whose ranking moves with another
 choice (the decode walks' BLAS tiles with the BLAS that runs them) also
@@ -50,30 +50,13 @@ route without an import cycle.
 from __future__ import annotations
 
 import contextlib
-import functools
-import json
 import os
-import platform
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from importlib import metadata
-from pathlib import Path
-
-import numba
 
 from .progress import Progress
-
-#: The file that keeps the measured choices, in :func:`cache_dir`.
-CACHE_FILE = "routes.json"
-#: Bump when a route's candidates or measurement change meaning: older
-#: entries are then ignored.
-FORMAT = 1
-#: Libraries whose code runs the candidates (their versions key the cache).
-LIBRARIES = ("flashtile", "numba", "llvmlite", "numpy", "scipy", "mkl")
-#: /proc/cpuinfo flags that change which code the compilers and BLAS emit.
-CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
+from .route_cache import read_cache, write_entry
 
 
 @dataclass(frozen=True)
@@ -226,7 +209,7 @@ def limit(name: str, available: Callable[[], tuple[str, ...]]) -> None:
 
 def depends(name: str, context: Callable[[Route], str]) -> None:
     """Register what route ``name``'s measurement ran under besides the
-    machine (:func:`machine_key`): ``context(route)`` names it, e.g. the
+    machine (:func:`.route_cache.machine_key`): ``context(route)`` names it, e.g. the
     library that runs the candidates' tile products (with OpenBLAS running
     them, a decode step's BLAS tiles took 5x their time with oneMKL on an
     AVX2 AMD EPYC, and lost to the rows read in place they beat there). An
@@ -304,7 +287,7 @@ def explain(name: str, measure: bool = True) -> tuple[str, str]:
         _check.discard(name)
         if answer is not None and _under.get(name) == under:
             return answer  # (its context moved back, or never did)
-        entry = _read_cache().get(name)
+        entry = read_cache().get(name)
         usable = candidates(name)
         if _valid_entry(entry, usable, under):
             answer = (entry["choice"], f"measured ({_times_text(entry)})")
@@ -374,7 +357,7 @@ def tune(names: list[str] | None = None) -> dict[str, dict]:
             route = ROUTES[name]
             under = _context(route)
             _chosen[name], _under[name] = _measure_and_store(route, under), under
-            results[name] = _read_cache().get(name, {})
+            results[name] = read_cache().get(name, {})
             progress.step()
         moved()
     return results
@@ -401,7 +384,7 @@ def _measure_and_store(route: Route, under: str) -> tuple[str, str]:
     entry = {"choice": min(times, key=times.get), "times": times}
     if under:
         entry["under"] = under
-    _write_entry(route.name, entry)
+    write_entry(route.name, entry)
     return entry["choice"], f"measured now ({_times_text(entry)})"
 
 
@@ -448,82 +431,3 @@ def report(measure: bool = True) -> list[tuple[str, str, str, str]]:
     """``(route, choice, why, what it decides)`` for every route, as in force
     now (``measure``: as :func:`explain`'s)."""
     return [(name, *explain(name, measure), route.doc) for name, route in ROUTES.items()]
-
-
-def cache_dir() -> Path:
-    """Where ``routes.json`` lives (see the module docstring)."""
-    if os.environ.get("FLASHTILE_CACHE_DIR"):
-        return Path(os.environ["FLASHTILE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "flashtile"
-
-
-def cpu_model() -> tuple[str, list[str]]:
-    """``(model name, features of CPU_FEATURES present)`` from /proc/cpuinfo."""
-    model, flags = platform.processor() or platform.machine(), []
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return model, flags
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and value.strip():
-            model = value.strip()
-        elif key == "flags":
-            present = set(value.split())
-            return model, [f for f in CPU_FEATURES if f in present]
-    return model, flags
-
-
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "-"
-
-
-@functools.cache
-def machine_key() -> str:
-    """The cache key of this machine and software: measurements made under
-    another key are not used. Computed once per process (the version
-    lookups take about 5 ms, and every route's first answer reads the cache)."""
-    model, flags = cpu_model()
-    versions = ",".join(f"{lib}={_version(lib)}" for lib in LIBRARIES)
-    threads = numba.config.NUMBA_NUM_THREADS  # the kernels' pool
-    return f"v{FORMAT}|{model}|{'+'.join(flags)}|threads={threads}|{versions}"
-
-
-def _read_all() -> dict:
-    try:
-        data = json.loads((cache_dir() / CACHE_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _read_cache() -> dict:
-    entry = _read_all().get(machine_key())
-    return entry if isinstance(entry, dict) else {}
-
-
-def _write_entry(name: str, entry: dict) -> None:
-    """Store route ``name``'s entry for this machine, atomically (a rename), and
-    quietly give up when the directory cannot be written (read-only homes)."""
-    directory = cache_dir()
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        data = _read_all()
-        key = machine_key()
-        mine = data.get(key) if isinstance(data.get(key), dict) else {}
-        data[key] = {**mine, name: entry}
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".routes-", suffix=".json")
-    except OSError:
-        return
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1, sort_keys=True)
-        os.replace(tmp, directory / CACHE_FILE)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)

@@ -41,7 +41,7 @@ from statistics import median
 
 import numpy as np
 
-from . import routes
+from . import route_cache, routes
 from .api import attention, attention_backward
 from .bench.timing import interleaved_times
 from .decode import decode_attention
@@ -250,8 +250,8 @@ def run_tune(args: argparse.Namespace) -> int:
     """``flashtile tune``: measure every route (or ``--route``), store, print."""
     started = time.perf_counter()
     routes.tune(args.route or None)
-    print(f"routes for {routes.machine_key()}")
-    print(f"cache: {routes.cache_dir() / routes.CACHE_FILE}")
+    print(f"routes for {route_cache.machine_key()}")
+    print(f"cache: {route_cache.cache_dir() / route_cache.CACHE_FILE}")
     print_routes(measure=False)  # (--route: the others as they stand)
     print(f"tuned in {time.perf_counter() - started:.1f} s")
     return 0

@@ -15,7 +15,7 @@ from importlib import metadata
 
 import numpy as np
 
-from .. import routes
+from .. import route_cache, routes
 
 CEILING_N = 2048
 
@@ -42,7 +42,7 @@ def machine_info(torch_threads: int | None = None) -> dict:
     """
     from ..cpu import blas
 
-    model, flags = routes.cpu_model()
+    model, flags = route_cache.cpu_model()
     kernel_blas = blas.backend()
     if kernel_blas == "mkl":
         kernel_blas += f" {_version('mkl')}"
@@ -88,7 +88,7 @@ def sgemm_gflops(n: int = CEILING_N, reps: int = 3) -> float:
 
 def header_lines(info: dict, ceiling: float | None) -> list[str]:
     """The machine header as printable lines."""
-    isa = " ".join(info["isa"]) or "none of " + "/".join(routes.CPU_FEATURES)
+    isa = " ".join(info["isa"]) or "none of " + "/".join(route_cache.CPU_FEATURES)
     cores = f"{info['logical_cores']} logical"
     if info["usable_cores"] not in (None, info["logical_cores"]):
         cores += f", {info['usable_cores']} usable"
