@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 import flashtile
-from flashtile import routes
+from flashtile import route_cache, routes
 from flashtile.bench.timing import interleaved_times
 from flashtile.flash_attn import flash_attn_with_kvcache
 
@@ -58,7 +58,7 @@ def main(keys: int, hq: int, hkv: int, d: int, batch: int, rounds: int) -> None:
     medians = {n: statistics.median(t) for n, t in interleaved_times(calls, rounds).items()}
     best_own = min(medians["own tiles"], medians["own rows"])
     gbytes = 2 * batch * keys * hkv * d * 4 / 1e9
-    print(f"{routes.cpu_model()[0]}; B={batch} Hq={hq} Hkv={hkv} d={d} keys={keys}, float32")
+    print(f"{route_cache.cpu_model()[0]}; B={batch} Hq={hq} Hkv={hkv} d={d} keys={keys}, float32")
     for name, t in medians.items():
         print(f"  {name:22s} {t * 1e3:8.2f} ms  best own / this {best_own / t:.3f}  "
               f"{gbytes / t:5.1f} GB/s")  # fmt: skip

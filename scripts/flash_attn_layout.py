@@ -43,7 +43,7 @@ import flashtile.torch as ftt
 from flashtile.bench.timing import interleaved_times
 from flashtile.cpu.launch import numba_threads
 from flashtile.flash_attn import flash_attn_func, flash_attn_with_kvcache
-from flashtile.routes import cpu_model
+from flashtile.route_cache import cpu_model
 from flashtile.torch.arrays import as_numpy
 
 

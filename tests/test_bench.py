@@ -574,7 +574,8 @@ def test_the_loaded_step_alone_pools_each_providers_processes(monkeypatch):
         who = "flashtile" if "'flashtile'" in argv[-1] else "SDPA"
         seen.append(who)
         times = [1.0, 2.0, 9.0] if who == "flashtile" else [3.0, 3.0, 3.0]
-        return types.SimpleNamespace(stdout="a warning\n" + json.dumps(times) + "\n")
+        out = "a warning\n" + json.dumps(times) + "\n"
+        return types.SimpleNamespace(returncode=0, stdout=out, stderr="")
 
     monkeypatch.setattr(calls.subprocess, "run", run)
     monkeypatch.setattr(calls, "ALONE_ROUNDS", 2)

@@ -239,11 +239,22 @@ def test_an_entry_serves_only_under_the_context_it_was_measured_in(store, monkey
                                     "tiles-stream 3.00 ms; tiles on a)")  # fmt: skip
     under[0] = "tiles on b"
     routes.moved()  # (as set_backend does: the answer is resolved again)
+    # A report that does not measure leaves no answer of the old context behind.
+    assert routes.explain(name, measure=False)[1] == "fixed rule (not measured yet)"
     assert routes.choice(name) == "rows" and seen == ["tiles on a", "tiles on b"]
     entry = json.loads(store.read_text())[route_cache.machine_key()][name]
     assert entry["choice"] == "rows" and entry["under"] == "tiles on b"
     routes.moved()  # (nothing it depends on moved: the answer stands)
     assert routes.choice(name) == "rows" and len(seen) == 2
+    # A context that cannot be resolved (a BLAS that fails to load) gives the
+    # fixed rule, in a report and in a tuning alike: the kernel call reports it.
+    monkeypatch.setitem(routes._contexts, name, lambda route: 1 / 0)
+    routes.moved()
+    assert routes.explain(name) == (
+        routes._fixed(routes.ROUTES[name]),
+        "fixed rule (its context could not be resolved)",
+    )
+    assert routes.tune([name]) == {name: {}} and len(seen) == 2
 
 
 def test_the_decode_walks_and_bf16_measure_under_the_library_of_their_tiles(monkeypatch):

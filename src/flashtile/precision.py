@@ -199,7 +199,7 @@ def narrow_out(a: np.ndarray, dtype) -> np.ndarray:
     if a.dtype == dtype:
         return a
     if dtype == BFLOAT16 and a.dtype == np.float32:  # a widened bf16 call's (no bf16 products)
-        from .cpu.half import to_bfloat16  # (compiled: 7x faster than ml_dtypes' cast)
+        from .cpu.half import to_bfloat16  # (compiled, 7x ml_dtypes' cast; NaN payloads kept)
 
         return to_bfloat16(a)
     with np.errstate(over="ignore"):
@@ -317,7 +317,7 @@ def _cast(xp, a, dtype):
     if a.dtype == dtype:
         return a
     if dtype == BFLOAT16 and a.dtype == np.float32:  # a widened bf16 call's (no bf16 products)
-        from .cpu.half import to_bfloat16  # (compiled: 7x faster than ml_dtypes' cast)
+        from .cpu.half import to_bfloat16  # (compiled, 7x ml_dtypes' cast; NaN payloads kept)
 
         return to_bfloat16(a)
     with np.errstate(over="ignore"):

@@ -219,9 +219,15 @@ def depends(name: str, context: Callable[[Route], str]) -> None:
     _contexts[name] = context
 
 
-def _context(route: Route) -> str:
+def _context(route: Route) -> str | None:
+    """``route``'s context ("" without one; None where its function raised:
+    e.g. ``FLASHTILE_BLAS=mkl`` where oneMKL cannot load, which a kernel
+    call reports, not a route's answer or a report)."""
     context = _contexts.get(route.name)
-    return "" if context is None else context(route)
+    try:
+        return "" if context is None else context(route)
+    except Exception:
+        return None
 
 
 def candidates(name: str) -> tuple[str, ...]:
@@ -284,9 +290,12 @@ def explain(name: str, measure: bool = True) -> tuple[str, str]:
         if answer is not None and name not in _check:
             return answer
         under = _context(route)
-        _check.discard(name)
+        if under is None:  # (the call itself will raise what the context met)
+            return _fixed(route), "fixed rule (its context could not be resolved)"
         if answer is not None and _under.get(name) == under:
+            _check.discard(name)  # (after: a lock-free choice() meanwhile comes here)
             return answer  # (its context moved back, or never did)
+        _chosen.pop(name, None)  # (measured under another context: never given again)
         entry = read_cache().get(name)
         usable = candidates(name)
         if _valid_entry(entry, usable, under):
@@ -300,6 +309,7 @@ def explain(name: str, measure: bool = True) -> tuple[str, str]:
         else:
             answer = (_fixed(route), "fixed rule (not measured)")
         _chosen[name], _under[name] = answer, under
+        _check.discard(name)
         return answer
 
 
@@ -354,10 +364,14 @@ def tune(names: list[str] | None = None) -> dict[str, dict]:
     with _lock, Progress(len(chosen), "tune") as progress:
         for name in chosen:
             progress.show(name)
-            route = ROUTES[name]
+            route, _ = ROUTES[name], _chosen.pop(name, None)
             under = _context(route)
-            _chosen[name], _under[name] = _measure_and_store(route, under), under
-            results[name] = read_cache().get(name, {})
+            results[name] = {}
+            if under is not None:
+                _chosen[name], _under[name] = _measure_and_store(route, under), under
+                entry = read_cache().get(name, {})  # (stored now, or another context's)
+                if _valid_entry(entry, candidates(name), under):
+                    results[name] = entry
             progress.step()
         moved()
     return results

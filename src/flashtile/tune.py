@@ -8,7 +8,7 @@ asked for with nothing stored is measured on first use.
 
 - ``blas``: the forward and backward of ``(1, 8, 1024, 64)`` float32, causal,
   with each BLAS library.
-- ``blas.one``, ``blas.few``: with oneMKL as the BLAS, one decode step in
+- ``blas.one``, ``blas.few``: with oneMKL as the BLAS, decode steps in
   BLAS tiles, float32, d 64 against 2048 keys, of 12 heads (one query row
   per tile) or of 32 query heads over 8 kv heads (4 rows), its small
   products in each library.
@@ -24,7 +24,8 @@ asked for with nothing stored is measured on first use.
   cache contiguous, in shuffled 16-key pages, or in one-token pages
   (flash-attn's layout).
 
-The 2048-key decode problems time :data:`SHORT_STEPS` steps per call. The
+The 2048-key decode problems time :data:`SHORT_STEPS` steps per call (the
+times the routes report are theirs). The
 decode walks and ``bf16`` are measured under a context (:func:`tiles_library`:
 the library that runs their BLAS tiles) and measured again under another.
 A whole ``flashtile tune`` takes about ten seconds once the kernels are
@@ -102,9 +103,9 @@ def _backend_restored():
 
 
 def measure_small(route: routes.Route, candidates: tuple[str, ...]) -> dict[str, float]:
-    """A decode step of one or four query rows per tile (``blas.one``,
-    ``blas.few``) in BLAS tiles, oneMKL the BLAS, its small products in each
-    library."""
+    """:data:`SHORT_STEPS` decode steps of one or four query rows per tile
+    (``blas.one``, ``blas.few``) in BLAS tiles, oneMKL the BLAS, its small
+    products in each library."""
     rows = 1 if route.name == "blas.one" else CLASS_ROWS["few"]
     kv_heads = 12 if rows == 1 else DECODE_HEADS
     rng = np.random.default_rng(3)
@@ -195,8 +196,9 @@ def _decode_problem(layout: str, rows: int, d: int, long: bool):
 
 
 def measure_decode(route: routes.Route, candidates: tuple[str, ...]) -> dict[str, float]:
-    """One decode step per candidate walk, on the route's layout, rows, head
-    dim and length class."""
+    """Decode steps per candidate walk (:data:`SHORT_STEPS` per timing at 2048
+    keys, one at 64 MiB), on the route's layout, rows, head dim and length
+    class."""
     _, layout, rows_class, d_class, keys_class = route.name.split(".")
     rows = CLASS_ROWS[rows_class]
     d = 64 if d_class == "d64" else 128

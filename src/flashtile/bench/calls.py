@@ -166,8 +166,11 @@ def _alone_times(threads: int) -> dict:
                 f"print(json.dumps(step_alone({who!r}, {threads})))"
             )
             run = subprocess.run(
-                [sys.executable, "-c", code], capture_output=True, text=True, check=True
+                [sys.executable, "-c", code], capture_output=True, text=True, timeout=600
             )
+            if run.returncode != 0:
+                tail = "\n".join(run.stderr.splitlines()[-15:])
+                raise RuntimeError(f"the {who} process of the loaded step failed:\n{tail}")
             pooled[who] += json.loads(run.stdout.splitlines()[-1])
     return {(row, who): [stat(t)] for row, stat in ALONE_ROWS.items() for who, t in pooled.items()}
 

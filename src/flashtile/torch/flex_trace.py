@@ -27,7 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..mod_snapshot import snapshot
 from ..mods import LOCK, Mods, compiled_module, module_source
-from ..routes import cache_dir
+from ..route_cache import cache_dir
 from . import trace_cache
 from .fx_translate import (
     MASK_INPUTS,

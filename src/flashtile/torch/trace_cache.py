@@ -32,7 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..mod_snapshot import fingerprint
-from ..routes import cache_dir
+from ..route_cache import cache_dir
 from .fx_translate import Table
 
 #: A constant a mod makes itself (``torch.tensor(7)``) is stored with the

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..mods import compiled_module
-from ..routes import cache_dir
+from ..route_cache import cache_dir
 from ..torch.flex_trace import TracedMods, check_tables_on, trace_mods
 from ..torch.fx_translate import Expr, Translator, Unsupported
 
