@@ -586,5 +586,6 @@ def test_the_loaded_step_alone_pools_each_providers_processes(monkeypatch):
     assert got[(mean, "SDPA")] == got[(median, "SDPA")] == [3.0]
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(calls, "ALONE_CALLS", 3)
+    monkeypatch.setattr(calls, "ALONE_WARMUP", 2)
     times = calls.step_alone("flashtile", torch.get_num_threads())
     assert len(times) == 3 and all(t > 0 for t in times)

@@ -46,8 +46,9 @@ LOADED = f"{STEP}, a second process busy on one core, mean"
 #: The loaded step with each provider alone in its process: its two rows.
 ALONE = f"{STEP}, a second process busy on one core, each alone in its process"
 ALONE_ROWS = {f"{ALONE}, mean": statistics.fmean, f"{ALONE}, median": statistics.median}
-#: Processes per provider for those rows, and the calls each times.
-ALONE_ROUNDS, ALONE_CALLS = 3, 1000
+#: Processes per provider for those rows, the calls each times, and the
+#: calls before (a serving loop runs long: the join watch has settled).
+ALONE_ROUNDS, ALONE_CALLS, ALONE_WARMUP = 3, 3000, 500
 #: The case whose difference is the front door's cost.
 FRONT = "tiny causal, flashtile.attention vs its kernel alone"
 
@@ -145,7 +146,7 @@ def step_alone(who: str, threads: int) -> list[float]:
 
     torch.set_num_threads(threads)
     fn = _cases(torch)[STEP][who]
-    for _ in range(300):
+    for _ in range(ALONE_WARMUP):
         fn()
     times = []
     for _ in range(ALONE_CALLS):
