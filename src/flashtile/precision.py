@@ -316,10 +316,6 @@ def _cast(xp, a, dtype):
     a = np.asarray(a)
     if a.dtype == dtype:
         return a
-    if dtype == BFLOAT16 and a.dtype == np.float32:  # a widened bf16 call's (no bf16 products)
-        from .cpu.half import to_bfloat16  # (compiled, 7x ml_dtypes' cast; NaN payloads kept)
-
-        return to_bfloat16(a)
     with np.errstate(over="ignore"):
         return a.astype(dtype)
 

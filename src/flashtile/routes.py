@@ -293,7 +293,7 @@ def explain(name: str, measure: bool = True) -> tuple[str, str]:
         if under is None:  # (the call itself will raise what the context met)
             return _fixed(route), "fixed rule (its context could not be resolved)"
         if answer is not None and _under.get(name) == under:
-            _check.discard(name)  # (after: a lock-free choice() meanwhile comes here)
+            _check.discard(name)  # (only now: until here choice() comes to this lock)
             return answer  # (its context moved back, or never did)
         _chosen.pop(name, None)  # (measured under another context: never given again)
         entry = read_cache().get(name)
@@ -364,7 +364,8 @@ def tune(names: list[str] | None = None) -> dict[str, dict]:
     with _lock, Progress(len(chosen), "tune") as progress:
         for name in chosen:
             progress.show(name)
-            route, _ = ROUTES[name], _chosen.pop(name, None)
+            route = ROUTES[name]
+            _chosen.pop(name, None)
             under = _context(route)
             results[name] = {}
             if under is not None:
