@@ -562,8 +562,8 @@ def test_bfloat16_cases_run_the_bf16_paths(capsys):
 
 def test_the_loaded_step_alone_pools_each_providers_processes(monkeypatch):
     # The calls preset's loaded step with each provider alone in a process of
-    # its own: processes taking turns, their calls pooled, the output's last
-    # line read (a warning may come first); the child's body times the step.
+    # its own: processes taking turns, their calls pooled, the marked line of
+    # their output read, a failed one reported; the child's body times the step.
     import types
 
     from flashtile.bench import calls
@@ -574,7 +574,7 @@ def test_the_loaded_step_alone_pools_each_providers_processes(monkeypatch):
         who = "flashtile" if "'flashtile'" in argv[-1] else "SDPA"
         seen.append(who)
         times = [1.0, 2.0, 9.0] if who == "flashtile" else [3.0, 3.0, 3.0]
-        out = "a warning\n" + json.dumps(times) + "\n"
+        out = f"a line\n{calls._ALONE_MARK}{json.dumps(times)}\nanother\n"
         return types.SimpleNamespace(returncode=0, stdout=out, stderr="")
 
     monkeypatch.setattr(calls.subprocess, "run", run)
@@ -584,6 +584,10 @@ def test_the_loaded_step_alone_pools_each_providers_processes(monkeypatch):
     mean, median = (f"{calls.ALONE}, {stat}" for stat in ("mean", "median"))
     assert got[(mean, "flashtile")] == [4.0] and got[(median, "flashtile")] == [2.0]
     assert got[(mean, "SDPA")] == got[(median, "SDPA")] == [3.0]
+    failed = types.SimpleNamespace(returncode=-9, stdout="", stderr="Killed")
+    monkeypatch.setattr(calls.subprocess, "run", lambda argv, **kwargs: failed)
+    with pytest.raises(RuntimeError, match=r"failed \(exit -9\):\nKilled"):
+        calls._alone_times(2)
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(calls, "ALONE_CALLS", 3)
     monkeypatch.setattr(calls, "ALONE_WARMUP", 2)

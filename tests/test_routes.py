@@ -246,15 +246,37 @@ def test_an_entry_serves_only_under_the_context_it_was_measured_in(store, monkey
     assert entry["choice"] == "rows" and entry["under"] == "tiles on b"
     routes.moved()  # (nothing it depends on moved: the answer stands)
     assert routes.choice(name) == "rows" and len(seen) == 2
+
     # A context that cannot be resolved (a BLAS that fails to load) gives the
     # fixed rule, in a report and in a tuning alike: the kernel call reports it.
-    monkeypatch.setitem(routes._contexts, name, lambda route: 1 / 0)
+    def unusable(route):
+        raise ValueError("FLASHTILE_BLAS='mkl': BLAS backend 'mkl' requested but ...")
+
+    monkeypatch.setitem(routes._contexts, name, unusable)
     routes.moved()
     assert routes.explain(name) == (
         routes._fixed(routes.ROUTES[name]),
         "fixed rule (its context could not be resolved)",
     )
     assert routes.tune([name]) == {name: {}} and len(seen) == 2
+
+
+def test_a_report_measures_nothing_through_a_context(store, monkeypatch):
+    # A report (measure=False) resolves a route's context without measuring
+    # the routes it asks (the BLAS routes, for the walks), nor remembers it.
+    name, other, seen = "decode.contiguous.one.d64.short", "decode.paged.one.d64.short", []
+    monkeypatch.setitem(routes._contexts, name, lambda route: f"after {routes.choice(other)}")
+
+    def planted(route, candidates):
+        seen.append(route.name)
+        return {c: (i + 1) * 1e-3 for i, c in enumerate(candidates)}
+
+    monkeypatch.setitem(routes._measures, name, planted)
+    monkeypatch.setitem(routes._measures, other, planted)
+    assert routes.explain(name, measure=False)[1] == "fixed rule (not measured yet)"
+    assert seen == [] and name not in routes._chosen and other not in routes._chosen
+    assert routes.choice(name) == "tiles" and seen == [other, name]
+    assert routes.explain(name)[1].endswith("; after tiles)")
 
 
 def test_the_decode_walks_and_bf16_measure_under_the_library_of_their_tiles(monkeypatch):

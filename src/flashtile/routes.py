@@ -186,6 +186,7 @@ _forced: dict[str, str] = {}
 _chosen: dict[str, tuple[str, str]] = {}  # name -> (choice, why), this process's answers
 _under: dict[str, str] = {}  # name -> the context of its answer in _chosen (depends)
 _check: set[str] = set()  # answers whose context may have moved since (moved)
+_reporting = [0]  # > 0 while a report's context is resolved: nothing measures then
 _measuring: set[str] = set()
 #: ``GENERATION[0]`` moves whenever a route's answer in this process may
 #: have changed (forcing, tuning, forgetting, and a change of the BLAS
@@ -226,7 +227,7 @@ def _context(route: Route) -> str | None:
     context = _contexts.get(route.name)
     try:
         return "" if context is None else context(route)
-    except Exception:
+    except ValueError:  # (what a BLAS that cannot be used raises: blas.backend)
         return None
 
 
@@ -263,22 +264,22 @@ def _env_choice(route: Route) -> str | None:
 
 def choice(name: str) -> str:
     """Route ``name``'s choice in force (the module docstring gives the order)."""
-    answer = _chosen.get(name)  # a planner asks on every call: the common case first
-    if (
-        answer is not None
-        and name not in _forced
-        and name not in _check
-        and not os.environ.get(ROUTES[name].env)
-    ):
-        return answer[0]
+    # A planner asks on every call: the common case first, the marks before
+    # the answer (a mark set meanwhile is settled with the new answer).
+    if name not in _check and name not in _forced and not os.environ.get(ROUTES[name].env):
+        answer = _chosen.get(name)
+        if answer is not None:
+            return answer[0]
     return explain(name)[0]
 
 
 def explain(name: str, measure: bool = True) -> tuple[str, str]:
     """``(choice, why)`` of route ``name``; ``why`` says which rule chose.
     ``measure``: measure a route that has no stored choice (False: report the
-    fixed rule without measuring or remembering it)."""
+    fixed rule without measuring or remembering it; nor do the routes its
+    context asks, :func:`depends`)."""
     route = ROUTES[name]
+    measure = measure and not _reporting[0]
     forced_here = _forced.get(name)  # (no lock: a force may be leaving in another thread)
     if forced_here is not None:  # the measurement, precompile and tests: over the variable too
         return forced_here, "forced in this process"
@@ -289,7 +290,11 @@ def explain(name: str, measure: bool = True) -> tuple[str, str]:
         answer = _chosen.get(name)
         if answer is not None and name not in _check:
             return answer
-        under = _context(route)
+        _reporting[0] += not measure
+        try:
+            under = _context(route)
+        finally:
+            _reporting[0] -= not measure
         if under is None:  # (the call itself will raise what the context met)
             return _fixed(route), "fixed rule (its context could not be resolved)"
         if answer is not None and _under.get(name) == under:
@@ -300,16 +305,19 @@ def explain(name: str, measure: bool = True) -> tuple[str, str]:
         usable = candidates(name)
         if _valid_entry(entry, usable, under):
             answer = (entry["choice"], f"measured ({_times_text(entry)})")
+        elif len(usable) < 2:  # (nothing to measure, for a report too)
+            answer = (_fixed(route), "fixed rule (one candidate on this machine)")
         elif measure and name in _measures and not _measuring and _lazy_tuning():
-            answer = _measure_and_store(route, under)
+            answer, _ = _measure_and_store(route, under)
         elif _measuring or (not measure and _lazy_tuning()):
             # Not remembered: measured on its own first use (a measurement of
             # another route runs meanwhile, or a report was asked for).
             return _fixed(route), "fixed rule (not measured yet)"
         else:
             answer = (_fixed(route), "fixed rule (not measured)")
-        _chosen[name], _under[name] = answer, under
-        _check.discard(name)
+        if measure or name not in _contexts:  # (a report's context may be provisional)
+            _chosen[name], _under[name] = answer, under
+            _check.discard(name)
         return answer
 
 
@@ -369,38 +377,37 @@ def tune(names: list[str] | None = None) -> dict[str, dict]:
             under = _context(route)
             results[name] = {}
             if under is not None:
-                _chosen[name], _under[name] = _measure_and_store(route, under), under
-                entry = read_cache().get(name, {})  # (stored now, or another context's)
-                if _valid_entry(entry, candidates(name), under):
-                    results[name] = entry
+                answer, results[name] = _measure_and_store(route, under)
+                _chosen[name], _under[name] = answer, under
             progress.step()
         moved()
     return results
 
 
-def _measure_and_store(route: Route, under: str) -> tuple[str, str]:
-    """Time ``route``'s candidates (its registered measurement) and store the
-    fastest, with the context ``under`` (:func:`depends`; asked before: the
-    measurement switches what it names); the fixed rule when it cannot be
-    measured here, or when the measurement fails (an allocation, a
-    compilation: never the caller's call)."""
+def _measure_and_store(route: Route, under: str) -> tuple[tuple[str, str], dict]:
+    """``((choice, why), entry)``: time ``route``'s candidates (its registered
+    measurement) and store the fastest, with the context ``under``
+    (:func:`depends`; asked before: the measurement switches what it names);
+    the fixed rule and no entry (``{}``) when it cannot be measured here, or
+    when the measurement fails (an allocation, a compilation: never the
+    caller's call)."""
     usable = candidates(route.name)
     if len(usable) < 2:
-        return _fixed(route), "fixed rule (one candidate on this machine)"
+        return (_fixed(route), "fixed rule (one candidate on this machine)"), {}
     _measuring.add(route.name)
     try:
         times = _measures[route.name](route, usable)
     except Exception as error:  # a failed measurement falls back, as documented
-        return _fixed(route), f"fixed rule (the measurement failed: {error!r})"
+        return (_fixed(route), f"fixed rule (the measurement failed: {error!r})"), {}
     finally:
         _measuring.discard(route.name)
     if not times:
-        return _fixed(route), "fixed rule (the measurement timed nothing)"
+        return (_fixed(route), "fixed rule (the measurement timed nothing)"), {}
     entry = {"choice": min(times, key=times.get), "times": times}
     if under:
         entry["under"] = under
     write_entry(route.name, entry)
-    return entry["choice"], f"measured now ({_times_text(entry)})"
+    return (entry["choice"], f"measured now ({_times_text(entry)})"), entry
 
 
 def _times_text(entry: dict) -> str:

@@ -49,6 +49,8 @@ ALONE_ROWS = {f"{ALONE}, mean": statistics.fmean, f"{ALONE}, median": statistics
 #: Processes per provider for those rows, the calls each times, and the
 #: calls before (a serving loop runs long: the join watch has settled).
 ALONE_ROUNDS, ALONE_CALLS, ALONE_WARMUP = 3, 3000, 500
+#: The line of such a process that holds its times (after any other output).
+_ALONE_MARK = "step times: "
 #: The case whose difference is the front door's cost.
 FRONT = "tiny causal, flashtile.attention vs its kernel alone"
 
@@ -164,15 +166,21 @@ def _alone_times(threads: int) -> dict:
         for who in order:
             code = (
                 "import json; from flashtile.bench.calls import step_alone; "
-                f"print(json.dumps(step_alone({who!r}, {threads})))"
+                f"print({_ALONE_MARK!r} + json.dumps(step_alone({who!r}, {threads})))"
             )
-            run = subprocess.run(
-                [sys.executable, "-c", code], capture_output=True, text=True, timeout=600
-            )
-            if run.returncode != 0:
-                tail = "\n".join(run.stderr.splitlines()[-15:])
-                raise RuntimeError(f"the {who} process of the loaded step failed:\n{tail}")
-            pooled[who] += json.loads(run.stdout.splitlines()[-1])
+            try:
+                run = subprocess.run(
+                    [sys.executable, "-c", code], capture_output=True, text=True, timeout=600
+                )
+            except subprocess.TimeoutExpired as error:
+                raise RuntimeError(f"the {who} process of the loaded step timed out") from error
+            marked = [line for line in run.stdout.splitlines() if line.startswith(_ALONE_MARK)]
+            if run.returncode != 0 or not marked:
+                tail = "\n".join((run.stdout + run.stderr).splitlines()[-15:])
+                raise RuntimeError(
+                    f"the {who} process of the loaded step failed (exit {run.returncode}):\n{tail}"
+                )
+            pooled[who] += json.loads(marked[-1][len(_ALONE_MARK) :])
     return {(row, who): [stat(t)] for row, stat in ALONE_ROWS.items() for who, t in pooled.items()}
 
 
