@@ -279,7 +279,6 @@ def explain(name: str, measure: bool = True) -> tuple[str, str]:
     fixed rule without measuring or remembering it; nor do the routes its
     context asks, :func:`depends`)."""
     route = ROUTES[name]
-    measure = measure and not _reporting[0]
     forced_here = _forced.get(name)  # (no lock: a force may be leaving in another thread)
     if forced_here is not None:  # the measurement, precompile and tests: over the variable too
         return forced_here, "forced in this process"
@@ -290,6 +289,7 @@ def explain(name: str, measure: bool = True) -> tuple[str, str]:
         answer = _chosen.get(name)
         if answer is not None and name not in _check:
             return answer
+        measure = measure and not _reporting[0]  # (under the lock: this thread's report)
         _reporting[0] += not measure
         try:
             under = _context(route)
