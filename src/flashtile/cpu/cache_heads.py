@@ -35,7 +35,7 @@ from .cache_rows import (
     row_offset,
     walk_cache_rows,
 )
-from .memory import is_flag
+from .memory import is_flag, unmanaged
 from .tile_step import KeptScores, flag_non_finite, rescale_rows, softmax_tile
 from .tiles import SEG_KEY, SEG_LENGTH, tile_sees_all
 from .vectors import wide_vectors
@@ -88,16 +88,19 @@ def head_scores(q_tiles, flat, fmt, table_row, heads, hk0, page, j0, n, s):
     key by key, each key's rows of all heads in turn. ``q_tiles (nh, rows,
     d)``, ``s (nh, rows, >= n)``."""
     wide_vectors()
-    nh, d = q_tiles.shape[0], q_tiles.shape[2]
+    q_tiles, s = unmanaged(q_tiles), unmanaged(s)  # (see .memory.unmanaged)
+    flat, table_row = unmanaged(flat), unmanaged(table_row)
+    nh, rows, d = q_tiles.shape
+    # Every head's rows in one 2-D tile each, indexed, not viewed per key.
+    q_all, s_all = q_tiles.reshape((nh * rows, d)), s.reshape((nh * rows, s.shape[2]))
     width = np.uint64(d)
     t = 0
     while t < n:
         run = 0  # (the same for every head)
         for u in range(nh):
             run, o = page_run(table_row, heads, hk0 + u, page, d, j0 + t, n - t)
-            q_rows, s_rows = q_tiles[u], s[u]  # (views made per key cost reference counts)
             for i in range(run):
-                key_scores(q_rows, flat, o, width, fmt, s_rows, t + i)
+                key_scores(q_all, u * rows, (u + 1) * rows, flat, o, width, fmt, s_all, t + i)
                 o += width
         t += run
 
@@ -109,7 +112,10 @@ def token_values(p, flat, fmt, table_row, heads, hk0, j0, n, acc):
     rows of all heads in turn, :func:`.cache_rows.keys_per_pass` keys per
     pass over ``acc (nh, rows, dv)`` (each key of a pass in its own page)."""
     wide_vectors()
+    p, acc = unmanaged(p), unmanaged(acc)  # (see .memory.unmanaged)
+    flat, table_row = unmanaged(flat), unmanaged(table_row)
     nh, rows, dv = acc.shape
+    acc_all, p_all = acc.reshape((nh * rows, dv)), p.reshape((nh * rows, p.shape[2]))
     width = np.uint64(dv)
     t = 0
     while t < n:
@@ -123,7 +129,9 @@ def token_values(p, flat, fmt, table_row, heads, hk0, j0, n, acc):
             if count > 2:
                 o2 = row_offset(table_row, heads, hk0 + u, 1, dv, j0 + t + 2)
                 o3 = row_offset(table_row, heads, hk0 + u, 1, dv, j0 + t + 3)
-            add_value_rows(acc[u], p[u], t, count, flat, o0, o1, o2, o3, width, fmt)
+            add_value_rows(
+                acc_all, p_all, u * rows, (u + 1) * rows, t, count, flat, o0, o1, o2, o3, width, fmt
+            )
         t += count
 
 
@@ -133,14 +141,16 @@ def page_values(p, flat, fmt, table_row, heads, hk0, page, j0, n, acc):
     head's run of value rows in the page (the order of :func:`head_scores`),
     :func:`.cache_rows.keys_per_pass` keys per pass."""
     wide_vectors()
+    p, acc = unmanaged(p), unmanaged(acc)  # (see .memory.unmanaged)
+    flat, table_row = unmanaged(flat), unmanaged(table_row)
     nh, rows, dv = acc.shape
+    acc_all, p_all = acc.reshape((nh * rows, dv)), p.reshape((nh * rows, p.shape[2]))
     width = np.uint64(dv)
     t = 0
     while t < n:
         run = 0  # (the same for every head)
         for u in range(nh):
             run, base = page_run(table_row, heads, hk0 + u, page, dv, j0 + t, n - t)
-            acc_rows, p_rows = acc[u], p[u]
             i = 0
             while i < run:
                 count = keys_per_pass(rows, run - i)
@@ -148,8 +158,9 @@ def page_values(p, flat, fmt, table_row, heads, hk0, page, j0, n, acc):
                 o1 = o0 + width  # (sums: an integer literal times a uint64 is a float64)
                 o2 = o1 + width
                 add_value_rows(
-                    acc_rows, p_rows, t + i, count, flat, o0, o1, o2, o2 + width, width, fmt
-                )
+                    acc_all, p_all, u * rows, (u + 1) * rows, t + i, count, flat, o0, o1, o2,
+                    o2 + width, width, fmt,
+                )  # fmt: skip
                 i += count
         t += run
 

@@ -38,7 +38,7 @@ from numba import njit
 from numba.extending import overload
 
 from . import FASTMATH
-from .memory import CACHE_LINE, is_flag, load_value, prefetch
+from .memory import CACHE_LINE, is_flag, load_value, prefetch, unmanaged
 from .tile_step import KeptScores, flag_non_finite, rescale_rows, softmax_tile
 from .tiles import SEG_KEY, SEG_LENGTH, QueryTile, tile_sees_all
 from .vectors import wide_vectors
@@ -181,66 +181,65 @@ ROWS_PER_PASS = 4
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def dot_row(q_row, flat, o, width, fmt):
-    """``q_row . flat[o : o + width]``, the cache row read in format ``fmt``."""
-    acc = q_row.dtype.type(0.0)
+def dot_row(q_tile, r, flat, o, width, fmt):
+    """``q_tile[r] . flat[o : o + width]``, the cache row read in format ``fmt``."""
+    acc = q_tile.dtype.type(0.0)
     for c in range(width):
-        acc += q_row[c] * load_value(flat, o + c, fmt)
+        acc += q_tile[r, c] * load_value(flat, o + c, fmt)
     return acc
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def dot_queries4(q0, q1, q2, q3, flat, o, width, fmt):
-    """The dot products of four query rows with the cache row at flat offset
-    ``o``, each key element loaded (and widened) once."""
-    a0 = a1 = a2 = a3 = q0.dtype.type(0.0)
+def dot_queries4(q_tile, r, flat, o, width, fmt):
+    """The dot products of query rows ``r .. r + 3`` with the cache row at
+    flat offset ``o``, each key element loaded (and widened) once."""
+    a0 = a1 = a2 = a3 = q_tile.dtype.type(0.0)
     for c in range(width):
         x = load_value(flat, o + c, fmt)
-        a0 += q0[c] * x
-        a1 += q1[c] * x
-        a2 += q2[c] * x
-        a3 += q3[c] * x
+        a0 += q_tile[r, c] * x
+        a1 += q_tile[r + 1, c] * x
+        a2 += q_tile[r + 2, c] * x
+        a3 += q_tile[r + 3, c] * x
     return a0, a1, a2, a3
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def key_scores(q_tile, flat, o, width, fmt, s, t):
-    """``s[r, t] = q_tile[r] . flat[o : o + width]`` for every query row,
-    four rows per pass (:data:`ROWS_PER_PASS`) and the rest one by one."""
-    rows = q_tile.shape[0]
-    r = 0
-    while r + 4 <= rows:  # (loops of their own: a branch kept them scalar)
-        x = dot_queries4(
-            q_tile[r], q_tile[r + 1], q_tile[r + 2], q_tile[r + 3], flat, o, width, fmt
+def key_scores(q_tile, r0, r1, flat, o, width, fmt, s, t):
+    """``s[r, t] = q_tile[r] . flat[o : o + width]`` for the query rows ``r0 <=
+    r < r1``, four rows per pass (:data:`ROWS_PER_PASS`) and the rest one by
+    one (rows indexed, not viewed: a view per key is a reference count to
+    take and drop, see :func:`.memory.unmanaged`)."""
+    r = r0
+    while r + 4 <= r1:  # (loops of their own: a branch kept them scalar)
+        s[r, t], s[r + 1, t], s[r + 2, t], s[r + 3, t] = dot_queries4(
+            q_tile, r, flat, o, width, fmt
         )
-        s[r, t], s[r + 1, t], s[r + 2, t], s[r + 3, t] = x
         r += 4
-    for i in range(r, rows):
-        s[i, t] = dot_row(q_tile[i], flat, o, width, fmt)
+    for i in range(r, r1):
+        s[i, t] = dot_row(q_tile, i, flat, o, width, fmt)
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def add_value_rows(acc, p, t, count, flat, o0, o1, o2, o3, width, fmt):
-    """``acc[r] += sum_a p[r, t + a] * row_a`` for ``a < count`` (4, 2 or 1:
-    any other count adds nothing) over the cache rows at flat offsets ``o0
-    .. o3`` (those past ``count`` unread), each ``acc`` row loaded and stored
-    once per call."""
-    for r in range(acc.shape[0]):
-        out = acc[r]
+def add_value_rows(acc, p, r0, r1, t, count, flat, o0, o1, o2, o3, width, fmt):
+    """``acc[r] += sum_a p[r, t + a] * row_a`` for ``r0 <= r < r1`` and ``a <
+    count`` (4, 2 or 1: any other count adds nothing) over the cache rows at
+    flat offsets ``o0 .. o3`` (those past ``count`` unread), each ``acc`` row
+    loaded and stored once per call (rows indexed, as in :func:`key_scores`)."""
+    for r in range(r0, r1):
         if count == 4:
             w0, w1, w2, w3 = p[r, t], p[r, t + 1], p[r, t + 2], p[r, t + 3]
             for c in range(width):
-                out[c] += (
+                acc[r, c] += (
                     w0 * load_value(flat, o0 + c, fmt) + w1 * load_value(flat, o1 + c, fmt)
                 ) + (w2 * load_value(flat, o2 + c, fmt) + w3 * load_value(flat, o3 + c, fmt))
         elif count == 2:
             w0, w1 = p[r, t], p[r, t + 1]
             for c in range(width):
-                out[c] += w0 * load_value(flat, o0 + c, fmt) + w1 * load_value(flat, o1 + c, fmt)
+                acc[r, c] += w0 * load_value(flat, o0 + c, fmt) + w1 * load_value(flat, o1 + c, fmt)
         elif count == 1:
             w0 = p[r, t]
             for c in range(width):
-                out[c] += w0 * load_value(flat, o0 + c, fmt)
+                acc[r, c] += w0 * load_value(flat, o0 + c, fmt)
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
@@ -254,15 +253,15 @@ def keys_per_pass(rows, left):
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def dot_keys4(q_row, flat, o, width, fmt):
-    """The dot products of ``q_row`` with the four consecutive cache rows from
-    flat offset ``o``, ``q_row`` loaded once."""
+def dot_keys4(q_tile, r, flat, o, width, fmt):
+    """The dot products of query row ``r`` with the four consecutive cache rows
+    from flat offset ``o``, each query element loaded once."""
     o1 = o + width  # (sums: an integer literal times a uint64 is a float64)
     o2 = o1 + width
     o3 = o2 + width
-    a0 = a1 = a2 = a3 = q_row.dtype.type(0.0)
+    a0 = a1 = a2 = a3 = q_tile.dtype.type(0.0)
     for c in range(width):
-        x = q_row[c]
+        x = q_tile[r, c]
         a0 += x * load_value(flat, o + c, fmt)
         a1 += x * load_value(flat, o1 + c, fmt)
         a2 += x * load_value(flat, o2 + c, fmt)
@@ -279,6 +278,8 @@ def cache_scores(q_tile, flat, fmt, table_row, heads, hk, page, j0, n, s, j_end)
     in the work dtype. Each key prefetches the row :data:`AHEAD` keys on,
     below ``j_end``."""
     wide_vectors()
+    q_tile, s = unmanaged(q_tile), unmanaged(s)  # (see .memory.unmanaged)
+    flat, table_row = unmanaged(flat), unmanaged(table_row)
     rows, d = q_tile.shape
     width = np.uint64(d)
     t = 0
@@ -290,12 +291,12 @@ def cache_scores(q_tile, flat, fmt, table_row, heads, hk, page, j0, n, s, j_end)
             while u + 4 <= run:
                 for a in range(4):
                     prefetch_row(flat, table_row, heads, hk, page, d, j + u + a + AHEAD, j_end)
-                x = dot_keys4(q_tile[0], flat, base + np.uint64(u) * width, width, fmt)
+                x = dot_keys4(q_tile, 0, flat, base + np.uint64(u) * width, width, fmt)
                 s[0, t + u], s[0, t + u + 1], s[0, t + u + 2], s[0, t + u + 3] = x
                 u += 4
         for i in range(u, run):
             prefetch_row(flat, table_row, heads, hk, page, d, j + i + AHEAD, j_end)
-            key_scores(q_tile, flat, base + np.uint64(i) * width, width, fmt, s, t + i)
+            key_scores(q_tile, 0, rows, flat, base + np.uint64(i) * width, width, fmt, s, t + i)
         t += run
 
 
@@ -306,6 +307,8 @@ def cache_values(p, flat, fmt, table_row, heads, hk, page, j0, n, acc, j_end):
     time, :func:`keys_per_pass` keys per pass over ``acc (rows, dv)``;
     prefetching as :func:`cache_scores`."""
     wide_vectors()
+    p, acc = unmanaged(p), unmanaged(acc)  # (see .memory.unmanaged)
+    flat, table_row = unmanaged(flat), unmanaged(table_row)
     rows, dv = acc.shape
     width, t = np.uint64(dv), 0
     while t < n:
@@ -319,7 +322,7 @@ def cache_values(p, flat, fmt, table_row, heads, hk, page, j0, n, acc, j_end):
             o0 = base + np.uint64(u) * width
             o1 = o0 + width  # (sums: an integer literal times a uint64 is a float64)
             o2 = o1 + width
-            add_value_rows(acc, p, t + u, count, flat, o0, o1, o2, o2 + width, width, fmt)
+            add_value_rows(acc, p, 0, rows, t + u, count, flat, o0, o1, o2, o2 + width, width, fmt)
             u += count
         t += run
 
