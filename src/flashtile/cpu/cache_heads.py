@@ -88,11 +88,12 @@ def head_scores(q_tiles, flat, fmt, table_row, heads, hk0, page, j0, n, s):
     key by key, each key's rows of all heads in turn. ``q_tiles (nh, rows,
     d)``, ``s (nh, rows, >= n)``."""
     wide_vectors()
-    q_tiles, s = unmanaged(q_tiles), unmanaged(s)  # (see .memory.unmanaged)
-    flat, table_row = unmanaged(flat), unmanaged(table_row)
     nh, rows, d = q_tiles.shape
-    # Every head's rows in one 2-D tile each, indexed, not viewed per key.
-    q_all, s_all = q_tiles.reshape((nh * rows, d)), s.reshape((nh * rows, s.shape[2]))
+    # Every head's rows in one 2-D tile each, indexed, not viewed per key;
+    # the arrays unmanaged (see .memory.unmanaged).
+    q_all = unmanaged(q_tiles.reshape((nh * rows, d)))
+    s_all = unmanaged(s.reshape((nh * rows, s.shape[2])))
+    flat, table_row = unmanaged(flat), unmanaged(table_row)
     width = np.uint64(d)
     t = 0
     while t < n:
@@ -112,10 +113,10 @@ def token_values(p, flat, fmt, table_row, heads, hk0, j0, n, acc):
     rows of all heads in turn, :func:`.cache_rows.keys_per_pass` keys per
     pass over ``acc (nh, rows, dv)`` (each key of a pass in its own page)."""
     wide_vectors()
-    p, acc = unmanaged(p), unmanaged(acc)  # (see .memory.unmanaged)
-    flat, table_row = unmanaged(flat), unmanaged(table_row)
     nh, rows, dv = acc.shape
-    acc_all, p_all = acc.reshape((nh * rows, dv)), p.reshape((nh * rows, p.shape[2]))
+    acc_all = unmanaged(acc.reshape((nh * rows, dv)))  # (as in head_scores)
+    p_all = unmanaged(p.reshape((nh * rows, p.shape[2])))
+    flat, table_row = unmanaged(flat), unmanaged(table_row)
     width = np.uint64(dv)
     t = 0
     while t < n:
@@ -141,10 +142,10 @@ def page_values(p, flat, fmt, table_row, heads, hk0, page, j0, n, acc):
     head's run of value rows in the page (the order of :func:`head_scores`),
     :func:`.cache_rows.keys_per_pass` keys per pass."""
     wide_vectors()
-    p, acc = unmanaged(p), unmanaged(acc)  # (see .memory.unmanaged)
-    flat, table_row = unmanaged(flat), unmanaged(table_row)
     nh, rows, dv = acc.shape
-    acc_all, p_all = acc.reshape((nh * rows, dv)), p.reshape((nh * rows, p.shape[2]))
+    acc_all = unmanaged(acc.reshape((nh * rows, dv)))  # (as in head_scores)
+    p_all = unmanaged(p.reshape((nh * rows, p.shape[2])))
+    flat, table_row = unmanaged(flat), unmanaged(table_row)
     width = np.uint64(dv)
     t = 0
     while t < n:
