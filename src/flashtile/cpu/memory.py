@@ -76,16 +76,22 @@ def prefetch(typingctx, arr, index):
 def unmanaged(typingctx, arr):
     """``arr`` itself without its reference count: the same data, shape and
     strides, with no meminfo, so that Numba's increments and decrements of
-    it are a test of a null pointer.
+    it do nothing (a test of a null pointer, or no call at all where LLVM
+    sees the null).
 
     For the arrays of a per-key loop. Numba takes and drops a reference for
     each row view and for each inlined helper whose arguments its pruning
     pass cannot pair up, and each is an atomic update of the array's count (a
     locked instruction, which also holds back the loads of the stream behind
     it). In the row walks of decoding they took a fifth of a step's samples
-    (perf, (1, 12, 1, 64) against 2048 keys on the AVX2 AMD EPYC). Safe for a
-    function's own arguments: the caller holds them until it returns. The
-    result must not outlive them (never returned or stored)."""
+    (perf, (1, 12, 1, 64) against 2048 keys on the AVX2 AMD EPYC).
+
+    Safe for the arguments of a function that Numba calls (never inlined,
+    ``inline="never"``, the default): its caller holds them until it
+    returns. Inlined into its caller, an argument may be a temporary that
+    Numba frees right after this call. The result must not outlive what it
+    aliases: never returned, stored or boxed to Python (an array with no
+    owner)."""
     if not isinstance(arr, types.Array):
         return None
 
