@@ -2,8 +2,8 @@
 
 Numba takes and drops a reference (an atomic update of the array's count)
 for each row view, and for each inlined helper whose array arguments its
-pruning pass cannot pair up. Inside a loop over keys that cost a fifth of a
-decoding step (``flashtile.cpu.memory.unmanaged``). Each function is compiled
+pruning pass cannot pair up. Inside the loops over keys, those took a fifth
+of a decoding step (``flashtile.cpu.memory.unmanaged``). Each function is compiled
 afresh (the cached ones cannot be inspected) and its LLVM IR may increment
 reference counts only in its entry block: a per-key one sits in a loop's.
 Numba's optimiser (``NUMBA_OPT`` above 0) and its pruning pass remove the
