@@ -266,3 +266,29 @@ def test_the_quick_pass_of_the_rule_never_hides_a_failing_row(work, lse_dtype):
             assert not fails, (sums[where], lse[where])
     ordinary = np.ones((2, 3), work), np.zeros((2, 3), lse_dtype)
     assert _no_row_fails(*ordinary)  # (the pass does answer, on ordinary rows)
+
+
+@pytest.mark.parametrize("lse_dtype", [np.float32, np.float64], ids=str)
+@pytest.mark.parametrize("work", [np.float32, np.float64])
+def test_the_compiled_extremes_are_numpys(work, lse_dtype):
+    """The quick pass's compiled reductions give NumPy's ``fmin``/``fmax`` of
+    ``lse`` cast to the sums' dtype and of the sums: NaN left out, NaN when
+    every entry is one, infinities kept, a float64 ``lse`` past float32's
+    range an infinity."""
+    from flashtile.cpu.bounds import rule_extremes
+
+    rng = np.random.default_rng(1)
+    for trial in range(60):
+        lse = (rng.standard_normal(7) * 10).astype(lse_dtype)
+        sums = rng.random(7).astype(work)
+        picks = rng.integers(0, 7, size=trial % 4)
+        lse[picks] = [np.nan, np.inf, -np.inf, 1e300 if lse_dtype == np.float64 else 1e30][
+            trial % 4
+        ]
+        sums[picks] = np.nan
+        if trial % 7 == 0:
+            lse[:], sums[:] = np.nan, np.nan
+        with np.errstate(over="ignore"):
+            wide = lse.astype(work)
+        want = (np.fmin.reduce(wide), np.fmax.reduce(wide), np.fmax.reduce(sums))
+        np.testing.assert_array_equal(rule_extremes(lse, sums), np.array(want, np.float64))

@@ -169,6 +169,43 @@ def test_the_backward_reuses_its_forwards_check(monkeypatch, shape_q, shape_k, k
         ft.attention_backward(q, k, v, out, lse, dout[..., :1, :], **kw)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, BF16], ids=str)
+@pytest.mark.parametrize("shape_q, shape_k, kw", CASES[:3])
+def test_a_repeated_backward_runs_its_stored_plan(monkeypatch, shape_q, shape_k, kw, dtype):
+    """The backward of a prepared key plans its key count once, then runs the
+    stored plan, with exactly the gradients of a checked call. Values whose
+    bound passes float32's range on that key (a huge entry of q and one of k
+    in dims the other leaves at zero: ordinary scores, float64 work) are
+    planned again, and the stored plan serves ordinary values after them."""
+    q, k, v = _arrays(shape_q, shape_k, dtype, seed=6)
+    causal, scale = kw.get("causal", False), kw.get("scale")
+    rest = {n: x for n, x in kw.items() if n not in ("causal", "scale")}
+    planned = []
+    plan = ft.gradients.plan_backward
+    monkeypatch.setattr(ft.gradients, "plan_backward", lambda *a: planned.append(a) or plan(*a))
+
+    def both(q, k):  # the prepared backward, three times, and a checked call's
+        out, lse = ft.attention(q, k, v, return_lse=True, **kw)
+        dout = np.random.default_rng(7).standard_normal(out.shape).astype(dtype)
+        call = check_call(q, k, v, causal, scale, rest)
+        want = ft.api._backward(call, out, lse, dout, None, None)
+        del planned[:]
+        for _ in range(3):
+            got = ft.attention_backward(q, k, v, out, lse, dout, **kw)
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(g, w)
+        return len(planned)
+
+    both(q, k)
+    assert both(q, k) == 0  # (the first calls stored it)
+    if dtype in (np.float32, BF16):  # (the work dtype of float64 and float16 reads no values)
+        wide_q, wide_k = q.copy(), k.copy()
+        wide_q[..., 0], wide_k[..., 1] = 0, 0
+        wide_q[..., 0, 1], wide_k[..., 0, 0] = 1e19, 1e19
+        assert both(wide_q, wide_k) == 3  # planned again on each call, in float64
+        assert both(q, k) == 0
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, BF16], ids=str)
 def test_prepared_decode_attention_matches_the_general_path(dtype):
     q, k, v = _arrays((2, 8, 1, 16), (2, 2, 300, 16), dtype, seed=9)

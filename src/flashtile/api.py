@@ -52,17 +52,18 @@ __all__ = [
 ]
 
 
-def _backward(call, out, lse, dout, block_q, block_k):
+def _backward(call, out, lse, dout, block_q, block_k, steps=None):
     """The backward of a checked call: ``(dq, dk, dv)`` in the shapes of the
     caller's ``q``, ``k``, ``v`` and its dtype, and ``dsinks`` with sinks;
-    right or a ``ValueError`` (:mod:`flashtile.gradients`).
+    right or a ``ValueError`` (:mod:`flashtile.gradients`, which also reads
+    ``steps``: a prepared call's backward plans).
 
     ``out`` and ``lse`` are the forward's, the sinks merged in: ``P = exp(S -
     lse)`` is then the softmax with the sink's column, so the kernels'
     formula needs nothing more, and the sink's own gradient is
     :func:`flashtile.merge.sink_gradient`."""
     out, lse, dout = check_gradient_inputs(call, out, lse, dout)
-    g = checked_gradients(call, out, lse, dout, block_q, block_k)
+    g = checked_gradients(call, out, lse, dout, block_q, block_k, steps=steps)
     dtype = call.q.dtype
     grads = tuple(
         in_dtype(x, a, dtype)
@@ -152,8 +153,9 @@ def attention_backward(
     else:
         call = check_call(q, k, v, causal, scale, variants)
         if key is not None:
-            prepare(key, call, block_q, block_k)
-    return _backward(call, out, lse, dout, block_q, block_k)
+            entry = prepare(key, call, block_q, block_k)
+    steps = None if entry is None else entry.backward  # its plans, reused
+    return _backward(call, out, lse, dout, block_q, block_k, steps)
 
 
 def varlen_attention(

@@ -231,7 +231,8 @@ class Prepared(NamedTuple):
     """A checked call's metadata, for later calls of the same key.
 
     ``shapes`` holds the first call's key count (later calls replace it);
-    ``steps`` maps a key count to its :class:`Step`.
+    ``steps`` maps a key count to its :class:`Step`, ``backward`` to the
+    backward's (:func:`flashtile.gradients.kernel_gradients`).
     """
 
     shapes: AttentionShapes
@@ -240,6 +241,7 @@ class Prepared(NamedTuple):
     block_q: int | None
     block_k: int | None
     steps: dict
+    backward: dict
 
 
 _PREPARED: dict = {}
@@ -259,7 +261,7 @@ prepared = _PREPARED.get
 def prepare(key, call: Call, block_q=None, block_k=None) -> Prepared:
     """Store ``call``'s checked metadata for later calls of ``key`` (a hashable
     name of everything the check read but the key count and the values)."""
-    entry = Prepared(call.shapes, call.variants, call.scale, block_q, block_k, {})
+    entry = Prepared(call.shapes, call.variants, call.scale, block_q, block_k, {}, {})
     _remember(key, entry)
     return entry
 
@@ -339,7 +341,7 @@ def prepare_decode(key, plan: DecodePlan, va: Variants, q, num_splits) -> None:
     ``num_splits`` as checked."""
     (b, hq, tq, d), (_, _, t_max, dv) = plan.q.shape, plan.layout.v.shape
     shapes = AttentionShapes((b, hq), tq, t_max, d, dv)
-    entry = Prepared(shapes, va, plan.scale, None, None, {})
+    entry = Prepared(shapes, va, plan.scale, None, None, {}, {})
     entry.steps[None] = _decode_step(plan, shapes, q.dtype, num_splits)
     _remember(key, entry)
 
@@ -350,16 +352,29 @@ def run_prepared_decode(entry: Prepared, q, k_cache, v_cache, return_lse: bool):
     step no longer holds (the BLAS was switched, or a route moved: the caller
     plans the call)."""
     step = entry.steps[None]
-    if (step.products is not None and _stale(step)) or step.routes != routes.GENERATION[0]:
+    if not live(step):
         return None
     return _run_step(step, entry.variants, q, k_cache, v_cache, return_lse)
 
 
-def _stale(step: Step) -> bool:
-    """Whether a bf16 ``step`` (``step.products`` not None: the callers test it
-    first, so other dtypes make no call) was planned under the other answer
-    of :func:`flashtile.planning.bf16_products` (the BLAS was switched)."""
-    return step.products != bf16_products(BFLOAT16)
+def live(step: Step | None) -> bool:
+    """Whether a stored ``step`` may run: planned under the present routes
+    (:data:`flashtile.routes.GENERATION`) and, for bf16 inputs, the present
+    answer of :func:`flashtile.planning.bf16_products` (the BLAS can be
+    switched at run time). A step that may not is planned again."""
+    if step is None or step.routes != routes.GENERATION[0]:
+        return False
+    return step.products is None or step.products == bf16_products(BFLOAT16)
+
+
+def step_limits(step: Step) -> tuple:
+    """The ``limits`` a forward or backward step's kernel checks its call's
+    values against (:func:`flashtile.cpu.launch.run_forward`): float32's
+    range for the scores, and for bf16 products their unscaled products too,
+    where the work dtype reads the values (:attr:`Step.bounded`)."""
+    if not step.bounded:
+        return NO_LIMITS
+    return FLOAT32_SCORE_LIMIT, FLOAT32_SCORE_LIMIT if step.bf16 else np.inf
 
 
 def run_prepared(entry: Prepared, q, k, v, return_lse: bool):
@@ -371,23 +386,24 @@ def run_prepared(entry: Prepared, q, k, v, return_lse: bool):
     reads it (values past it are planned again, as a first call)."""
     tk = k.shape[-2]
     step = entry.steps.get(tk)
-    if step is not None and step.products is not None and _stale(step):
-        step = None  # planned for another BLAS (set_backend): planned again below
-    elif step is not None and step.routes != routes.GENERATION[0]:
-        step = None  # planned before a route or the BLAS changed
-    if step is not None:
+    if live(step):  # (else none yet, or planned before a route or the BLAS changed)
         result = _run_step(step, entry.variants, q, k, v, return_lse)
         if result is not None:
             return result  # (None: float64, or widened bf16, for these values)
     call = prepared_call(entry, q, k, v)
     generation = routes.GENERATION[0]  # (before planning: a route moved meanwhile plans again)
     plan = plan_call(call, entry.block_q, entry.block_k)
-    step = _step(call, plan, generation)
-    if step is not None:
-        if len(entry.steps) >= STEPS_MAX:
-            entry.steps.clear()
-        entry.steps[tk] = step
+    keep_step(entry.steps, tk, plan_step(call, plan, generation))
     return run_plan(call, plan, return_lse)
+
+
+def keep_step(steps: dict, tk: int, step: Step | None) -> None:
+    """Store ``step`` (unless None) as ``steps``' plan for ``tk`` keys (at most
+    :data:`STEPS_MAX`: a decoding loop adds one per generated token)."""
+    if step is not None:
+        if len(steps) >= STEPS_MAX:
+            steps.clear()
+        steps[tk] = step
 
 
 def prepared_call(entry: Prepared, q, k, v) -> Call:
@@ -401,17 +417,21 @@ def prepared_call(entry: Prepared, q, k, v) -> Call:
     return Call(q, k, v, shapes, entry.variants, entry.scale)
 
 
-def _step(call: Call, plan, generation: int) -> Step | None:
-    """The :class:`Step` of a plan made at route ``generation``
+def plan_step(call: Call, plan, generation: int) -> Step | None:
+    """The :class:`Step` of a plan (the forward's, the backward's or a decode
+    plan) made at route ``generation``
     (:data:`flashtile.routes.GENERATION`), or None where this call's values
     or arrays decided it: float64 work for float32 or bfloat16 inputs, bf16
     inputs widened for the range of their products, lengths, slopes or
-    masks; or a route's answer that is not settled yet (a tiny call's
-    library given by the fixed rule while another route is measured)."""
+    masks, sinks, dropout's seed or mods; or a route's answer that is not
+    settled yet (a tiny call's library given by the fixed rule while another
+    route is measured)."""
     va = call.variants
     if va.kv_lengths is not None or va.alibi is not None or va.mask_add is not None:
         return None
-    if va.mask_bool is not None or call.cu_seqlens is not None:
+    if va.mask_bool is not None or call.cu_seqlens is not None or va.sinks is not None:
+        return None
+    if va.dropout_p > 0.0 or va.mods is not None:
         return None
     dtype = call.q.dtype
     if type(plan) is DecodePlan:  # chosen by the metadata: its range is checked after the step
@@ -483,10 +503,7 @@ def _run_step(step: Step, va: Variants, q, k, v, return_lse: bool):
             out, lse = run_decode_checked(run, va, q4, step.num_splits, result)
     else:
         q4, k4, v4 = as_blocks(q, k, v, step.shapes4, work, False)
-        limits = NO_LIMITS
-        if step.bounded:
-            limits = (FLOAT32_SCORE_LIMIT, FLOAT32_SCORE_LIMIT if step.bf16 else np.inf)
-        result = run_forward(KernelPlan(q4, k4, v4, *plan[3:]), limits=limits)
+        result = run_forward(KernelPlan(q4, k4, v4, *plan[3:]), limits=step_limits(step))
         if result is None:
             return None
         out, lse, _ = result

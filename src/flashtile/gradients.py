@@ -27,10 +27,11 @@ from typing import NamedTuple
 import ml_dtypes
 import numpy as np
 
+from . import routes
 from ._validate import check_same_shape, compute_dtype
 from .cpu.launch import run_backward, run_forward
-from .frontdoor import check_call, run_call
-from .planning import Call, KernelPlan, plan_backward, plan_forward
+from .frontdoor import check_call, keep_step, live, plan_step, run_call, step_limits
+from .planning import Call, KernelPlan, as_blocks, plan_backward, plan_forward
 from .precision import (
     GRADIENT_TOLERANCE,
     bounds,
@@ -66,23 +67,51 @@ def check_gradient_inputs(call: Call, out, lse, dout):
     return out, lse, dout
 
 
-def kernel_gradients(call: Call, out, lse, dout, block_q=None, block_k=None, hook=None, log2=False):
+def kernel_gradients(
+    call: Call, out, lse, dout, block_q=None, block_k=None, hook=None, log2=False, steps=None
+):  # fmt: skip
     """:class:`Gradients` of one kernel run, no rule applied (checked inputs;
     ``hook(plan) -> plan`` may add buffers to the plan, as flex's captured
     gradients do; ``log2``: ``lse`` in log2 units). The distributed engine's
     blocks: their ``lse`` is the whole row's, so a block's ``P`` sum to its
-    share only."""
+    share only.
+
+    ``steps``: a prepared call's backward plans by key count
+    (:attr:`flashtile.frontdoor.Prepared.backward`; not with a ``hook``). A
+    repeated backward (a training loop's) runs its stored plan on this
+    call's arrays, the kernel checking the score bound that the plan's work
+    dtype needs (:func:`flashtile.frontdoor.step_limits`); the first one, or
+    one whose values need another work dtype, is planned here, and its plan
+    kept where the metadata decided it (:func:`flashtile.frontdoor.plan_step`)."""
+    tk = call.shapes.tk
+    step = None if steps is None or hook is not None else steps.get(tk)
+    if live(step):
+        q4, k4, v4 = as_blocks(call.q, call.k, call.v, step.shapes4, step.work, False)
+        plan = KernelPlan(q4, k4, v4, *step.plan[3:])
+        result = run_backward(plan, out, lse, dout, log2, step_limits(step))
+        if result is not None:  # (None: these values need another work dtype)
+            return _gradients(result, out, lse, plan, log2)
+    generation = routes.GENERATION[0]  # (before planning: a route moved meanwhile plans again)
     plan = plan_backward(call, block_q, block_k)
     if hook is not None:
         plan = hook(plan)
-    dq, dk, dv, sums = run_backward(plan, out, lse, dout, log2)
+    elif steps is not None:
+        keep_step(steps, tk, plan_step(call, plan, generation))
+    return _gradients(run_backward(plan, out, lse, dout, log2), out, lse, plan, log2)
+
+
+def _gradients(result, out, lse, plan: KernelPlan, log2: bool) -> Gradients:
+    dq, dk, dv, sums = result
     return Gradients(dq, dk, dv, sums.reshape(lse.shape), out, lse, plan, log2)
 
 
-def checked_gradients(call: Call, out, lse, dout, block_q=None, block_k=None, hook=None):
+def checked_gradients(
+    call: Call, out, lse, dout, block_q=None, block_k=None, hook=None, steps=None
+):  # fmt: skip
     """:class:`Gradients` of a whole call that the rule trusts (see the module
-    docstring); ``out``, ``lse``, ``dout`` checked (:func:`check_gradient_inputs`)."""
-    grads = kernel_gradients(call, out, lse, dout, block_q, block_k, hook)
+    docstring); ``out``, ``lse``, ``dout`` checked (:func:`check_gradient_inputs`);
+    ``steps`` as in :func:`kernel_gradients`."""
+    grads = kernel_gradients(call, out, lse, dout, block_q, block_k, hook, steps=steps)
     sinks = call.variants.sinks
     if not gradients_unreliable(grads.sums, lse, dout, sinks):
         return grads

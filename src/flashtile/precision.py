@@ -61,7 +61,7 @@ import ml_dtypes
 import numpy as np
 
 from ._validate import BFLOAT16, compute_dtype
-from .cpu.bounds import bound_formula, bounds_compiled, max_abs_compiled
+from .cpu.bounds import bound_formula, bounds_compiled, max_abs_compiled, rule_extremes
 from .units import LOG2E
 from .variants import Variants
 
@@ -293,11 +293,15 @@ def _no_row_fails(sums, lse, tol=GRADIENT_TOLERANCE) -> bool:
     inf, a large sum or ``lse``), never "a row fails"."""
     if sums.size == 0:
         return True
-    wide = _cast(np, lse, sums.dtype)
-    lo, hi = float(np.fmin.reduce(wide, axis=None)), float(np.fmax.reduce(wide, axis=None))
+    flat = _compiled_operands(lse, sums)
+    if flat[0] is not None and flat[1] is not None and lse.dtype != BFLOAT16:
+        lo, hi, top = rule_extremes(*flat)  # (the same reductions, compiled)
+    else:
+        wide = _cast(np, lse, sums.dtype)
+        lo, hi = float(np.fmin.reduce(wide, axis=None)), float(np.fmax.reduce(wide, axis=None))
+        top = float(np.fmax.reduce(sums, axis=None))
     if not (-np.inf < lo and hi < np.inf):  # (all NaN: NaN, which fails both tests)
         return False
-    top = float(np.fmax.reduce(sums, axis=None))
     eps = _rounding(np, lse.dtype, sums.dtype)
     return top - 1.0 <= tol and max(-lo, hi) * eps < tol
 

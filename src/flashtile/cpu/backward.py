@@ -30,6 +30,7 @@ from ..units import LOG2E
 from . import FASTMATH
 from .blas import gemm, gemm_scaled
 from .blas_threads import pin_blas, unpin_blas
+from .bounds import past_limits
 from .dropout import mark_rows
 from .half import narrow, narrow_operand, prob_buffer, prob_tile, split_scale, widen
 from .mod_calls import call_row, pointer
@@ -286,6 +287,32 @@ def store_rows(src, dst, h0, i_first, br, mult):
             dst[h, i, c] = narrow(src[r, c] * mult, dst)
 
 
+@njit(fastmath=FASTMATH, cache=True)
+def item_scratch(q, rows, d, dvw, cells, chained, captured, work):
+    """A work item's scratch, carved from two allocations (``q``'s dtype and
+    ``work``) rather than eleven (a tiny call's backward spent some 10% of
+    its kernel time in ``malloc`` and ``free``): ``(q_tile, q_raw, do_tile)``
+    ``(rows, d / d / dv)`` in ``q``'s dtype; ``dq_tile (rows, d)``, ``lse2``,
+    ``delta (rows,)``, ``row_sums (rows, 1)``, the flat ``p_buf``, ``ds_buf``
+    of ``cells`` entries, and ``chain_buf``/``raw_buf`` of ``cells`` where
+    ``chained``/``captured`` (else empty) in ``work``. The score tiles come
+    first, at the allocation's alignment."""
+    q_buf = np.empty(rows * (2 * d + dvw), dtype=q.dtype)
+    q_tile = q_buf[: rows * d].reshape((rows, d))  # scaled, for the scores
+    q_raw = q_buf[rows * d : 2 * rows * d].reshape((rows, d))  # unscaled, for dK
+    do_tile = q_buf[2 * rows * d :].reshape((rows, dvw))
+    n_chain, n_raw = cells if chained else 0, cells if captured else 0
+    buf = np.empty(2 * cells + n_chain + n_raw + rows * (d + 3), dtype=work)
+    p_buf, ds_buf = buf[:cells], buf[cells : 2 * cells]
+    at = 2 * cells + n_chain + n_raw
+    chain_buf, raw_buf = buf[2 * cells : 2 * cells + n_chain], buf[2 * cells + n_chain : at]
+    dq_tile = buf[at : at + rows * d].reshape((rows, d))
+    at += rows * d
+    lse2, delta = buf[at : at + rows], buf[at + rows : at + 2 * rows]
+    row_sums = buf[at + 2 * rows : at + 3 * rows].reshape((rows, 1))
+    return q_tile, q_raw, do_tile, dq_tile, lse2, delta, row_sums, p_buf, ds_buf, chain_buf, raw_buf
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def backward_kernel(
     q, k, v, out, lse, dout, dq, dk, dv, sums, seqs, items, scale, variant_fields, block_q,
@@ -321,20 +348,13 @@ def backward_kernel(
         b, tq, tk = tile.b, tile.tq, tile.tk
         qs0, ks0 = seqs[sq, SEQ_Q_START], seqs[sq, SEQ_K_START]
         rows_max = group * tile.br  # the first block is the longest
-        q_tile = np.empty((rows_max, d), dtype=q.dtype)  # scaled, for the scores
-        q_raw = np.empty((rows_max, d), dtype=q.dtype)  # unscaled, for dK
-        do_tile = np.empty((rows_max, dvw), dtype=q.dtype)
-        dq_tile = np.empty((rows_max, d), dtype=work)
-        lse2 = np.empty(rows_max, dtype=work)
-        delta = np.empty(rows_max, dtype=work)
-        row_sums = np.empty((rows_max, 1), dtype=work)
-        p_buf = np.empty(rows_max * block_k, dtype=work)
-        ds_buf = np.empty(rows_max * block_k, dtype=work)
         n_probs = rows_max * block_k
-        half_bufs = (prob_buffer(q, n_probs, p_buf), prob_buffer(q, n_probs, ds_buf))
         chained_scores = variants.softcap > 0.0 or variants.score_fn != 0
-        chain_buf = np.empty(rows_max * block_k if chained_scores else 0, dtype=work)
-        raw_buf = np.empty(rows_max * block_k if variants.capture_fn != 0 else 0, dtype=work)
+        captured = variants.capture_fn != 0
+        scratch = item_scratch(q, rows_max, d, dvw, n_probs, chained_scores, captured, work)
+        q_tile, q_raw, do_tile, dq_tile, lse2, delta, row_sums = scratch[:7]
+        p_buf, ds_buf, chain_buf, raw_buf = scratch[7:]
+        half_bufs = (prob_buffer(q, n_probs, p_buf), prob_buffer(q, n_probs, ds_buf))
         grads = variants.mod_grads
         mod_grad = grads[n] if grads.shape[0] > 0 else grads.ravel()
         k_rows, v_rows = k[b, hk, ks0 : ks0 + tk], v[b, hk, ks0 : ks0 + tk]
@@ -367,3 +387,36 @@ def backward_kernel(
             store_rows(row_sums[:rows], sums[b], tile.h0, qs0 + i0, tile.br, dt(1.0))
         dk_rows *= dt(scale)
     unpin_blas(blas_threads)
+
+
+@njit(cache=True)
+def backward_call(
+    q, k, v, out, lse, dout, dq, dk, dv, seqs, items, scale, variant_fields, block_q, block_k,
+    lse2_mult, score_limit, products_limit, gemm_fn, blas_threads,
+):  # fmt: skip
+    """:func:`backward_kernel` with the parts' ``dk``/``dv`` summed into the
+    first (in order: deterministic) and the rows' sums allocated here;
+    returns ``(sums, fits)``. Arguments as there: ``dq``, ``dk``, ``dv``
+    (``(P, NB, Hkv, TK, d / dv)``, zeros) come from the caller, NumPy's:
+    allocated here, beside a training step's torch tensors, their pages
+    were faulted in afresh on every call (some 400 faults at T=256, 40% of
+    the backward's time).
+
+    ``score_limit``, ``products_limit``: as in
+    :func:`.forward.forward_call`: a call past either limit
+    (:func:`.bounds.past_limits`) computes nothing and returns ``fits``
+    False (a prepared call's values checked here; the caller plans it
+    again)."""
+    sums = np.zeros(q.shape[:3] + (1,), dtype=lse.dtype)
+    if past_limits(q, k, scale, score_limit, products_limit):
+        return sums, False
+    if q.size > 0:  # (no heads or batch: nothing to compute; the kernel divides by H)
+        backward_kernel(
+            q, k, v, out, lse, dout, dq, dk, dv, sums, seqs, items, scale, variant_fields,
+            block_q, block_k, lse2_mult, gemm_fn, blas_threads,
+        )  # fmt: skip
+    dk_sum, dv_sum = dk[0], dv[0]
+    for p in range(1, dk.shape[0]):  # a fixed order: deterministic sums
+        dk_sum += dk[p]
+        dv_sum += dv[p]
+    return sums, True

@@ -24,7 +24,7 @@ from ..masks import TILE_EMPTY, TILE_FULL
 from ..units import LOG2E
 from . import FASTMATH
 from .blas_threads import pin_blas, unpin_blas
-from .bounds import bound_formula, top_finite
+from .bounds import past_limits
 from .half import prob_buffer, split_scale
 from .tile_step import finish_rows, fold_key_tile, item_buffers, one_segment
 from .tiles import (
@@ -233,19 +233,13 @@ def forward_call(
 
     ``score_limit``, ``products_limit``: in log2 units, inf to check
     nothing (two floats: a tuple argument costs the dispatcher 0.4 us). A
-    call whose bounds reach either limit
-    (:func:`.bounds.bound_formula` of ``max |q|`` and ``max
-    |k|``, with no additive term) computes nothing and returns ``fits``
-    False: a prepared call checks its values here, in the compiled call
-    (a separate compiled pass from Python made a tiny call 1.3 us slower), and is planned
-    again for them (float64)."""
+    call whose bounds reach either limit (:func:`.bounds.past_limits`)
+    computes nothing and returns ``fits`` False: a prepared call checks its
+    values here, and is planned again for them (float64)."""
     out = np.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
     visited = np.empty(items.shape[0], dtype=np.int64)
-    if (score_limit < np.inf or products_limit < np.inf) and q.size > 0 and k.size > 0:
-        top_q, top_k = top_finite(q.reshape(q.size)), top_finite(k.reshape(k.size))
-        score, products = bound_formula(top_q, top_k, q.shape[3], scale, 0.0)
-        if score >= score_limit or products >= products_limit:
-            return out, visited, False
+    if past_limits(q, k, scale, score_limit, products_limit):
+        return out, visited, False
     variants = KernelVariants(*variant_fields)
     pin_blas(blas_threads)
     if q.size > 0:

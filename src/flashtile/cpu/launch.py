@@ -61,7 +61,7 @@ def _kernels() -> types.SimpleNamespace:
     """The kernel modules' entry points, imported once on first use (an import
     statement in each call costs about a microsecond)."""
     from . import clear_stale_kernels
-    from .backward import backward_kernel
+    from .backward import backward_call
     from .blas import gemm_for
     from .blas_threads import unpin_blas
     from .cache_rows import walk_flag, walk_prefetches
@@ -74,7 +74,7 @@ def _kernels() -> types.SimpleNamespace:
     if cache is not None:  # where Numba keeps this directory's kernels, if elsewhere
         clear_stale_kernels(cache)
     return types.SimpleNamespace(
-        backward_kernel=backward_kernel, gemm_for=gemm_for, forward_call=forward_call,
+        backward_call=backward_call, gemm_for=gemm_for, forward_call=forward_call,
         unpin_blas=unpin_blas, decode_call=decode_call,
         cache_operands=cache_operands, to_bfloat16=to_bfloat16, walk_flag=walk_flag,
         walk_prefetches=walk_prefetches,
@@ -247,13 +247,14 @@ def run_forward(plan, log2=False, limits=NO_LIMITS) -> tuple[np.ndarray, ...] | 
     return (out.view(BFLOAT16) if half else out), lse, visited
 
 
-def run_backward(plan, out, lse, dout, log2=False) -> tuple[np.ndarray, ...]:
+def run_backward(plan, out, lse, dout, log2=False, limits=NO_LIMITS) -> tuple | None:
     """``(dq, dk, dv, sums)`` for a backward plan: the gradients shaped like
     ``plan.q4``, ``k4``, ``v4`` (``dq`` in the dtype of ``q4``, ``dk``/``dv``
     in the work dtype, or rounded to bf16 for bf16 inputs), and each query
     row's sum of the recomputed probabilities, ``sums (NB, Hq, TQ)`` in the
     work dtype (:func:`flashtile.precision.gradients_unreliable` reads it).
-    ``lse`` in natural log, or in log2 units with ``log2``.
+    ``lse`` in natural log, or in log2 units with ``log2``; ``limits`` as in
+    :func:`run_forward` (None when the values pass them: nothing computed).
 
     ``out``, ``lse``, ``dout`` hold the caller's validated arrays (any layout
     with the plan's sizes); the parts' ``dk``/``dv`` are summed in a fixed
@@ -261,37 +262,28 @@ def run_backward(plan, out, lse, dout, log2=False) -> tuple[np.ndarray, ...]:
     """
     kernels = _kernels()
     q4, k4, v4 = plan.q4, plan.k4, plan.v4
+    rows = q4.shape[:-1]
     work = COMPUTE_DTYPES[q4.dtype]  # lse and the dk/dv sums (float32 for bf16)
-
-    def like_q4(a, last, dtype=q4.dtype):
-        return np.ascontiguousarray(a, dtype=dtype).reshape(q4.shape[:-1] + last)
-
-    out4, dout4 = like_q4(out, (v4.shape[-1],)), like_q4(dout, (v4.shape[-1],))
-    lse4 = like_q4(lse, (), work)
+    out4 = np.ascontiguousarray(out, dtype=q4.dtype).reshape(rows + v4.shape[-1:])
+    dout4 = np.ascontiguousarray(dout, dtype=q4.dtype).reshape(rows + v4.shape[-1:])
+    lse4 = np.ascontiguousarray(lse, dtype=work).reshape(rows)
     dq = np.empty_like(q4)
-    # Part p accumulates its share of dk/dv in slice p; summed below in order.
-    dk_parts = np.zeros((plan.parts, *k4.shape), work)
-    dv_parts = np.zeros((plan.parts, *v4.shape), work)
-    sums = np.zeros(q4.shape[:-1] + (1,), work)
-    if q4.size == 0:  # B = 0 or H = 0: nothing to compute (the kernel divides by H)
-        return dq, dk_parts[0], dv_parts[0], sums[..., 0]
-    gemm_fn = kernels.gemm_for(q4.dtype, plan.small)
-    bits = (q4, k4, v4, out4)
-    if q4.dtype == BFLOAT16:  # Numba has no bf16: the same memory as uint16
-        bits = tuple(a.view(np.uint16) for a in bits)
-        dout4, dq_bits = dout4.view(np.uint16), dq.view(np.uint16)
-    else:
-        dq_bits = dq
-    _call(
-        plan.threads, plan.size, gemm_fn, kernels.backward_kernel, *bits, lse4, dout4, dq_bits,
-        dk_parts, dv_parts, sums, plan.seqs, plan.items, plan.scale, tuple(plan.variants),
-        plan.block_q, plan.block_k, 1.0 if log2 else LOG2E,
+    # Part p accumulates its share of dk/dv in slice p; summed into slice 0.
+    dk = np.zeros((plan.parts, *k4.shape), work)
+    dv = np.zeros((plan.parts, *v4.shape), work)
+    half = q4.dtype == BFLOAT16
+    bits = (q4, k4, v4, out4, lse4, dout4, dq)
+    if half:  # Numba has no bf16: the same memory as uint16
+        bits = tuple(a if a is lse4 else a.view(np.uint16) for a in bits)
+    sums, fits = _call(
+        plan.threads, plan.size, kernels.gemm_for(q4.dtype, plan.small), kernels.backward_call,
+        *bits, dk, dv, plan.seqs, plan.items, plan.scale, tuple(plan.variants), plan.block_q,
+        plan.block_k, 1.0 if log2 else LOG2E, *limits,
     )  # fmt: skip
-    dk, dv = dk_parts[0], dv_parts[0]
-    for p in range(1, plan.parts):  # a fixed order: deterministic sums
-        dk += dk_parts[p]
-        dv += dv_parts[p]
-    if q4.dtype == BFLOAT16:  # compiled rounding: ml_dtypes' astype is 5x slower
+    if not fits:
+        return None
+    dk, dv = dk[0], dv[0]
+    if half:  # compiled rounding: ml_dtypes' astype is 5x slower
         dk, dv = kernels.to_bfloat16(dk), kernels.to_bfloat16(dv)
     return dq, dk, dv, sums[..., 0]
 
