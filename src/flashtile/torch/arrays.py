@@ -10,14 +10,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .._validate import BFLOAT16
-from .._validate import as_numpy as _numpy_view
+from .._validate import BFLOAT16, tensors_as_numpy
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor's memory as NumPy (detached; bfloat16 as ``ml_dtypes.bfloat16``,
-    by the NumPy API's own rule, :func:`flashtile._validate.as_numpy`)."""
-    return _numpy_view(t.detach() if t.requires_grad else t)
+    by the NumPy API's own rule, :func:`flashtile._validate.tensors_as_numpy`)."""
+    return tensors_as_numpy(t.detach() if t.requires_grad else t)[0]
 
 
 def as_tensor(a: np.ndarray) -> torch.Tensor:
