@@ -104,7 +104,7 @@ def test_bf16_products_past_float32_are_widened_on_a_prepared_key():
     for _ in range(3):
         ft.attention(q, k, v, scale=1e-20)
     key = frontdoor.plain_key(q, k, v, False, 1e-20, False, None, None, {})
-    assert frontdoor.prepared(key).steps[16].bf16  # a step of bf16 products was stored
+    assert frontdoor.prepared(key).steps[16].work == BF16  # a step of bf16 products was stored
     huge_q, huge_k = (a * BF16.type(1e19) for a in (q, k))
     got, lse = ft.attention(huge_q, huge_k, v, scale=1e-20, return_lse=True)
     want, want_lse = _general(huge_q, huge_k, v, scale=1e-20)

@@ -31,7 +31,8 @@ and then pay only for the score bound of their values (one compiled pass
 over ``q`` and ``k``; none for float64 and float16, whose bound follows
 from the metadata) and the kernel (:func:`run_prepared`). A value that
 needs another work dtype (float64 for huge scores) takes the general path
-for that call.
+for that call. The backward of a prepared key keeps its plans the same way
+(:attr:`Prepared.backward`, :func:`flashtile.gradients.kernel_gradients`).
 """
 
 from __future__ import annotations
@@ -193,12 +194,14 @@ class Step(NamedTuple):
         shapes4: the 4-D shapes of ``q``, ``k``, ``v`` in the kernels' layout.
         work: the dtype ``q`` is given to the kernel in (``k`` and ``v`` too
             in the forward; a decode plan reads the cache as it is).
-        bounded: the work dtype reads the values (float32 and bfloat16 inputs
-            of the forward: a score bound per call); the metadata decides it
-            for float64 and float16 inputs and for decode plans, whose range
-            is checked after the step.
-        bf16: the forward multiplies bf16 tiles, whose unscaled products must
-            stay inside float32's range too.
+        limits: the ``(score, products)`` bounds (log2 units) a forward or
+            backward kernel checks the call's values against before it
+            computes (:func:`flashtile.cpu.launch.run_forward`): float32's
+            range for the scores where the work dtype reads the values
+            (float32 and bfloat16 inputs), and with bf16 tiles for their
+            unscaled products too; no limit where the metadata decides it
+            (float64 and float16 inputs, and decode plans, whose range is
+            checked after the step).
         products: for bfloat16 inputs, whether bf16 products were available
             when it was planned (:func:`flashtile.planning.bf16_products`: the
             BLAS can be switched at run time; a step planned for the other
@@ -218,8 +221,7 @@ class Step(NamedTuple):
     shapes: AttentionShapes
     shapes4: tuple
     work: np.dtype
-    bounded: bool
-    bf16: bool
+    limits: tuple
     products: bool | None
     num_splits: int | None = None
     routes: int | None = None
@@ -367,16 +369,6 @@ def live(step: Step | None) -> bool:
     return step.products is None or step.products == bf16_products(BFLOAT16)
 
 
-def step_limits(step: Step) -> tuple:
-    """The ``limits`` a forward or backward step's kernel checks its call's
-    values against (:func:`flashtile.cpu.launch.run_forward`): float32's
-    range for the scores, and for bf16 products their unscaled products too,
-    where the work dtype reads the values (:attr:`Step.bounded`)."""
-    if not step.bounded:
-        return NO_LIMITS
-    return FLOAT32_SCORE_LIMIT, FLOAT32_SCORE_LIMIT if step.bf16 else np.inf
-
-
 def run_prepared(entry: Prepared, q, k, v, return_lse: bool):
     """The result of a call whose key :func:`prepare` stored: ``q, k, v`` as the
     key describes them (checked metadata, NumPy arrays in the caller's
@@ -443,14 +435,16 @@ def plan_step(call: Call, plan, generation: int) -> Step | None:
         return None  # widened for these values (the range of their products)
     shapes4 = (plan.q4.shape, plan.k4.shape, plan.v4.shape)
     template = plan._replace(q4=None, k4=None, v4=None)
-    bounded, bf16 = dtype not in _BOUND_FREE, work == BFLOAT16
+    limits = NO_LIMITS
+    if dtype not in _BOUND_FREE:  # (the work dtype reads the values)
+        limits = (FLOAT32_SCORE_LIMIT, FLOAT32_SCORE_LIMIT if work == BFLOAT16 else np.inf)
     if plan.small is not None and routes.provisional("blas.tiny"):
         return None
     # Planned again when a route or the BLAS moves: a tiny call's library is a route's.
     as_is = _as_is(call.shapes, shapes4, work, dtype)
     return Step(
-        template, call.shapes, shapes4, work, bounded, bf16, _products(dtype), None, generation,
-        None, as_is,
+        template, call.shapes, shapes4, work, limits, _products(dtype), None, generation, None,
+        as_is,
     )  # fmt: skip
 
 
@@ -465,7 +459,7 @@ def _decode_step(plan: DecodePlan, shapes: AttentionShapes, dtype, num_splits, g
     # (The kernel's out is in the work dtype's compute dtype: float32 for bf16.)
     products, as_is = _products(dtype), _as_is(shapes, shapes4, COMPUTE_DTYPES[work], dtype)
     return Step(
-        template, shapes, shapes4, work, False, False, products, num_splits, generation, launch,
+        template, shapes, shapes4, work, NO_LIMITS, products, num_splits, generation, launch,
         as_is,
     )  # fmt: skip
 
@@ -484,7 +478,7 @@ def _products(dtype) -> bool | None:
 
 def _run_step(step: Step, va: Variants, q, k, v, return_lse: bool):
     """A stored step on this call's arrays (no check, no planning), or None
-    when a forward step's values do not fit its work dtype (``step.bounded``:
+    when a forward step's values do not fit its work dtype (``step.limits``:
     the kernel checks the score bound, and with bf16 products the products'
     bound, before it computes). The casts are those of the planners (a view,
     or a copy for 16-bit inputs widened)."""
@@ -503,7 +497,7 @@ def _run_step(step: Step, va: Variants, q, k, v, return_lse: bool):
             out, lse = run_decode_checked(run, va, q4, step.num_splits, result)
     else:
         q4, k4, v4 = as_blocks(q, k, v, step.shapes4, work, False)
-        result = run_forward(KernelPlan(q4, k4, v4, *plan[3:]), limits=step_limits(step))
+        result = run_forward(KernelPlan(q4, k4, v4, *plan[3:]), limits=step.limits)
         if result is None:
             return None
         out, lse, _ = result

@@ -30,7 +30,7 @@ import numpy as np
 from . import routes
 from ._validate import check_same_shape, compute_dtype
 from .cpu.launch import run_backward, run_forward
-from .frontdoor import check_call, keep_step, live, plan_step, run_call, step_limits
+from .frontdoor import check_call, keep_step, live, plan_step, run_call
 from .planning import Call, KernelPlan, as_blocks, plan_backward, plan_forward
 from .precision import (
     GRADIENT_TOLERANCE,
@@ -80,7 +80,7 @@ def kernel_gradients(
     (:attr:`flashtile.frontdoor.Prepared.backward`; not with a ``hook``). A
     repeated backward (a training loop's) runs its stored plan on this
     call's arrays, the kernel checking the score bound that the plan's work
-    dtype needs (:func:`flashtile.frontdoor.step_limits`); the first one, or
+    dtype needs (:attr:`flashtile.frontdoor.Step.limits`); the first one, or
     one whose values need another work dtype, is planned here, and its plan
     kept where the metadata decided it (:func:`flashtile.frontdoor.plan_step`)."""
     tk = call.shapes.tk
@@ -88,7 +88,7 @@ def kernel_gradients(
     if live(step):
         q4, k4, v4 = as_blocks(call.q, call.k, call.v, step.shapes4, step.work, False)
         plan = KernelPlan(q4, k4, v4, *step.plan[3:])
-        result = run_backward(plan, out, lse, dout, log2, step_limits(step))
+        result = run_backward(plan, out, lse, dout, log2, step.limits)
         if result is not None:  # (None: these values need another work dtype)
             return _gradients(result, out, lse, plan, log2)
     generation = routes.GENERATION[0]  # (before planning: a route moved meanwhile plans again)
