@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import flashtile as ft
-from flashtile import frontdoor
+from flashtile import call_keys, frontdoor
 from flashtile.frontdoor import check_call, run_call
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -103,7 +103,7 @@ def test_bf16_products_past_float32_are_widened_on_a_prepared_key():
     q, k, v = _arrays((1, 2, 16, 8), (1, 2, 16, 8), BF16, seed=6)
     for _ in range(3):
         ft.attention(q, k, v, scale=1e-20)
-    key = frontdoor.plain_key(q, k, v, False, 1e-20, False, None, None, {})
+    key = call_keys.plain_key(q, k, v, False, 1e-20, False, None, None, {})
     assert frontdoor.prepared(key).steps[16].work == BF16  # a step of bf16 products was stored
     huge_q, huge_k = (a * BF16.type(1e19) for a in (q, k))
     got, lse = ft.attention(huge_q, huge_k, v, scale=1e-20, return_lse=True)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import flashtile
-from flashtile import frontdoor, route_cache, routes, tune
+from flashtile import call_keys, frontdoor, route_cache, routes, tune
 from flashtile.cli import main
 from flashtile.cpu import blas
 from flashtile.decode_planning import plan_decode
@@ -498,5 +498,5 @@ def test_a_tiny_calls_products_run_where_blas_tiny_says(rng, monkeypatch):
         monkeypatch.setattr(routes, "_chosen", {})  # (nothing remembered: the variable decides)
         assert not routes.provisional("blas.tiny")
         flashtile.attention(q, k, v)
-        key = frontdoor.plain_key(q, k, v, False, None, False, None, None, {})
+        key = call_keys.plain_key(q, k, v, False, None, False, None, None, {})
         assert frontdoor.prepared(key).steps[16].plan.small == "openblas"

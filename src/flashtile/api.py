@@ -30,10 +30,10 @@ from __future__ import annotations
 import numpy as np
 
 from ._validate import check_flag
+from .call_keys import plain_key
 from .cpu.launch import run_forward
 from .frontdoor import (
     check_call,
-    plain_key,
     prepare,
     prepared,
     prepared_call,

@@ -18,8 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from ._validate import check_flag, check_num_splits, resolve_scale
+from .call_keys import decode_key
 from .decode_planning import plan_decode
-from .frontdoor import decode_key, prepare_decode, prepared, run_decode_checked, run_prepared_decode
+from .frontdoor import prepare_decode, prepared, run_decode_checked, run_prepared_decode
 from .kvlayout import check_cache, decode_variants
 from .merge import add_sinks
 from .precision import narrow_out
