@@ -173,10 +173,13 @@ def test_the_backward_reuses_its_forwards_check(monkeypatch, shape_q, shape_k, k
 @pytest.mark.parametrize("shape_q, shape_k, kw", CASES[:3])
 def test_a_repeated_backward_runs_its_stored_plan(monkeypatch, shape_q, shape_k, kw, dtype):
     """The backward of a prepared key plans its key count once, then runs the
-    stored plan, with exactly the gradients of a checked call. Values whose
-    bound passes float32's range on that key (a huge entry of q and one of k
-    in dims the other leaves at zero: ordinary scores, float64 work) are
-    planned again, and the stored plan serves ordinary values after them."""
+    stored plan on each call's arrays, with exactly the gradients of a checked
+    call; once a route moves it is planned again. Values whose bound passes
+    float32's range on that key (a huge entry of q and one of k in dims the
+    other leaves at zero: ordinary scores, float64 work) are planned again,
+    and the stored plan serves ordinary values after them."""
+    from flashtile import routes
+
     q, k, v = _arrays(shape_q, shape_k, dtype, seed=6)
     causal, scale = kw.get("causal", False), kw.get("scale")
     rest = {n: x for n, x in kw.items() if n not in ("causal", "scale")}
@@ -184,13 +187,16 @@ def test_a_repeated_backward_runs_its_stored_plan(monkeypatch, shape_q, shape_k,
     plan = ft.gradients.plan_backward
     monkeypatch.setattr(ft.gradients, "plan_backward", lambda *a: planned.append(a) or plan(*a))
 
-    def both(q, k):  # the prepared backward, three times, and a checked call's
+    def both(q, k, move=False):  # three prepared backwards, each against a checked call's
         out, lse = ft.attention(q, k, v, return_lse=True, **kw)
-        dout = np.random.default_rng(7).standard_normal(out.shape).astype(dtype)
         call = check_call(q, k, v, causal, scale, rest)
-        want = ft.api._backward(call, out, lse, dout, None, None)
+        rngs = map(np.random.default_rng, (7, 8, 9))
+        douts = [rng.standard_normal(out.shape).astype(dtype) for rng in rngs]
+        wants = [ft.api._backward(call, out, lse, dout, None, None) for dout in douts]
         del planned[:]
-        for _ in range(3):
+        if move:
+            routes.moved()
+        for dout, want in zip(douts, wants, strict=True):
             got = ft.attention_backward(q, k, v, out, lse, dout, **kw)
             for g, w in zip(got, want, strict=True):
                 np.testing.assert_array_equal(g, w)
@@ -198,6 +204,7 @@ def test_a_repeated_backward_runs_its_stored_plan(monkeypatch, shape_q, shape_k,
 
     both(q, k)
     assert both(q, k) == 0  # (the first calls stored it)
+    assert both(q, k, move=True) == 1
     if dtype in (np.float32, BF16):  # (the work dtype of float64 and float16 reads no values)
         wide_q, wide_k = q.copy(), k.copy()
         wide_q[..., 0], wide_k[..., 1] = 0, 0

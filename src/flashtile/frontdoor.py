@@ -192,7 +192,8 @@ class Step(NamedTuple):
         shapes: the call's sizes for this key count.
         shapes4: the 4-D shapes of ``q``, ``k``, ``v`` in the kernels' layout.
         work: the dtype ``q`` is given to the kernel in (``k`` and ``v`` too
-            in the forward; a decode plan reads the cache as it is).
+            in the forward and the backward; a decode plan reads the cache as
+            it is).
         limits: the ``(score, products)`` bounds (log2 units) a forward or
             backward kernel checks the call's values against before it
             computes (:func:`flashtile.cpu.launch.run_forward`): float32's
@@ -210,7 +211,8 @@ class Step(NamedTuple):
             (a decode plan's walk and a tiny call's library are routes', the
             BLAS can be switched: planned again once that moves).
         launch: a decode plan's kernel call but its arrays
-            (:func:`flashtile.cpu.launch.decode_launch`); None for the forward.
+            (:func:`flashtile.cpu.launch.decode_launch`); None for the forward
+            and the backward.
         as_is: the kernel's ``out`` is the call's result as it is (the
             caller's layout and dtype), when ``lse`` is not asked for and a
             decode step did not have to compute again in float64.

@@ -293,8 +293,8 @@ def _no_row_fails(sums, lse, tol=GRADIENT_TOLERANCE) -> bool:
     inf, a large sum or ``lse``), never "a row fails"."""
     if sums.size == 0:
         return True
-    flat = _compiled_operands(lse, sums)
-    if flat[0] is not None and flat[1] is not None and lse.dtype != BFLOAT16:
+    flat = (None, None) if lse.dtype == BFLOAT16 else _compiled_operands(lse, sums)
+    if flat[0] is not None and flat[1] is not None:
         lo, hi, top = rule_extremes(*flat)  # (the same reductions, compiled)
     else:
         wide = _cast(np, lse, sums.dtype)

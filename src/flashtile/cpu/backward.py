@@ -291,7 +291,8 @@ def store_rows(src, dst, h0, i_first, br, mult):
 def item_scratch(q, rows, d, dvw, cells, chained, captured, work):
     """A work item's scratch, carved from two allocations (``q``'s dtype and
     ``work``) rather than eleven (a tiny call's backward spent some 10% of
-    its kernel time in ``malloc`` and ``free``): ``(q_tile, q_raw, do_tile)``
+    its kernel time in ``malloc`` and ``free``; bf16 products add their two
+    rounded tiles, :func:`.half.prob_buffer`): ``(q_tile, q_raw, do_tile)``
     ``(rows, d / d / dv)`` in ``q``'s dtype; ``dq_tile (rows, d)``, ``lse2``,
     ``delta (rows,)``, ``row_sums (rows, 1)``, the flat ``p_buf``, ``ds_buf``
     of ``cells`` entries, and ``chain_buf``/``raw_buf`` of ``cells`` where
@@ -316,7 +317,7 @@ def item_scratch(q, rows, d, dvw, cells, chained, captured, work):
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def backward_kernel(
     q, k, v, out, lse, dout, dq, dk, dv, sums, seqs, items, scale, variant_fields, block_q,
-    block_k, lse2_mult, gemm_fn, blas_threads,
+    block_k, lse2_mult, gemm_fn,
 ):  # fmt: skip
     """Write ``dq``, per-part ``dk``, ``dv`` and the rows' sums of ``P``
     (``sums (NB, Hq, TQ, 1)``, :func:`probs_tile`) for C-contiguous 4-D arrays.
@@ -330,8 +331,8 @@ def backward_kernel(
     memory; the caller sums the parts in a fixed order, so results stay
     bit-identical run to run. ``P > 1`` only when there are fewer
     ``(sequence, kv head)`` pairs than threads. ``lse2_mult``: ``log2(e)``
-    for a natural-log ``lse``, 1 for log2 units (:func:`row_terms`).
-    ``blas_threads``: the BLAS pinned meanwhile (:mod:`.blas_threads`).
+    for a natural-log ``lse``, 1 for log2 units (:func:`row_terms`). The
+    BLAS is pinned by the caller (:func:`backward_call`).
     """
     variants = KernelVariants(*variant_fields)
     group = q.shape[1] // k.shape[1]
@@ -340,7 +341,6 @@ def backward_kernel(
     dt = work.type
     q_mult, s_mult = split_scale(q, lse, scale * LOG2E)
     n_parts = dk.shape[0]
-    pin_blas(blas_threads)
     for n in prange(items.shape[0]):
         wide_vectors()  # the prange body is a function of its own
         sq, hk, part = items[n, 0], items[n, 1], items[n, 2]
@@ -386,7 +386,6 @@ def backward_kernel(
             store_rows(dqt, dq[b], tile.h0, qs0 + i0, tile.br, scale)
             store_rows(row_sums[:rows], sums[b], tile.h0, qs0 + i0, tile.br, dt(1.0))
         dk_rows *= dt(scale)
-    unpin_blas(blas_threads)
 
 
 @njit(cache=True)
@@ -396,27 +395,30 @@ def backward_call(
 ):  # fmt: skip
     """:func:`backward_kernel` with the parts' ``dk``/``dv`` summed into the
     first (in order: deterministic) and the rows' sums allocated here;
-    returns ``(sums, fits)``. Arguments as there: ``dq``, ``dk``, ``dv``
-    (``(P, NB, Hkv, TK, d / dv)``, zeros) come from the caller, NumPy's:
-    allocated here, beside a training step's torch tensors, their pages
-    were faulted in afresh on every call (some 400 faults at T=256, 40% of
-    the backward's time).
+    returns ``(sums (NB, Hq, TQ, 1), fits)``. Arguments as there: ``dq``
+    (shaped like ``q``) and the parts' ``dk``, ``dv`` (``(P, NB, Hkv, TK, d /
+    dv)``, zeros) come from the caller, NumPy's: allocated here, beside a
+    training step's torch tensors, their pages were faulted in afresh on
+    every call (some 400 faults at T=256, 40% of the backward's time).
+    ``blas_threads``: the BLAS pinned meanwhile (:mod:`.blas_threads`), the
+    first step (before anything that may raise, see ``launch._call``).
 
     ``score_limit``, ``products_limit``: as in
     :func:`.forward.forward_call`: a call past either limit
     (:func:`.bounds.past_limits`) computes nothing and returns ``fits``
     False (a prepared call's values checked here; the caller plans it
     again)."""
+    pin_blas(blas_threads)
     sums = np.zeros(q.shape[:3] + (1,), dtype=lse.dtype)
-    if past_limits(q, k, scale, score_limit, products_limit):
-        return sums, False
-    if q.size > 0:  # (no heads or batch: nothing to compute; the kernel divides by H)
+    fits = not past_limits(q, k, scale, score_limit, products_limit)
+    if fits and q.size > 0:  # (no heads or batch: nothing to compute; the kernel divides by H)
         backward_kernel(
             q, k, v, out, lse, dout, dq, dk, dv, sums, seqs, items, scale, variant_fields,
-            block_q, block_k, lse2_mult, gemm_fn, blas_threads,
+            block_q, block_k, lse2_mult, gemm_fn,
         )  # fmt: skip
-    dk_sum, dv_sum = dk[0], dv[0]
-    for p in range(1, dk.shape[0]):  # a fixed order: deterministic sums
-        dk_sum += dk[p]
-        dv_sum += dv[p]
-    return sums, True
+        dk_sum, dv_sum = dk[0], dv[0]
+        for p in range(1, dk.shape[0]):  # a fixed order: deterministic sums
+            dk_sum += dk[p]
+            dv_sum += dv[p]
+    unpin_blas(blas_threads)  # last: nothing after it may raise (see launch._call)
+    return sums, fits

@@ -236,16 +236,14 @@ def forward_call(
     call whose bounds reach either limit (:func:`.bounds.past_limits`)
     computes nothing and returns ``fits`` False: a prepared call checks its
     values here, and is planned again for them (float64)."""
+    pin_blas(blas_threads)  # first: before anything that may raise (see launch._call)
     out = np.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
     visited = np.empty(items.shape[0], dtype=np.int64)
-    if past_limits(q, k, scale, score_limit, products_limit):
-        return out, visited, False
-    variants = KernelVariants(*variant_fields)
-    pin_blas(blas_threads)
-    if q.size > 0:
+    fits = not past_limits(q, k, scale, score_limit, products_limit)
+    if fits and q.size > 0:
         forward_kernel(
-            q, k, v, out, lse, visited, seqs, items, scale, variants, block_q, block_k, lse_mult,
-            gemm_fn,
+            q, k, v, out, lse, visited, seqs, items, scale, KernelVariants(*variant_fields),
+            block_q, block_k, lse_mult, gemm_fn,
         )  # fmt: skip
-    unpin_blas(blas_threads)
-    return out, visited, True
+    unpin_blas(blas_threads)  # last: nothing after it may raise
+    return out, visited, fits
