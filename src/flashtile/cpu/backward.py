@@ -287,33 +287,6 @@ def store_rows(src, dst, h0, i_first, br, mult):
             dst[h, i, c] = narrow(src[r, c] * mult, dst)
 
 
-@njit(fastmath=FASTMATH, cache=True)
-def item_scratch(q, rows, d, dvw, cells, chained, captured, work):
-    """A work item's scratch, carved from two allocations (``q``'s dtype and
-    ``work``) rather than eleven (a tiny call's backward spent some 10% of
-    its kernel time in ``malloc`` and ``free``; bf16 products add their two
-    rounded tiles, :func:`.half.prob_buffer`): ``(q_tile, q_raw, do_tile)``
-    ``(rows, d / d / dv)`` in ``q``'s dtype; ``dq_tile (rows, d)``, ``lse2``,
-    ``delta (rows,)``, ``row_sums (rows, 1)``, the flat ``p_buf``, ``ds_buf``
-    of ``cells`` entries, and ``chain_buf``/``raw_buf`` of ``cells`` where
-    ``chained``/``captured`` (else empty) in ``work``. The score tiles come
-    first, at the allocation's alignment."""
-    q_buf = np.empty(rows * (2 * d + dvw), dtype=q.dtype)
-    q_tile = q_buf[: rows * d].reshape((rows, d))  # scaled, for the scores
-    q_raw = q_buf[rows * d : 2 * rows * d].reshape((rows, d))  # unscaled, for dK
-    do_tile = q_buf[2 * rows * d :].reshape((rows, dvw))
-    n_chain, n_raw = cells if chained else 0, cells if captured else 0
-    buf = np.empty(2 * cells + n_chain + n_raw + rows * (d + 3), dtype=work)
-    p_buf, ds_buf = buf[:cells], buf[cells : 2 * cells]
-    at = 2 * cells + n_chain + n_raw
-    chain_buf, raw_buf = buf[2 * cells : 2 * cells + n_chain], buf[2 * cells + n_chain : at]
-    dq_tile = buf[at : at + rows * d].reshape((rows, d))
-    at += rows * d
-    lse2, delta = buf[at : at + rows], buf[at + rows : at + 2 * rows]
-    row_sums = buf[at + 2 * rows : at + 3 * rows].reshape((rows, 1))
-    return q_tile, q_raw, do_tile, dq_tile, lse2, delta, row_sums, p_buf, ds_buf, chain_buf, raw_buf
-
-
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def backward_kernel(
     q, k, v, out, lse, dout, dq, dk, dv, sums, seqs, items, scale, variant_fields, block_q,
@@ -348,13 +321,20 @@ def backward_kernel(
         b, tq, tk = tile.b, tile.tq, tile.tk
         qs0, ks0 = seqs[sq, SEQ_Q_START], seqs[sq, SEQ_K_START]
         rows_max = group * tile.br  # the first block is the longest
+        q_tile = np.empty((rows_max, d), dtype=q.dtype)  # scaled, for the scores
+        q_raw = np.empty((rows_max, d), dtype=q.dtype)  # unscaled, for dK
+        do_tile = np.empty((rows_max, dvw), dtype=q.dtype)
+        dq_tile = np.empty((rows_max, d), dtype=work)
+        lse2 = np.empty(rows_max, dtype=work)
+        delta = np.empty(rows_max, dtype=work)
+        row_sums = np.empty((rows_max, 1), dtype=work)
+        p_buf = np.empty(rows_max * block_k, dtype=work)
+        ds_buf = np.empty(rows_max * block_k, dtype=work)
         n_probs = rows_max * block_k
-        chained_scores = variants.softcap > 0.0 or variants.score_fn != 0
-        captured = variants.capture_fn != 0
-        scratch = item_scratch(q, rows_max, d, dvw, n_probs, chained_scores, captured, work)
-        q_tile, q_raw, do_tile, dq_tile, lse2, delta, row_sums = scratch[:7]
-        p_buf, ds_buf, chain_buf, raw_buf = scratch[7:]
         half_bufs = (prob_buffer(q, n_probs, p_buf), prob_buffer(q, n_probs, ds_buf))
+        chained_scores = variants.softcap > 0.0 or variants.score_fn != 0
+        chain_buf = np.empty(rows_max * block_k if chained_scores else 0, dtype=work)
+        raw_buf = np.empty(rows_max * block_k if variants.capture_fn != 0 else 0, dtype=work)
         grads = variants.mod_grads
         mod_grad = grads[n] if grads.shape[0] > 0 else grads.ravel()
         k_rows, v_rows = k[b, hk, ks0 : ks0 + tk], v[b, hk, ks0 : ks0 + tk]
