@@ -32,6 +32,7 @@ from .cache_rows import (
     key_scores,
     keys_per_pass,
     page_run,
+    page_values_run,
     row_offset,
     walk_cache_rows,
 )
@@ -140,7 +141,7 @@ def token_values(p, flat, fmt, table_row, heads, hk0, j0, n, acc):
 def page_values(p, flat, fmt, table_row, heads, hk0, page, j0, n, acc):
     """:func:`token_values` for pages of several keys: page by page, each
     head's run of value rows in the page (the order of :func:`head_scores`),
-    :func:`.cache_rows.keys_per_pass` keys per pass."""
+    :func:`.cache_rows.page_values_run` over each run."""
     wide_vectors()
     nh, rows, dv = acc.shape
     acc_all = unmanaged(acc.reshape((nh * rows, dv)))  # (as in head_scores)
@@ -152,17 +153,9 @@ def page_values(p, flat, fmt, table_row, heads, hk0, page, j0, n, acc):
         run = 0  # (the same for every head)
         for u in range(nh):
             run, base = page_run(table_row, heads, hk0 + u, page, dv, j0 + t, n - t)
-            i = 0
-            while i < run:
-                count = keys_per_pass(rows, run - i)
-                o0 = base + np.uint64(i) * width
-                o1 = o0 + width  # (sums: an integer literal times a uint64 is a float64)
-                o2 = o1 + width
-                add_value_rows(
-                    acc_all, p_all, u * rows, (u + 1) * rows, t + i, count, flat, o0, o1, o2,
-                    o2 + width, width, fmt,
-                )  # fmt: skip
-                i += count
+            unread = (table_row, heads, hk0 + u, page, dv, j0 + t, 0)  # no prefetch
+            page_values_run(acc_all, p_all, u * rows, (u + 1) * rows, t, run, flat, base, width,
+                            fmt, unread)  # fmt: skip
         t += run
 
 
