@@ -28,6 +28,8 @@ from .cache_rows import (
     HeadRowsWalk,
     RowWalk,
     add_value_rows,
+    dot_keys4,
+    dot_rows4,
     head_tile,
     key_scores,
     keys_per_pass,
@@ -85,9 +87,10 @@ def head_scores(q_tiles, flat, fmt, table_row, heads, hk0, page, j0, n, s):
     """``s[u, r, t] = q_tiles[u, r] . key_{j0 + t}`` of kv head ``hk0 + u``,
     for every head of the item, in the cache's memory order (the module
     docstring): page by page, each head's run of keys in the page
-    (:func:`.cache_rows.key_scores` key by key); with one-token pages that is
-    key by key, each key's rows of all heads in turn. ``q_tiles (nh, rows,
-    d)``, ``s (nh, rows, >= n)``."""
+    (:func:`.cache_rows.key_scores` key by key, or for one query row four
+    keys per pass); with one-token pages that is key by key, each key's rows
+    of all heads in turn (one row: :func:`token_scores4`). ``q_tiles (nh,
+    rows, d)``, ``s (nh, rows, >= n)``."""
     wide_vectors()
     nh, rows, d = q_tiles.shape
     # Every head's rows in one 2-D tile each, indexed, not viewed per key;
@@ -97,32 +100,85 @@ def head_scores(q_tiles, flat, fmt, table_row, heads, hk0, page, j0, n, s):
     flat, table_row = unmanaged(flat), unmanaged(table_row)
     width = np.uint64(d)
     t = 0
+    if rows == 1 and page == 1:  # (page literal 1 below: no division per key)
+        t = token_scores4(q_all, s_all, flat, fmt, table_row, heads, hk0, j0, n)
     while t < n:
         run = 0  # (the same for every head)
         for u in range(nh):
             run, o = page_run(table_row, heads, hk0 + u, page, d, j0 + t, n - t)
-            for i in range(run):
-                key_scores(q_all, u * rows, (u + 1) * rows, flat, o, width, fmt, s_all, t + i)
-                o += width
+            i = 0
+            if rows == 1:  # four keys of the run per pass (as .cache_rows.cache_scores)
+                while i + 4 <= run:
+                    c = t + i
+                    x = dot_keys4(q_all, u, flat, o + np.uint64(i) * width, width, fmt)
+                    s_all[u, c], s_all[u, c + 1], s_all[u, c + 2], s_all[u, c + 3] = x
+                    i += 4
+            while i < run:
+                o_i = o + np.uint64(i) * width
+                key_scores(q_all, u * rows, (u + 1) * rows, flat, o_i, width, fmt, s_all, t + i)
+                i += 1
         t += run
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def token_scores4(q_all, s_all, flat, fmt, table_row, heads, hk0, j0, n):
+    """:func:`head_scores` of one query row per head over one-token pages,
+    four keys per pass while four are left (each key in its own page,
+    :func:`.cache_rows.dot_rows4`); return the next key. The scores of 12
+    heads, d 64, over 2048 keys (in L3, one thread, AVX2 AMD EPYC) took
+    0.54x the time of one key at a time with a page lookup (a division) per
+    key; pages of 16 keys, four keys of a run per pass, 0.70x."""
+    nh, d = q_all.shape
+    width = np.uint64(d)
+    t = 0
+    while t + 4 <= n:
+        for u in range(nh):
+            j = j0 + t
+            o0 = row_offset(table_row, heads, hk0 + u, 1, d, j)
+            o1 = row_offset(table_row, heads, hk0 + u, 1, d, j + 1)
+            o2 = row_offset(table_row, heads, hk0 + u, 1, d, j + 2)
+            o3 = row_offset(table_row, heads, hk0 + u, 1, d, j + 3)
+            x = dot_rows4(q_all, u, flat, o0, o1, o2, o3, width, fmt)
+            s_all[u, t], s_all[u, t + 1], s_all[u, t + 2], s_all[u, t + 3] = x
+        t += 4
+    return t
 
 
 @njit(fastmath=FASTMATH, cache=True)
 def token_values(p, flat, fmt, table_row, heads, hk0, j0, n, acc):
     """``acc[u] += p[u, :, :n] @ V`` of kv head ``hk0 + u`` for every head of
     the item, from a cache of one-token pages: key by key, each key's value
-    rows of all heads in turn, :func:`.cache_rows.keys_per_pass` keys per
-    pass over ``acc (nh, rows, dv)`` (each key of a pass in its own page)."""
+    rows of all heads in turn, :func:`.cache_rows.keys_per_pass`'s keys per
+    pass over ``acc (nh, rows, dv)`` (each key of a pass in its own page),
+    then one by one; one row compiled on its own (as
+    :func:`.cache_rows.page_values_run`)."""
     wide_vectors()
     nh, rows, dv = acc.shape
     acc_all = unmanaged(acc.reshape((nh * rows, dv)))  # (as in head_scores)
     p_all = unmanaged(p.reshape((nh * rows, p.shape[2])))
     flat, table_row = unmanaged(flat), unmanaged(table_row)
+    keys = (flat, fmt, table_row, heads, hk0, j0, n)
+    if rows == 1:
+        t = token_passes(acc_all, p_all, 1, 0, 2, keys)
+    elif keys_per_pass(rows, 4) == 4:
+        t = token_passes(acc_all, p_all, rows, 0, 4, keys)
+    else:
+        t = token_passes(acc_all, p_all, rows, 0, 2, keys)
+    token_passes(acc_all, p_all, rows, t, 1, keys)
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def token_passes(acc_all, p_all, rows, t, count, keys):
+    """:func:`token_values`' passes of ``count`` keys from key ``t`` while
+    ``count`` are left (literal ``count`` and, for one row, ``rows``: see
+    :func:`.cache_rows.run_values`); return the next key. ``acc_all (nh *
+    rows, dv)``, ``p_all (nh * rows, >= n)``; ``keys``: ``(flat, fmt,
+    table_row, heads, hk0, j0, n)``."""
+    flat, fmt, table_row, heads, hk0, j0, n = keys
+    dv = acc_all.shape[1]
     width = np.uint64(dv)
-    t = 0
-    while t < n:
-        count = keys_per_pass(rows, n - t)
-        for u in range(nh):
+    while t + count <= n:
+        for u in range(acc_all.shape[0] // rows):
             # Offsets past the pass's keys repeat its first key's (unread).
             o0 = row_offset(table_row, heads, hk0 + u, 1, dv, j0 + t)
             o1 = o2 = o3 = o0
@@ -135,6 +191,7 @@ def token_values(p, flat, fmt, table_row, heads, hk0, j0, n, acc):
                 acc_all, p_all, u * rows, (u + 1) * rows, t, count, flat, o0, o1, o2, o3, width, fmt
             )
         t += count
+    return t
 
 
 @njit(fastmath=FASTMATH, cache=True)

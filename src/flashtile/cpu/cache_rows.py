@@ -260,9 +260,9 @@ def run_values(acc, p, r0, r1, t, run, count, flat, o, width, fmt, ahead):
     return how many keys that added (a multiple of ``count``). Called with
     literal ``count`` (and, for one row, literal rows), so that the inlined
     pass compiles without its branches and row loop: the one-row value pass
-    of a decoding step took 0.80-0.83x the time so (12 heads, d 64, 2048 keys
-    in L3; 8 heads, d 128, 65536 keys from memory; one thread, AVX2 AMD
-    EPYC). ``ahead``: ``(table_row, heads, hk, page, dv, j, j_end)``, the
+    of a decoding step took 0.80-0.90x the time so (12 heads at d 64 with
+    2048 keys in L3 and 65536 from memory, 8 heads at d 128; one thread,
+    AVX2 AMD EPYC). ``ahead``: ``(table_row, heads, hk, page, dv, j, j_end)``, the
     keys' prefetch (:func:`prefetch_row`; ``j`` the first key's index, and
     none with ``j_end = 0``)."""
     table_row, heads, hk, page, dv, j, j_end = ahead
@@ -286,7 +286,7 @@ def page_values_run(acc, p, r0, r1, t, run, flat, o, width, fmt, ahead):
     rows = r1 - r0
     if rows == 1:
         u = run_values(acc, p, r0, r0 + 1, t, run, 2, flat, o, width, fmt, ahead)
-    elif rows >= ROWS_PER_PASS:
+    elif keys_per_pass(rows, 4) == 4:
         u = run_values(acc, p, r0, r1, t, run, 4, flat, o, width, fmt, ahead)
     else:
         u = run_values(acc, p, r0, r1, t, run, 2, flat, o, width, fmt, ahead)
@@ -299,14 +299,22 @@ def page_values_run(acc, p, r0, r1, t, run, flat, o, width, fmt, ahead):
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def dot_keys4(q_tile, r, flat, o, width, fmt):
     """The dot products of query row ``r`` with the four consecutive cache rows
-    from flat offset ``o``, each query element loaded once."""
+    from flat offset ``o`` (:func:`dot_rows4`)."""
     o1 = o + width  # (sums: an integer literal times a uint64 is a float64)
     o2 = o1 + width
-    o3 = o2 + width
+    return dot_rows4(q_tile, r, flat, o, o1, o2, o2 + width, width, fmt)
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def dot_rows4(q_tile, r, flat, o0, o1, o2, o3, width, fmt):
+    """The dot products of query row ``r`` with the cache rows at flat offsets
+    ``o0 .. o3``, each query element loaded once: four independent sums, where
+    one key at a time is a chain of dependent adds and a horizontal sum per
+    key."""
     a0 = a1 = a2 = a3 = q_tile.dtype.type(0.0)
     for c in range(width):
         x = q_tile[r, c]
-        a0 += x * load_value(flat, o + c, fmt)
+        a0 += x * load_value(flat, o0 + c, fmt)
         a1 += x * load_value(flat, o1 + c, fmt)
         a2 += x * load_value(flat, o2 + c, fmt)
         a3 += x * load_value(flat, o3 + c, fmt)
