@@ -21,9 +21,10 @@ from ._validate import check_flag, check_num_splits, resolve_scale
 from .call_keys import decode_key
 from .decode_planning import plan_decode
 from .frontdoor import prepare_decode, prepared, run_decode_checked, run_prepared_decode
-from .kvlayout import check_cache, decode_variants
+from .kvlayout import CacheLayout, check_cache, decode_variants
 from .merge import add_sinks
 from .precision import narrow_out
+from .variants import Variants
 
 
 def decode_attention(
@@ -104,6 +105,17 @@ def decode_attention(
         sinks=sinks,
     )  # fmt: skip
     scale = resolve_scale(scale, q.shape[3])
+    out, lse = decode_checked(q, layout, variants, scale, num_splits, key)
+    return (out, lse) if return_lse else out
+
+
+def decode_checked(q, layout: CacheLayout, variants: Variants, scale: float, num_splits, key=None):
+    """``(out (B, Hq, Tq, dv), lse)`` of a checked decode call (as
+    :func:`decode_attention` returns them): ``q`` and ``layout`` from
+    :func:`flashtile.kvlayout.check_cache`, the variants from
+    :func:`flashtile.kvlayout.decode_variants`, ``scale`` resolved,
+    ``num_splits`` checked. The plan is stored for later calls of ``key``
+    where one is given (:func:`flashtile.call_keys.decode_key`)."""
     plan = plan_decode(q, layout, variants, scale, num_splits)
     if key is not None:
         prepare_decode(key, plan, variants, q, num_splits)
@@ -112,4 +124,4 @@ def decode_attention(
         out, lse = add_sinks(np, out, lse, variants.sinks)
     if out.dtype != q.dtype:  # float16 inputs
         out = narrow_out(out, q.dtype)
-    return (out, lse) if return_lse else out
+    return out, lse

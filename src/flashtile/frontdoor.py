@@ -265,11 +265,13 @@ def prepare(key, call: Call, block_q=None, block_k=None) -> Prepared:
     """Store ``call``'s checked metadata for later calls of ``key`` (a hashable
     name of everything the check read but the key count and the values)."""
     entry = Prepared(call.shapes, call.variants, call.scale, block_q, block_k, {}, {})
-    _remember(key, entry)
+    remember(key, entry)
     return entry
 
 
-def _remember(key, entry: Prepared) -> None:
+def remember(key, entry) -> None:
+    """Store ``entry`` as the prepared record of ``key`` (a :class:`Prepared`, or
+    another entry point's record under a key of its own tag)."""
     if len(_PREPARED) >= PREPARED_MAX:
         _PREPARED.clear()
     _PREPARED[key] = entry
@@ -283,7 +285,7 @@ def prepare_decode(key, plan: DecodePlan, va: Variants, q, num_splits) -> None:
     shapes = AttentionShapes((b, hq), tq, t_max, d, dv)
     entry = Prepared(shapes, va, plan.scale, None, None, {}, {})
     entry.steps[None] = _decode_step(plan, shapes, q.dtype, num_splits)
-    _remember(key, entry)
+    remember(key, entry)
 
 
 def run_prepared_decode(entry: Prepared, q, k_cache, v_cache, return_lse: bool):

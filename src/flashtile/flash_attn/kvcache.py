@@ -35,10 +35,14 @@ import numbers
 import numpy as np
 import torch
 
-import flashtile
+from flashtile._validate import resolve_scale
+from flashtile.decode import decode_checked
+from flashtile.kvlayout import check_cache, decode_variants
 from flashtile.torch.arrays import as_numpy, as_tensor
 
 from . import checks
+from .kvcache_steps import kvcache_key, prepare_step, run_step
+from .pages import token_index, token_pages, transposes_contiguous
 from .rotary import check_tables, rotate
 
 _NO_KVCACHE = {
@@ -125,6 +129,18 @@ def _with_kvcache(
     cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
     alibi_slopes, num_splits, return_softmax_lse, sinks,
 ):  # fmt: skip
+    key = None
+    if (rotary_cos is None and rotary_sin is None and cache_batch_idx is None
+            and cache_leftpad is None and block_table is None and alibi_slopes is None
+            and sinks is None):  # fmt: skip
+        key = kvcache_key(
+            q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
+            softcap, num_splits, return_softmax_lse,
+        )  # fmt: skip
+        result = None if key is None else _run_prepared(key, q, k_cache, v_cache, k, v,
+                                                        cache_seqlens)  # fmt: skip
+        if result is not None:  # (None: a first call, or lengths out of range)
+            return result if return_softmax_lse else result[0]
     opts = checks.options(
         0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, sinks
     )
@@ -155,9 +171,25 @@ def _with_kvcache(
         _append(k_cache, v_cache, new, seqlens, slot, table, rows)
     lengths = total if leftpad is None else total - leftpad
     k_pages, v_pages, pages_table = _pages(k_cache, v_cache, slot, table, leftpad, lengths)
-    out, lse = _decode(q, k_pages, v_pages, lengths, pages_table, splits, opts)
+    store = None
+    if key is not None:  # (the whole path's checks hold: later calls of key run steps)
+        stride = None if k_pages.shape[2] > 1 else token_pages(k_cache, "k_cache")[1]
+        store = prepare_step(key, splits, capacity, stride)
+    out, lse = _decode(q, k_pages, v_pages, lengths, pages_table, splits, opts, store)
     out = out.transpose(1, 2).contiguous()
     return (out, lse) if return_softmax_lse else out
+
+
+def _run_prepared(key, q, k_cache, v_cache, k, v, cache_seqlens):
+    """:func:`.kvcache_steps.run_step` of a call of ``key``, appending as
+    :func:`_append` does (a contiguous cache, a row per batch entry)."""
+    new = None if k is None else (k, v)
+
+    def append(seqlens):
+        slot = torch.arange(q.shape[0])
+        _append(k_cache, v_cache, new, seqlens, slot, None, k_cache.shape[1])
+
+    return run_step(key, q, k_cache, v_cache, new, cache_seqlens, append)
 
 
 def _rows(k_cache, block_table, cache_batch_idx, batch: int, device):
@@ -316,13 +348,22 @@ def _check_table(table, total, rows: int, pages: int) -> None:
 
 
 def _append(k_cache, v_cache, new, seqlens, slot, table, rows: int) -> None:
-    """Write the new keys and values at ``cache_seqlens[b] + j``, in place."""
+    """Write the new keys and values at ``cache_seqlens[b] + j``, in place. On
+    the CPU through NumPy (the same indexing): torch's indexed write of a
+    decoding step's few rows took 24 us, 49 between a model's layers."""
     k, v = new
-    at = seqlens[:, None] + torch.arange(k.shape[1], device=seqlens.device)  # (batch, seqlen_new)
+    xp = torch if checks.on_gpu(k_cache) else np
+    if xp is np:
+        k_cache, v_cache, k, v = (as_numpy(t) for t in (k_cache, v_cache, k, v))
+        seqlens, slot, table = (None if t is None else t.numpy() for t in (seqlens, slot, table))
+    on = {"device": seqlens.device} if xp is torch else {}
+    at = seqlens[:, None] + xp.arange(k.shape[1], **on)  # (batch, seqlen_new)
     if table is None:
-        where = (slot[:, None].expand_as(at), at)
+        where = (slot[:, None], at)
     else:  # page of position p: table[b, p // page_size], row p % page_size
-        where = (table.gather(1, at // rows), at % rows)
+        block = at // rows
+        page = table.gather(1, block) if xp is torch else np.take_along_axis(table, block, 1)
+        where = (page, at % rows)
     k_cache[where] = k
     v_cache[where] = v
 
@@ -332,13 +373,13 @@ def _pages(k_cache, v_cache, slot, table, leftpad, lengths):
     their block table, without copying (see the module docstring)."""
     hkv = k_cache.shape[2]
     natural = leftpad is None and (
-        checks.on_gpu(k_cache) or (hkv == 1 and _transposes_contiguous(k_cache, v_cache))
+        checks.on_gpu(k_cache) or (hkv == 1 and transposes_contiguous(k_cache, v_cache))
     )
     if natural:  # pages of the cache's own rows (or blocks)
         table = slot[:, None] if table is None else table
         return k_cache.transpose(1, 2), v_cache.transpose(1, 2), table
-    k_tokens, stride = _token_pages(k_cache, "k_cache")
-    v_tokens, v_stride = _token_pages(v_cache, "v_cache")
+    k_tokens, stride = token_pages(k_cache, "k_cache")
+    v_tokens, v_stride = token_pages(v_cache, "v_cache")
     if v_stride != stride:
         raise ValueError(
             f"k_cache and v_cache place their rows {stride} and {v_stride} tokens apart: give "
@@ -349,42 +390,17 @@ def _pages(k_cache, v_cache, slot, table, leftpad, lengths):
     first = torch.zeros_like(lengths) if leftpad is None else leftpad
     at = first[:, None] + torch.arange(width, device=lengths.device)  # (batch, width) positions
     if table is None:
-        tokens = slot[:, None] * stride + at
+        tokens = token_index(slot[:, None], stride, at)
     else:  # entries past a sequence's length are never read: clamp them into the table
         at = at.clamp(max=table.shape[1] * rows - 1)
-        tokens = table.gather(1, at // rows) * stride + at % rows
+        tokens = token_index(table.gather(1, at // rows), stride, at % rows)
     return k_tokens, v_tokens, tokens
 
 
-def _transposes_contiguous(*caches) -> bool:
-    return all(c.transpose(1, 2).is_contiguous() for c in caches)
-
-
-def _token_pages(cache: torch.Tensor, name: str):
-    """``cache (rows, seqlen, nheads_k, d)`` as one-token pages ``(tokens, nheads_k, 1, d)``
-    over the same memory, and how many tokens apart its rows start."""
-    n, t, h, d = cache.shape
-    s0, s1, s2, s3 = cache.stride()
-    token = h * d
-    fits = (
-        (s3 == 1 or d == 1) and (s2 == d or h == 1) and (s1 == token or t == 1)
-        and (s0 % token == 0 or n == 1)
-    )  # fmt: skip
-    if not fits:
-        raise ValueError(
-            f"{name} has strides {cache.stride()} for shape {tuple(cache.shape)}: flashtile "
-            f"reads this cache in place token by token (a CPU cache, or any cache with "
-            f"cache_leftpad), which needs each token's (nheads_k, headdim) block contiguous "
-            f"and the tokens of a row nheads_k * headdim apart; allocate the cache contiguous "
-            f"once (e.g. torch.zeros(batch, seqlen, nheads_k, headdim))"
-        )
-    stride = s0 // token if n > 1 else 0
-    pages = cache.as_strided(((n - 1) * stride + t, h, 1, d), (token, d, d, 1))
-    return pages, stride
-
-
-def _decode(q, k_pages, v_pages, lengths, table, splits, opts):
-    """``(out (B, Hq, Tq, dv), lse (B, Hq, Tq))`` from flashtile's decode kernels."""
+def _decode(q, k_pages, v_pages, lengths, table, splits, opts, prepared=None):
+    """``(out (B, Hq, Tq, dv), lse (B, Hq, Tq))`` from flashtile's decode kernels;
+    on the CPU, ``prepared(variants, scale)`` is told the call's checked
+    variants and scale, where given."""
     keywords = {
         "num_splits": splits, "causal": opts.causal, "scale": opts.scale, "window": opts.window,
         "softcap": opts.softcap, "return_lse": True,
@@ -400,10 +416,17 @@ def _decode(q, k_pages, v_pages, lengths, table, splits, opts):
             alibi_slopes=opts.alibi, **keywords,
         )  # fmt: skip
     alibi = None if opts.alibi is None else opts.alibi.to("cpu", torch.float64).numpy()
-    if opts.sinks is not None:
-        keywords["sinks"] = opts.sinks.detach().to("cpu", torch.float64).numpy()
-    out, lse = flashtile.decode_attention(
-        as_numpy(qt), as_numpy(k_pages), as_numpy(v_pages), cache_seqlens=lengths.numpy(),
-        block_table=np.ascontiguousarray(table.numpy()), alibi_slopes=alibi, **keywords,
+    sinks = None if opts.sinks is None else opts.sinks.detach().to("cpu", torch.float64).numpy()
+    # flashtile.decode_attention's check and run, taken apart so that the
+    # checked variants and scale are kept for later calls (.kvcache_steps).
+    q4, layout = check_cache(as_numpy(qt), as_numpy(k_pages), as_numpy(v_pages),
+                             lengths.numpy(), np.ascontiguousarray(table.numpy()))  # fmt: skip
+    variants = decode_variants(
+        q4, layout, causal=opts.causal, window=opts.window, alibi_slopes=alibi,
+        softcap=opts.softcap, sinks=sinks,
     )  # fmt: skip
+    scale = resolve_scale(opts.scale, q4.shape[3])
+    out, lse = decode_checked(q4, layout, variants, scale, splits)
+    if prepared is not None:
+        prepared(variants, scale)
     return as_tensor(out), as_tensor(lse)

@@ -1,0 +1,149 @@
+"""Repeated ``flash_attn_with_kvcache`` calls on the CPU: checked once.
+
+A serving loop calls ``flash_attn_with_kvcache`` once per layer and token
+with tensors of the same metadata (shapes, strides, dtypes) and the same
+keywords; only values change: the new keys and values, ``cache_seqlens``.
+The first call of a metadata takes the whole path (:mod:`.kvcache`: the
+flash-attn checks, then the decode call's checks) and stores what they
+found: the checked variants and scale, how the cache is read. Later calls of
+that metadata check only their values, append, and run the decode kernels
+(:func:`flashtile.decode.decode_checked`) with those: no torch-level checks
+and no second check of the cache. A value out of range (``cache_seqlens``
+past the capacity) sends the call down the whole path, whose check names
+it.
+
+Only for CPU tensors without ``block_table``, ``cache_batch_idx``,
+``cache_leftpad``, rotary tables, ALiBi slopes or sinks: the other calls take
+the whole path every time. The records live among flashtile's prepared
+calls (:func:`flashtile.frontdoor.remember`), bounded with them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from flashtile.cpu.launch import numba_threads
+from flashtile.decode import decode_checked
+from flashtile.frontdoor import prepared, remember
+from flashtile.kvlayout import CacheLayout
+from flashtile.torch.arrays import as_numpy, as_tensor
+from flashtile.variants import Variants
+
+from .pages import token_index, token_pages
+
+
+class KVCacheStep(NamedTuple):
+    """What the first call of a key found (see the module docstring).
+
+    Attributes:
+        variants, scale: the decode call's checked variants and scale.
+        splits: ``num_splits`` checked (None: automatic).
+        capacity: keys a cache row holds (its ``seqlen_cache``).
+        stride: how many tokens apart the cache's rows start, for a cache
+            read as one-token pages; None for one kv head, read as the
+            transposed ``(batch, 1, seqlen_cache, d)`` view in place.
+    """
+
+    variants: Variants
+    scale: float
+    splits: int | None
+    capacity: int
+    stride: int | None
+
+
+def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, scale, causal, window, softcap,
+                num_splits, return_lse):  # fmt: skip
+    """The prepared-call key of a ``flash_attn_with_kvcache`` call whose other
+    keywords are at their defaults (the caller's test), or None when it has
+    none: CPU tensors, ``cache_seqlens`` None, a Python int or a tensor, and
+    plain keyword values (``softmax_scale`` None or a float, ``causal`` and
+    ``return_softmax_lse`` bools, ``window_size`` two ints, ``softcap`` a
+    float, ``num_splits`` an int). Types are part of the key, as in
+    :func:`flashtile.call_keys.decode_key`."""
+    if not (type(q) is type(k_cache) is type(v_cache) is torch.Tensor):
+        return None
+    if q.device.type != "cpu" or k_cache.device.type != "cpu" or v_cache.device.type != "cpu":
+        return None
+    if k is None and v is None:
+        new = None
+    elif type(k) is type(v) is torch.Tensor:
+        new = (k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(), v.dtype, v.device)
+    else:
+        return None
+    if cache_seqlens is None or type(cache_seqlens) is int:
+        lengths = type(cache_seqlens)
+    elif type(cache_seqlens) is torch.Tensor:
+        lengths = (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device)
+    else:
+        return None
+    if not (type(causal) is bool and type(return_lse) is bool and type(num_splits) is int):
+        return None
+    if not (scale is None or type(scale) is float) or type(softcap) is not float:
+        return None
+    if not (type(window) is tuple and len(window) == 2):
+        return None
+    if not type(window[0]) is type(window[1]) is int:
+        return None
+    return (
+        "kvcache", q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(), k_cache.dtype,
+        v_cache.shape, v_cache.stride(), v_cache.dtype, new, lengths, scale, causal, window,
+        softcap, num_splits, return_lse, numba_threads(),
+    )  # fmt: skip
+
+
+def prepare_step(key, splits, capacity: int, stride: int | None):
+    """A function ``(variants, scale)`` that stores ``key``'s :class:`KVCacheStep`
+    once the whole path has checked them (:func:`.kvcache._decode` calls it)."""
+
+    def store(variants: Variants, scale: float) -> None:
+        remember(key, KVCacheStep(variants, scale, splits, capacity, stride))
+
+    return store
+
+
+def run_step(key, q, k_cache, v_cache, new, cache_seqlens, append):
+    """``(out (batch, seqlen_q, nheads, headdim_v), lse)`` of a call whose key
+    a first call stored, or None when none did or this call's lengths are out
+    of range (the whole path then runs, and names them). ``new``: the new
+    ``(k, v)`` or None; ``append(seqlens)``: writes them into the caches at
+    ``seqlens`` (a ``(batch,)`` int64 tensor), :func:`.kvcache._append`."""
+    step = prepared(key)
+    if step is None:
+        return None
+    batch, tn = q.shape[0], 0 if new is None else new[0].shape[1]
+    seqlens = _seqlens(cache_seqlens, batch, step.capacity - tn)
+    if seqlens is None:
+        return None
+    if new is not None:
+        append(torch.from_numpy(seqlens))
+    lengths = seqlens + tn
+    if step.stride is None:  # one kv head: the transposed cache, one page per row
+        k_pages, v_pages = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+        table, page = np.arange(batch, dtype=np.int64)[:, None], step.capacity
+    else:  # one-token pages, a table of each sequence's tokens (as .kvcache._pages)
+        k_pages, v_pages = token_pages(k_cache, "k_cache")[0], token_pages(v_cache, "v_cache")[0]
+        width = max(1, int(lengths.max()))
+        table = token_index(np.arange(batch)[:, None], step.stride, np.arange(width)[None, :])
+        page = 1
+    layout = CacheLayout(as_numpy(k_pages), as_numpy(v_pages), table, lengths, page, False)
+    q4 = as_numpy(q.transpose(1, 2))
+    out, lse = decode_checked(q4, layout, step.variants, step.scale, step.splits)
+    return as_tensor(out).transpose(1, 2).contiguous(), as_tensor(lse)
+
+
+def _seqlens(cache_seqlens, batch: int, most: int) -> np.ndarray | None:
+    """Each sequence's keys before the append, ``(batch,)`` int64 (the key's
+    kind of ``cache_seqlens``: None, an int or a tensor), or None when one
+    lies outside ``[0, most]``."""
+    if cache_seqlens is None:
+        return np.full(batch, most, dtype=np.int64)  # (no new keys without cache_seqlens)
+    if type(cache_seqlens) is int:
+        seqlens = np.full(batch, cache_seqlens, dtype=np.int64)
+    else:
+        seqlens = cache_seqlens.numpy().astype(np.int64)
+    if batch and (seqlens.min() < 0 or seqlens.max() > most):
+        return None
+    return seqlens
