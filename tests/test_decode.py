@@ -248,6 +248,19 @@ def test_the_walk_is_the_route_of_the_layout_and_rows_class(rng):
     assert isinstance(walk_flag("head-rows"), HeadRowsWalk)
 
 
+def test_the_head_walk_keeps_fine_chunks_over_one_token_pages(monkeypatch):
+    """Its tiles are 256 keys, but many threads still get one item per 64 keys
+    (the head-tiles walk's chunks), not per tile."""
+    import flashtile.decode_planning as decode_planning
+
+    monkeypatch.setattr(decode_planning, "call_threads", lambda size: 16)
+    q, k = np.zeros((1, 12, 1, 64), np.float32), np.zeros((2048, 12, 1, 64), np.float32)
+    q, layout = check_cache(q, k, k, None, np.arange(2048)[None])
+    with routes.force("decode.tokens.one.d64.short", "head-rows"):
+        plan = plan_decode(q, layout, decode_variants(q, layout), 0.125, None)
+    assert plan.tile_keys == 256 and len(plan.items) == 32
+
+
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])  # (float32: the test above)
 def test_single_row_items_widen_each_format(rng, dtype):
     dtype = np.dtype(dtype)  # ml_dtypes registers "bfloat16" with NumPy

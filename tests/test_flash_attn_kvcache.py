@@ -146,51 +146,70 @@ def test_kvcache_float32_variants_and_splits(hkv):
     torch.testing.assert_close(auto, out, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("hkv", [1, 2])
-def test_a_decoding_loop_is_checked_once_then_runs_its_stored_step(monkeypatch, hkv):
-    """A serving loop's calls (one metadata, a new key appended at growing and
-    uneven cache_seqlens) take the whole check once; later calls run the stored
-    step (kvcache_steps): they append where the whole path does, give its
-    results bit for bit and the oracle's, and lengths past the capacity still
-    get the whole check's error. MQA (hkv=1) reads the transposed cache, GQA
-    one-token pages."""
+@pytest.mark.parametrize(
+    "hkv, dtype, lengths, extra",
+    [
+        (1, torch.float32, torch.int32, {"causal": True, "softmax_scale": 0.4}),
+        (2, torch.bfloat16, torch.int64, {"window_size": (3, 0), "softcap": 2.0}),
+        (2, torch.float32, int, {"causal": True}),  # no new keys
+        (2, torch.float16, None, {}),  # every key, no new keys
+    ],
+)
+def test_a_decoding_loop_is_checked_once_then_runs_its_stored_step(
+    monkeypatch, hkv, dtype, lengths, extra
+):
+    """A serving loop's calls (one metadata; cache_seqlens growing unevenly as
+    a tensor, an int, or none) take the whole check once; later calls run the
+    stored step (kvcache_steps): they append where the whole path does, give
+    its results bit for bit and the oracle's, and lengths past the capacity
+    still get the whole check's error. MQA (hkv=1) reads the transposed cache,
+    GQA one-token pages."""
     from flashtile import frontdoor
     from flashtile.flash_attn import kvcache
 
+    frontdoor._PREPARED.clear()  # (a record of an earlier test would skip the first check)
     checked = []
     check_caches = kvcache._check_caches
     monkeypatch.setattr(kvcache, "_check_caches", lambda *a: checked.append(1) or check_caches(*a))
     batch, hq, d, capacity = 2, 4, 16, 40
     g = torch.Generator().manual_seed(5)
-    k_cache, v_cache = (torch.randn(batch, capacity, hkv, d, generator=g) for _ in range(2))
+    k_cache, v_cache = (torch.randn(batch, capacity, hkv, d, generator=g).to(dtype) for _ in "kv")
     seqlens = torch.tensor([3, 11], dtype=torch.int32)
-    kw = {"causal": True, "return_softmax_lse": True, "softmax_scale": 0.4}
+    appending = lengths in (torch.int32, torch.int64)
+    oracle = {"causal": extra.get("causal", False), "scale": extra.get("softmax_scale")}
+    oracle |= {"window": (3, 0), "softcap": 2.0} if "softcap" in extra else {}
     for step in range(4):
-        q = torch.randn(batch, 1, hq, d, generator=g)
-        k, v = (torch.randn(batch, 1, hkv, d, generator=g) for _ in range(2))
-        out, lse = fa.flash_attn_with_kvcache(
-            q, k_cache, v_cache, k, v, cache_seqlens=seqlens, **kw
-        )
-        for b in range(batch):
-            assert torch.equal(k_cache[b, seqlens[b]], k[b, 0])
-            assert torch.equal(v_cache[b, seqlens[b]], v[b, 0])
+        q = torch.randn(batch, 1, hq, d, generator=g).to(dtype)
+        k, v = (torch.randn(batch, 1, hkv, d, generator=g).to(dtype) for _ in "kv")
+        new = {"k": k, "v": v} if appending else {}
+        given = seqlens.to(lengths) if appending else None
+        if lengths is int:
+            given = int(seqlens[0])
+        kw = {"cache_seqlens": given, "return_softmax_lse": True, **new, **extra}
+        out, lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+        if appending:
+            for b in range(batch):
+                assert torch.equal(k_cache[b, seqlens[b]], k[b, 0])
+                assert torch.equal(v_cache[b, seqlens[b]], v[b, 0])
+        seen = {None: torch.full((batch,), capacity), int: seqlens[:1].expand(batch)}
+        ends = seen.get(lengths, seqlens + 1)
         zero = torch.zeros(batch, dtype=torch.int32)
-        oracle = {"causal": True, "scale": 0.4}
-        ref, ref_lse = _kvcache_oracle(*_f64(q, k_cache, v_cache), zero, seqlens + 1, **oracle)
-        assert rel_err(out.numpy(), ref.numpy()) < 1e-5
-        torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+        ref, ref_lse = _kvcache_oracle(*_f64(q, k_cache, v_cache), zero, ends, **oracle)
+        tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+        assert rel_err(out.double().numpy(), ref.numpy()) < tolerance
+        if dtype == torch.float32:
+            torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
         if step == 2:  # the whole path (no stored steps), appending the same rows again
             frontdoor._PREPARED.clear()
-            whole = fa.flash_attn_with_kvcache(
-                q, k_cache, v_cache, k, v, cache_seqlens=seqlens, **kw
-            )
+            whole = fa.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
             assert torch.equal(whole[0], out) and torch.equal(whole[1], lse)
         seqlens = seqlens + torch.tensor([1 + step, 2], dtype=torch.int32)
     assert len(checked) == 2  # the first call, and the one after the clear
-    bad = torch.tensor([capacity, 0], dtype=torch.int32)
-    with pytest.raises(ValueError, match="cache_seqlens"):
-        fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=bad, **kw)
-    assert len(checked) == 3
+    if lengths is not None:  # out of range: a tensor past the capacity, a negative int
+        kw["cache_seqlens"] = -1 if lengths is int else torch.tensor([capacity, 0], dtype=lengths)
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            fa.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+        assert len(checked) == 3
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

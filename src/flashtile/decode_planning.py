@@ -137,9 +137,14 @@ def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> Deco
         walk = TILES if walk == ROWS else HEAD_TILES
     head_bytes = layout.heads * (d + layout.v.shape[3]) * np.dtype(operands).itemsize
     tile_keys = decode_tile(rows, layout.page, walk, head_bytes)
+    split = tile_keys
+    if walk == HEAD_ROWS and layout.page == 1:
+        # Chunks as fine as the head-tiles walk's tiles (many threads get as many
+        # items as before its tiles grew); a chunk's last tile ends at the chunk.
+        split = decode_tile(rows, 1, HEAD_TILES, head_bytes)
     items, spans = _decode_splits(
         lengths, tq, va.causal, va.left, va.right, layout.heads, num_splits, threads,
-        *((layout.heads, tile_keys) if walk in HEAD_WALKS else (1, DECODE_TILE)),
+        *((layout.heads, split) if walk in HEAD_WALKS else (1, DECODE_TILE)),
     )  # fmt: skip
     q_work = np.ascontiguousarray(q, dtype=operands)
     from .cpu.blas import small_library  # loads the BLAS (not with flashtile): the kernels will

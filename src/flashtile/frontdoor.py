@@ -256,8 +256,9 @@ STEPS_MAX = 64
 _BOUND_FREE = frozenset((np.dtype(np.float64), np.dtype(np.float16)))
 
 
-#: ``prepared(key)``: the :class:`Prepared` record :func:`prepare` stored for
-#: ``key``, or None (the dict's own ``get``: no Python call per lookup).
+#: ``prepared(key)``: the record stored for ``key`` (a :class:`Prepared`, or
+#: another entry point's under a key of its own tag, :func:`remember`), or
+#: None (the dict's own ``get``: no Python call per lookup).
 prepared = _PREPARED.get
 
 

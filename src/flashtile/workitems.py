@@ -198,14 +198,16 @@ def decode_tile(rows: int, page: int, walk: str = TILES, head_bytes: int = 0) ->
     Items of the :data:`HEAD_WALKS` read ``head_bytes`` (every kv head's K
     and V row) per key: tiles of at most HEADS_TILE_BYTES, a power of two
     from 16 to DECODE_TILE keys (the head walks' chunks are multiples of
-    it), but DECODE_TILE keys for the head walk that reads rows in place: it
+    it: of the head-tiles length for the head-rows walk over one-token
+    pages, :func:`flashtile.decode_planning.plan_decode`), but DECODE_TILE
+    keys for the head walk that reads rows in place: it
     gathers nothing, and its softmax then runs on longer rows, a tile's
     fixed costs shared by more keys. Pages of 16: GQA 32/8, d 128, 65536
     keys, float32, 2 threads, Zen 4 EPYC, three process pairs, 27.5-27.9 ms
     against 29.2-30.7 with 32-key tiles. One-token pages (flash-attn's
-    cache), the kernel alone, 2 threads, AVX2 AMD EPYC: 12 heads, d 64,
-    2048 keys 190 against 262 us; 16384 keys 3.3 against 3.9-4.3 ms; GQA
-    32/8, d 128, 16384 keys 5.9 against 6.6-6.7 ms."""
+    cache), the kernel alone on the same items, 2 threads, AVX2 AMD EPYC:
+    12 heads, d 64, 2048 keys 190 against 262 us; 16384 keys 3.3 against
+    3.9-4.3 ms; GQA 32/8, d 128, 16384 keys 5.9 against 6.6-6.7 ms."""
     if walk == HEAD_ROWS:
         return DECODE_TILE
     if walk in HEAD_WALKS:

@@ -32,9 +32,9 @@ from .cache_rows import (
     dot_rows4,
     head_tile,
     key_scores,
-    keys_per_pass,
     page_run,
     page_values_run,
+    pass_keys,
     row_offset,
     walk_cache_rows,
 )
@@ -148,7 +148,7 @@ def token_scores4(q_all, s_all, flat, fmt, table_row, heads, hk0, j0, n):
 def token_values(p, flat, fmt, table_row, heads, hk0, j0, n, acc):
     """``acc[u] += p[u, :, :n] @ V`` of kv head ``hk0 + u`` for every head of
     the item, from a cache of one-token pages: key by key, each key's value
-    rows of all heads in turn, :func:`.cache_rows.keys_per_pass`'s keys per
+    rows of all heads in turn, :func:`.cache_rows.pass_keys` keys per
     pass over ``acc (nh, rows, dv)`` (each key of a pass in its own page),
     then one by one; one row compiled on its own (as
     :func:`.cache_rows.page_values_run`)."""
@@ -160,7 +160,7 @@ def token_values(p, flat, fmt, table_row, heads, hk0, j0, n, acc):
     keys = (flat, fmt, table_row, heads, hk0, j0, n)
     if rows == 1:
         t = token_passes(acc_all, p_all, 1, 0, 2, keys)
-    elif keys_per_pass(rows, 4) == 4:
+    elif pass_keys(rows) == 4:
         t = token_passes(acc_all, p_all, rows, 0, 4, keys)
     else:
         t = token_passes(acc_all, p_all, rows, 0, 2, keys)

@@ -243,13 +243,11 @@ def add_value_rows(acc, p, r0, r1, t, count, flat, o0, o1, o2, o3, width, fmt):
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def keys_per_pass(rows, left):
-    """Value rows per pass (:func:`add_value_rows`) with ``left`` keys to go:
-    four for items of :data:`ROWS_PER_PASS` rows or more, else two, and one
-    for the last key."""
-    if rows >= ROWS_PER_PASS and left >= 4:
-        return 4
-    return 2 if left >= 2 else 1
+def pass_keys(rows):
+    """Value rows per pass (:func:`add_value_rows`) for items of ``rows`` query
+    rows: four from :data:`ROWS_PER_PASS` rows, else two (the last few keys
+    of a run one by one)."""
+    return 4 if rows >= ROWS_PER_PASS else 2
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
@@ -280,13 +278,13 @@ def run_values(acc, p, r0, r1, t, run, count, flat, o, width, fmt, ahead):
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def page_values_run(acc, p, r0, r1, t, run, flat, o, width, fmt, ahead):
-    """:func:`run_values` over all ``run`` keys: :func:`keys_per_pass`'s four
-    or two keys per pass, then one by one for the last few; one row compiled
-    on its own (see :func:`run_values`)."""
+    """:func:`run_values` over all ``run`` keys: :func:`pass_keys` keys per
+    pass, then one by one for the last few; one row's passes compiled on
+    their own (see :func:`run_values`)."""
     rows = r1 - r0
     if rows == 1:
         u = run_values(acc, p, r0, r0 + 1, t, run, 2, flat, o, width, fmt, ahead)
-    elif keys_per_pass(rows, 4) == 4:
+    elif pass_keys(rows) == 4:
         u = run_values(acc, p, r0, r1, t, run, 4, flat, o, width, fmt, ahead)
     else:
         u = run_values(acc, p, r0, r1, t, run, 2, flat, o, width, fmt, ahead)

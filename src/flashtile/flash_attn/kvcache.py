@@ -41,7 +41,7 @@ from flashtile.kvlayout import check_cache, decode_variants
 from flashtile.torch.arrays import as_numpy, as_tensor
 
 from . import checks
-from .kvcache_steps import kvcache_key, prepare_step, run_step
+from .kvcache_steps import kvcache_key, most_keys, prepare_step, run_step
 from .pages import token_index, token_pages, transposes_contiguous
 from .rotary import check_tables, rotate
 
@@ -130,9 +130,9 @@ def _with_kvcache(
     alibi_slopes, num_splits, return_softmax_lse, sinks,
 ):  # fmt: skip
     key = None
-    if (rotary_cos is None and rotary_sin is None and cache_batch_idx is None
-            and cache_leftpad is None and block_table is None and alibi_slopes is None
-            and sinks is None):  # fmt: skip
+    if (rotary_cos is None and rotary_sin is None and type(rotary_interleaved) is bool
+            and cache_batch_idx is None and cache_leftpad is None and block_table is None
+            and alibi_slopes is None and sinks is None):  # fmt: skip
         key = kvcache_key(
             q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
             softcap, num_splits, return_softmax_lse,
@@ -170,10 +170,9 @@ def _with_kvcache(
     if new is not None:
         _append(k_cache, v_cache, new, seqlens, slot, table, rows)
     lengths = total if leftpad is None else total - leftpad
-    k_pages, v_pages, pages_table = _pages(k_cache, v_cache, slot, table, leftpad, lengths)
+    k_pages, v_pages, pages_table, stride = _pages(k_cache, v_cache, slot, table, leftpad, lengths)
     store = None
     if key is not None:  # (the whole path's checks hold: later calls of key run steps)
-        stride = None if k_pages.shape[2] > 1 else token_pages(k_cache, "k_cache")[1]
         store = prepare_step(key, splits, capacity, stride)
     out, lse = _decode(q, k_pages, v_pages, lengths, pages_table, splits, opts, store)
     out = out.transpose(1, 2).contiguous()
@@ -232,7 +231,8 @@ def _seqlens(cache_seqlens, appending: bool, batch: int, capacity: int, tn: int,
         seqlens = torch.full((batch,), int(cache_seqlens), device=device, dtype=torch.int64)
     else:
         seqlens = _ints(cache_seqlens, "cache_seqlens", (batch,), device)
-    _in_range(seqlens, "cache_seqlens", 0, capacity - tn, f"capacity {capacity} - {tn} new keys")
+    most = most_keys(capacity, tn)
+    _in_range(seqlens, "cache_seqlens", 0, most, f"capacity {capacity} - {tn} new keys")
     return seqlens
 
 
@@ -352,7 +352,7 @@ def _append(k_cache, v_cache, new, seqlens, slot, table, rows: int) -> None:
     the CPU through NumPy (the same indexing): torch's indexed write of a
     decoding step's few rows took 24 us, 49 between a model's layers."""
     k, v = new
-    xp = torch if checks.on_gpu(k_cache) else np
+    xp, caches = (torch if checks.on_gpu(k_cache) else np), (k_cache, v_cache)
     if xp is np:
         k_cache, v_cache, k, v = (as_numpy(t) for t in (k_cache, v_cache, k, v))
         seqlens, slot, table = (None if t is None else t.numpy() for t in (seqlens, slot, table))
@@ -366,18 +366,22 @@ def _append(k_cache, v_cache, new, seqlens, slot, table, rows: int) -> None:
         where = (page, at % rows)
     k_cache[where] = k
     v_cache[where] = v
+    if xp is np:  # (torch's own write counts it: autograd then sees the caches changed)
+        torch.autograd.graph.increment_version(caches)
 
 
 def _pages(k_cache, v_cache, slot, table, leftpad, lengths):
-    """The caches as the decode kernels' ``(pages, nheads_k, page_size, headdim)`` and
-    their block table, without copying (see the module docstring)."""
+    """The caches as the decode kernels' ``(pages, nheads_k, page_size, headdim)``,
+    their block table, and how many tokens apart the cache's rows start when
+    they are one-token pages (None: pages of the cache's own rows or blocks),
+    without copying (see the module docstring)."""
     hkv = k_cache.shape[2]
     natural = leftpad is None and (
         checks.on_gpu(k_cache) or (hkv == 1 and transposes_contiguous(k_cache, v_cache))
     )
     if natural:  # pages of the cache's own rows (or blocks)
         table = slot[:, None] if table is None else table
-        return k_cache.transpose(1, 2), v_cache.transpose(1, 2), table
+        return k_cache.transpose(1, 2), v_cache.transpose(1, 2), table, None
     k_tokens, stride = token_pages(k_cache, "k_cache")
     v_tokens, v_stride = token_pages(v_cache, "v_cache")
     if v_stride != stride:
@@ -394,7 +398,7 @@ def _pages(k_cache, v_cache, slot, table, leftpad, lengths):
     else:  # entries past a sequence's length are never read: clamp them into the table
         at = at.clamp(max=table.shape[1] * rows - 1)
         tokens = token_index(table.gather(1, at // rows), stride, at % rows)
-    return k_tokens, v_tokens, tokens
+    return k_tokens, v_tokens, tokens, stride
 
 
 def _decode(q, k_pages, v_pages, lengths, table, splits, opts, prepared=None):

@@ -32,6 +32,7 @@ from flashtile.kvlayout import CacheLayout
 from flashtile.torch.arrays import as_numpy, as_tensor
 from flashtile.variants import Variants
 
+from . import checks
 from .pages import token_index, token_pages
 
 
@@ -43,8 +44,9 @@ class KVCacheStep(NamedTuple):
         splits: ``num_splits`` checked (None: automatic).
         capacity: keys a cache row holds (its ``seqlen_cache``).
         stride: how many tokens apart the cache's rows start, for a cache
-            read as one-token pages; None for one kv head, read as the
-            transposed ``(batch, 1, seqlen_cache, d)`` view in place.
+            read as one-token pages; None for a cache read as its transposed
+            ``(batch, 1, seqlen_cache, d)`` view in place (one kv head,
+            :func:`.kvcache._pages`).
     """
 
     variants: Variants
@@ -65,7 +67,7 @@ def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, scale, causal, window,
     :func:`flashtile.call_keys.decode_key`."""
     if not (type(q) is type(k_cache) is type(v_cache) is torch.Tensor):
         return None
-    if q.device.type != "cpu" or k_cache.device.type != "cpu" or v_cache.device.type != "cpu":
+    if checks.on_gpu(q):  # (the whole path refuses caches on another device)
         return None
     if k is None and v is None:
         new = None
@@ -114,7 +116,7 @@ def run_step(key, q, k_cache, v_cache, new, cache_seqlens, append):
     if step is None:
         return None
     batch, tn = q.shape[0], 0 if new is None else new[0].shape[1]
-    seqlens = _seqlens(cache_seqlens, batch, step.capacity - tn)
+    seqlens = _seqlens(cache_seqlens, batch, most_keys(step.capacity, tn))
     if seqlens is None:
         return None
     if new is not None:
@@ -126,12 +128,19 @@ def run_step(key, q, k_cache, v_cache, new, cache_seqlens, append):
     else:  # one-token pages, a table of each sequence's tokens (as .kvcache._pages)
         k_pages, v_pages = token_pages(k_cache, "k_cache")[0], token_pages(v_cache, "v_cache")[0]
         width = max(1, int(lengths.max()))
-        table = token_index(np.arange(batch)[:, None], step.stride, np.arange(width)[None, :])
+        rows = np.arange(batch, dtype=np.int64)[:, None]
+        table = token_index(rows, step.stride, np.arange(width, dtype=np.int64)[None, :])
         page = 1
     layout = CacheLayout(as_numpy(k_pages), as_numpy(v_pages), table, lengths, page, False)
     q4 = as_numpy(q.transpose(1, 2))
     out, lse = decode_checked(q4, layout, step.variants, step.scale, step.splits)
     return as_tensor(out).transpose(1, 2).contiguous(), as_tensor(lse)
+
+
+def most_keys(capacity: int, tn: int) -> int:
+    """The largest ``cache_seqlens`` a call may pass: a cache row of
+    ``capacity`` keys must hold its ``tn`` new keys after them."""
+    return capacity - tn
 
 
 def _seqlens(cache_seqlens, batch: int, most: int) -> np.ndarray | None:
