@@ -236,6 +236,49 @@ def test_prepared_decode_attention_matches_the_general_path(dtype):
             assert got.dtype == np.float32
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_attention_with_lengths_checks_its_values_on_every_call(monkeypatch, paged):
+    """Calls with ``cache_seqlens`` (and a ``block_table``) of one key check
+    their keywords once (a spy on decode_variants), then only the values:
+    lengths that change per call give the general path's results bit for bit,
+    and bad lengths or table entries get the general path's errors."""
+    from flashtile import decode as decode_module
+
+    frontdoor._PREPARED.clear()
+    resolved = []
+    variants = decode_module.decode_variants
+    monkeypatch.setattr(
+        decode_module, "decode_variants", lambda *a, **kw: resolved.append(1) or variants(*a, **kw)
+    )
+    q, k, v = _arrays((2, 4, 1, 16), (2, 2, 64, 16), np.float32, seed=3)
+    kw = {"window": (20, 0), "return_lse": True}
+    if paged:  # pages of 8 keys, shuffled
+        k, v = (
+            x.reshape(2, 2, 8, 8, -1).transpose(0, 2, 1, 3, 4).reshape(16, 2, 8, -1) for x in (k, v)
+        )
+        order = np.random.default_rng(4).permutation(16)
+        k, v = np.ascontiguousarray(k[order]), np.ascontiguousarray(v[order])
+        kw["block_table"] = np.argsort(order).reshape(2, 8)
+    for lengths in ([64, 5], [17, 64], [1, 33]):
+        kw["cache_seqlens"] = np.array(lengths)
+        out, lse = ft.decode_attention(q, k, v, **kw)
+        saved = dict(frontdoor._PREPARED)
+        frontdoor._PREPARED.clear()
+        want = ft.decode_attention(q, k, v, **kw)  # the general path
+        frontdoor._PREPARED.update(saved)
+        np.testing.assert_array_equal(out, want[0])
+        np.testing.assert_array_equal(lse, want[1])
+    assert len(resolved) == 4  # the first call, and the general path's three
+    kw["cache_seqlens"] = np.array([65, 0])
+    with pytest.raises(ValueError, match="cache_seqlens must lie"):
+        ft.decode_attention(q, k, v, **kw)
+    if paged:
+        kw["cache_seqlens"], kw["block_table"] = np.array([64, 3]), kw["block_table"] + 16
+        with pytest.raises(ValueError, match="is not a page of the cache"):
+            ft.decode_attention(q, k, v, **kw)
+    assert len(resolved) == 4
+
+
 def test_prepared_records_are_bounded():
     frontdoor._PREPARED.clear()
     q, k, v = _arrays((1, 1, 3, 4), (1, 1, 3, 4), np.float32)

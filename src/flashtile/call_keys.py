@@ -37,14 +37,27 @@ def plain_key(q, k, v, causal, scale, return_lse, block_q, block_k, variants: di
     )  # fmt: skip
 
 
-def decode_key(q, k_cache, v_cache, num_splits, causal, scale, window, softcap, return_lse):
+def decode_key(
+    q, k_cache, v_cache, cache_seqlens, block_table, num_splits, causal, scale, window, softcap,
+    return_lse,
+):  # fmt: skip
     """The prepared-call key of a :func:`flashtile.decode_attention` call
-    without ``cache_seqlens``, ``block_table`` or ``alibi_slopes`` (the
-    caller's test), or None when it has none: ``np.ndarray`` queries and
-    C-contiguous caches of one dtype, and the plain values of
-    :func:`_plain_values`."""
+    without ``alibi_slopes`` or ``sinks`` (the caller's test), or None when it
+    has none: ``np.ndarray`` queries and C-contiguous caches of one dtype,
+    ``cache_seqlens`` and ``block_table`` None or integer ``np.ndarray``
+    (their dtypes and the table's shape in the key, not their values), and
+    the plain values of :func:`_plain_values`."""
     if not (type(q) is np.ndarray and type(k_cache) is type(v_cache) is np.ndarray):
         return None
+    lengths = table = None
+    if cache_seqlens is not None:
+        if type(cache_seqlens) is not np.ndarray or cache_seqlens.dtype.kind not in "iu":
+            return None
+        lengths = (cache_seqlens.dtype, cache_seqlens.shape)
+    if block_table is not None:
+        if type(block_table) is not np.ndarray or block_table.dtype.kind not in "iu":
+            return None
+        table = (block_table.dtype, block_table.shape)
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         return None  # lse in the cache's compute dtype: the general path's shaping
     if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
@@ -52,8 +65,8 @@ def decode_key(q, k_cache, v_cache, num_splits, causal, scale, window, softcap, 
     if not _plain_values(causal, return_lse, scale, window, softcap, (num_splits,)):
         return None
     return (
-        "decode", q.shape, k_cache.shape, v_cache.shape, q.dtype, num_splits, causal, scale,
-        window, softcap, numba_threads(),
+        "decode", q.shape, k_cache.shape, v_cache.shape, q.dtype, lengths, table, num_splits,
+        causal, scale, window, softcap, numba_threads(),
     )  # fmt: skip
 
 

@@ -172,7 +172,16 @@ def check_cache(q, k_cache, v_cache, cache_seqlens=None, block_table=None):
         raise ValueError(
             f"k_cache has dtype {k.dtype} but v_cache {v.dtype}: the caches must share the dtype"
         )
-    batch, page = q.shape[0], k.shape[2]
+    return q, cache_layout(k, v, q.shape[0], cache_seqlens, block_table)
+
+
+def cache_layout(k, v, batch: int, cache_seqlens=None, block_table=None) -> CacheLayout:
+    """The :class:`CacheLayout` of caches ``k, v`` whose metadata
+    :func:`check_cache` checked (``block_table`` a NumPy array then), with the
+    checks of the values: the lengths within the capacity, the table's
+    entries (:func:`table_problem`). A repeated call of checked metadata
+    (:func:`flashtile.call_keys.decode_key`) runs this part alone."""
+    page = k.shape[2]
     if block_table is None:
         table = np.arange(batch, dtype=np.int64)[:, None]
     else:
@@ -191,7 +200,7 @@ def check_cache(q, k_cache, v_cache, cache_seqlens=None, block_table=None):
         problem = table_problem(np, table, seqlens, page, k.shape[0], cache_seqlens is not None)
         if problem:
             raise ValueError(problem)
-    return q, CacheLayout(k, v, np.ascontiguousarray(table), seqlens, page, block_table is not None)
+    return CacheLayout(k, v, np.ascontiguousarray(table), seqlens, page, block_table is not None)
 
 
 def decode_variants(q, layout: CacheLayout, **keywords) -> Variants:
