@@ -212,6 +212,51 @@ def test_a_decoding_loop_is_checked_once_then_runs_its_stored_step(
         assert len(checked) == 3
 
 
+def test_a_paged_decoding_loop_runs_its_stored_step(monkeypatch, rng):
+    """With a block_table: the stored step (checked once) appends into the pages
+    the table names and gives the whole path's results bit for bit and the
+    oracle's; a table entry out of range on a stored key gets the whole
+    check's error."""
+    from flashtile import frontdoor
+    from flashtile.flash_attn import kvcache
+
+    frontdoor._PREPARED.clear()
+    checked = []
+    check_caches = kvcache._check_caches
+    monkeypatch.setattr(kvcache, "_check_caches", lambda *a: checked.append(1) or check_caches(*a))
+    batch, hq, hkv, d, t = 2, 4, 2, 16, 40
+    g = torch.Generator().manual_seed(6)
+    k_rows, v_rows = (torch.randn(batch, t, hkv, d, generator=g) for _ in "kv")
+    k_pages, v_pages, table = _paged(k_rows, v_rows, 8, rng)
+    seqlens = torch.tensor([3, 11], dtype=torch.int32)
+    for step in range(3):
+        q = torch.randn(batch, 1, hq, d, generator=g)
+        k, v = (torch.randn(batch, 1, hkv, d, generator=g) for _ in "kv")
+        kw = {"cache_seqlens": seqlens, "block_table": table, "causal": True}
+        out, lse = fa.flash_attn_with_kvcache(
+            q, k_pages, v_pages, k, v, return_softmax_lse=True, **kw
+        )
+        k_seen, v_seen = _logical(k_pages, table, t), _logical(v_pages, table, t)
+        for b in range(batch):
+            assert torch.equal(k_seen[b, seqlens[b]], k[b, 0])
+        zero = torch.zeros(batch, dtype=torch.int32)
+        ref = _kvcache_oracle(*_f64(q, k_seen, v_seen), zero, seqlens + 1, causal=True)[0]
+        assert rel_err(out.numpy(), ref.numpy()) < 1e-5
+        if step == 1:  # the whole path, appending the same rows again
+            frontdoor._PREPARED.clear()
+            whole = fa.flash_attn_with_kvcache(
+                q, k_pages, v_pages, k, v, return_softmax_lse=True, **kw
+            )
+            assert torch.equal(whole[0], out) and torch.equal(whole[1], lse)
+        seqlens = seqlens + torch.tensor([1, 3], dtype=torch.int32)
+    assert len(checked) == 2
+    kw["block_table"] = table.clone()
+    kw["block_table"][1, 1] = k_pages.shape[0]
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = .* is not a page"):
+        fa.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, **kw)
+    assert len(checked) == 3
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kvcache_16_bit(dtype):
     g = torch.Generator().manual_seed(4)

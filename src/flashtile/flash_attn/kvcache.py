@@ -37,12 +37,12 @@ import torch
 
 from flashtile._validate import resolve_scale
 from flashtile.decode import decode_checked
-from flashtile.kvlayout import check_cache, decode_variants
+from flashtile.kvlayout import check_cache, decode_variants, table_problem
 from flashtile.torch.arrays import as_numpy, as_tensor
 
 from . import checks
 from .kvcache_steps import kvcache_key, most_keys, prepare_step, run_step
-from .pages import token_index, token_pages, transposes_contiguous
+from .pages import block_rows, cache_pages
 from .rotary import check_tables, rotate
 
 _NO_KVCACHE = {
@@ -131,14 +131,14 @@ def _with_kvcache(
 ):  # fmt: skip
     key = None
     if (rotary_cos is None and rotary_sin is None and type(rotary_interleaved) is bool
-            and cache_batch_idx is None and cache_leftpad is None and block_table is None
-            and alibi_slopes is None and sinks is None):  # fmt: skip
+            and cache_batch_idx is None and cache_leftpad is None and alibi_slopes is None
+            and sinks is None):  # fmt: skip
         key = kvcache_key(
-            q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
-            softcap, num_splits, return_softmax_lse,
+            q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
+            window_size, softcap, num_splits, return_softmax_lse,
         )  # fmt: skip
         result = None if key is None else _run_prepared(key, q, k_cache, v_cache, k, v,
-                                                        cache_seqlens)  # fmt: skip
+                                                        cache_seqlens, block_table)  # fmt: skip
         if result is not None:  # (None: a first call, or lengths out of range)
             return result if return_softmax_lse else result[0]
     opts = checks.options(
@@ -170,25 +170,25 @@ def _with_kvcache(
     if new is not None:
         _append(k_cache, v_cache, new, seqlens, slot, table, rows)
     lengths = total if leftpad is None else total - leftpad
-    k_pages, v_pages, pages_table, stride = _pages(k_cache, v_cache, slot, table, leftpad, lengths)
-    store = None
-    if key is not None:  # (the whole path's checks hold: later calls of key run steps)
-        store = prepare_step(key, splits, capacity, stride)
-    out, lse = _decode(q, k_pages, v_pages, lengths, pages_table, splits, opts, store)
+    index = (slot, table, leftpad, lengths)
+    if not checks.on_gpu(q):  # the page table in NumPy: torch's ops on a few indices cost more
+        index = tuple(None if t is None else t.numpy() for t in index)
+    k_pages, v_pages, pages_table = cache_pages(k_cache, v_cache, *index)
+    store = None if key is None else prepare_step(key, splits, capacity)
+    out, lse = _decode(q, k_pages, v_pages, index[3], pages_table, splits, opts, store)
     out = out.transpose(1, 2).contiguous()
     return (out, lse) if return_softmax_lse else out
 
 
-def _run_prepared(key, q, k_cache, v_cache, k, v, cache_seqlens):
-    """:func:`.kvcache_steps.run_step` of a call of ``key``, appending as
-    :func:`_append` does (a contiguous cache, a row per batch entry)."""
+def _run_prepared(key, q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+    """:func:`.kvcache_steps.run_step` of a call of ``key``, appending with
+    :func:`_append`."""
     new = None if k is None else (k, v)
 
-    def append(seqlens):
-        slot = torch.arange(q.shape[0])
-        _append(k_cache, v_cache, new, seqlens, slot, None, k_cache.shape[1])
+    def append(seqlens, slot, table):
+        _append(k_cache, v_cache, new, seqlens, slot, table, k_cache.shape[1])
 
-    return run_step(key, q, k_cache, v_cache, new, cache_seqlens, append)
+    return run_step(key, q, k_cache, v_cache, new, cache_seqlens, block_table, append)
 
 
 def _rows(k_cache, block_table, cache_batch_idx, batch: int, device):
@@ -336,15 +336,11 @@ def _in_range(x: torch.Tensor, name: str, low: int, high: int, what: str) -> Non
 
 def _check_table(table, total, rows: int, pages: int) -> None:
     """The block table's entries for every page a sequence uses (after appending) must
-    be pages of the cache (a negative index would wrap around in torch's indexing)."""
-    used = torch.arange(table.shape[1], device=table.device)[None, :] * rows < total[:, None]
-    bad = used & ((table < 0) | (table >= pages))
-    if bool(bad.any()):
-        b, p = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(
-            f"block_table[{b}, {p}] = {int(table[b, p])} is not a page of the cache "
-            f"(0..{pages - 1}), but sequence {b} has {int(total[b])} keys after appending"
-        )
+    be pages of the cache (a negative index would wrap around in torch's indexing):
+    :func:`flashtile.kvlayout.table_problem`'s rule."""
+    problem = table_problem(torch, table, total, rows, pages, True)
+    if problem:
+        raise ValueError(problem + " after appending")
 
 
 def _append(k_cache, v_cache, new, seqlens, slot, table, rows: int) -> None:
@@ -353,56 +349,22 @@ def _append(k_cache, v_cache, new, seqlens, slot, table, rows: int) -> None:
     decoding step's few rows took 24 us, 49 between a model's layers."""
     k, v = new
     xp, caches = (torch if checks.on_gpu(k_cache) else np), (k_cache, v_cache)
-    if xp is np:
+    if xp is np:  # (the index arrays as NumPy's too, where tensors)
         k_cache, v_cache, k, v = (as_numpy(t) for t in (k_cache, v_cache, k, v))
-        seqlens, slot, table = (None if t is None else t.numpy() for t in (seqlens, slot, table))
+        index = (seqlens, slot, table)
+        seqlens, slot, table = (t.numpy() if type(t) is torch.Tensor else t for t in index)
     on = {"device": seqlens.device} if xp is torch else {}
     at = seqlens[:, None] + xp.arange(k.shape[1], **on)  # (batch, seqlen_new)
-    if table is None:
-        where = (slot[:, None], at)
-    else:  # page of position p: table[b, p // page_size], row p % page_size
-        block = at // rows
-        page = table.gather(1, block) if xp is torch else np.take_along_axis(table, block, 1)
-        where = (page, at % rows)
+    where = (slot[:, None], at) if table is None else block_rows(table, at, rows)
     k_cache[where] = k
     v_cache[where] = v
     if xp is np:  # (torch's own write counts it: autograd then sees the caches changed)
         torch.autograd.graph.increment_version(caches)
 
 
-def _pages(k_cache, v_cache, slot, table, leftpad, lengths):
-    """The caches as the decode kernels' ``(pages, nheads_k, page_size, headdim)``,
-    their block table, and how many tokens apart the cache's rows start when
-    they are one-token pages (None: pages of the cache's own rows or blocks),
-    without copying (see the module docstring)."""
-    hkv = k_cache.shape[2]
-    natural = leftpad is None and (
-        checks.on_gpu(k_cache) or (hkv == 1 and transposes_contiguous(k_cache, v_cache))
-    )
-    if natural:  # pages of the cache's own rows (or blocks)
-        table = slot[:, None] if table is None else table
-        return k_cache.transpose(1, 2), v_cache.transpose(1, 2), table, None
-    k_tokens, stride = token_pages(k_cache, "k_cache")
-    v_tokens, v_stride = token_pages(v_cache, "v_cache")
-    if v_stride != stride:
-        raise ValueError(
-            f"k_cache and v_cache place their rows {stride} and {v_stride} tokens apart: give "
-            f"them one layout (e.g. both contiguous)"
-        )
-    rows = k_cache.shape[1]
-    width = max(1, int(lengths.max())) if lengths.numel() else 1
-    first = torch.zeros_like(lengths) if leftpad is None else leftpad
-    at = first[:, None] + torch.arange(width, device=lengths.device)  # (batch, width) positions
-    if table is None:
-        tokens = token_index(slot[:, None], stride, at)
-    else:  # entries past a sequence's length are never read: clamp them into the table
-        at = at.clamp(max=table.shape[1] * rows - 1)
-        tokens = token_index(table.gather(1, at // rows), stride, at % rows)
-    return k_tokens, v_tokens, tokens, stride
-
-
 def _decode(q, k_pages, v_pages, lengths, table, splits, opts, prepared=None):
-    """``(out (B, Hq, Tq, dv), lse (B, Hq, Tq))`` from flashtile's decode kernels;
+    """``(out (B, Hq, Tq, dv), lse (B, Hq, Tq))`` from flashtile's decode kernels
+    (``lengths`` and ``table``: tensors on the GPU, NumPy arrays on the CPU);
     on the CPU, ``prepared(variants, scale)`` is told the call's checked
     variants and scale, where given."""
     keywords = {
@@ -423,8 +385,8 @@ def _decode(q, k_pages, v_pages, lengths, table, splits, opts, prepared=None):
     sinks = None if opts.sinks is None else opts.sinks.detach().to("cpu", torch.float64).numpy()
     # flashtile.decode_attention's check and run, taken apart so that the
     # checked variants and scale are kept for later calls (.kvcache_steps).
-    q4, layout = check_cache(as_numpy(qt), as_numpy(k_pages), as_numpy(v_pages),
-                             lengths.numpy(), np.ascontiguousarray(table.numpy()))  # fmt: skip
+    q4, layout = check_cache(as_numpy(qt), as_numpy(k_pages), as_numpy(v_pages), lengths,
+                             np.ascontiguousarray(table))  # fmt: skip
     variants = decode_variants(
         q4, layout, causal=opts.causal, window=opts.window, alibi_slopes=alibi,
         softcap=opts.softcap, sinks=sinks,

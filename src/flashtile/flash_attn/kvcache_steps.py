@@ -12,9 +12,9 @@ and no second check of the cache. A value out of range (``cache_seqlens``
 past the capacity) sends the call down the whole path, whose check names
 it.
 
-Only for CPU tensors without ``block_table``, ``cache_batch_idx``,
-``cache_leftpad``, rotary tables, ALiBi slopes or sinks: the other calls take
-the whole path every time. The records live among flashtile's prepared
+Only for CPU tensors without ``cache_batch_idx``, ``cache_leftpad``, rotary
+tables, ALiBi slopes or sinks: the other calls take the whole path every
+time. The records live among flashtile's prepared
 calls (:func:`flashtile.frontdoor.remember`), bounded with them.
 """
 
@@ -28,12 +28,12 @@ import torch
 from flashtile.cpu.launch import numba_threads
 from flashtile.decode import decode_checked
 from flashtile.frontdoor import prepared, remember
-from flashtile.kvlayout import CacheLayout
+from flashtile.kvlayout import CacheLayout, table_problem
 from flashtile.torch.arrays import as_numpy, as_tensor
 from flashtile.variants import Variants
 
 from . import checks
-from .pages import token_index, token_pages
+from .pages import cache_pages
 
 
 class KVCacheStep(NamedTuple):
@@ -42,25 +42,22 @@ class KVCacheStep(NamedTuple):
     Attributes:
         variants, scale: the decode call's checked variants and scale.
         splits: ``num_splits`` checked (None: automatic).
-        capacity: keys a cache row holds (its ``seqlen_cache``).
-        stride: how many tokens apart the cache's rows start, for a cache
-            read as one-token pages; None for a cache read as its transposed
-            ``(batch, 1, seqlen_cache, d)`` view in place (one kv head,
-            :func:`.kvcache._pages`).
+        capacity: keys a sequence can hold (``seqlen_cache``, or its block
+            table's pages times ``page_block_size``).
     """
 
     variants: Variants
     scale: float
     splits: int | None
     capacity: int
-    stride: int | None
 
 
-def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, scale, causal, window, softcap,
-                num_splits, return_lse):  # fmt: skip
+def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal, window,
+                softcap, num_splits, return_lse):  # fmt: skip
     """The prepared-call key of a ``flash_attn_with_kvcache`` call whose other
     keywords are at their defaults (the caller's test), or None when it has
-    none: CPU tensors, ``cache_seqlens`` None, a Python int or a tensor, and
+    none: CPU tensors, ``cache_seqlens`` None, a Python int or a tensor,
+    ``block_table`` None or a tensor (its values not in the key), and
     plain keyword values (``softmax_scale`` None or a float, ``causal`` and
     ``return_softmax_lse`` bools, ``window_size`` two ints, ``softcap`` a
     float, ``num_splits`` an int). Types are part of the key, as in
@@ -81,6 +78,11 @@ def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, scale, causal, window,
         lengths = (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device)
     else:
         return None
+    table = None
+    if block_table is not None:
+        if type(block_table) is not torch.Tensor:
+            return None
+        table = (block_table.shape, block_table.dtype, block_table.device)
     if not (type(causal) is bool and type(return_lse) is bool and type(num_splits) is int):
         return None
     if not (scale is None or type(scale) is float) or type(softcap) is not float:
@@ -91,27 +93,28 @@ def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, scale, causal, window,
         return None
     return (
         "kvcache", q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(), k_cache.dtype,
-        v_cache.shape, v_cache.stride(), v_cache.dtype, new, lengths, scale, causal, window,
-        softcap, num_splits, return_lse, numba_threads(),
+        v_cache.shape, v_cache.stride(), v_cache.dtype, new, lengths, table, scale, causal,
+        window, softcap, num_splits, return_lse, numba_threads(),
     )  # fmt: skip
 
 
-def prepare_step(key, splits, capacity: int, stride: int | None):
+def prepare_step(key, splits, capacity: int):
     """A function ``(variants, scale)`` that stores ``key``'s :class:`KVCacheStep`
     once the whole path has checked them (:func:`.kvcache._decode` calls it)."""
 
     def store(variants: Variants, scale: float) -> None:
-        remember(key, KVCacheStep(variants, scale, splits, capacity, stride))
+        remember(key, KVCacheStep(variants, scale, splits, capacity))
 
     return store
 
 
-def run_step(key, q, k_cache, v_cache, new, cache_seqlens, append):
+def run_step(key, q, k_cache, v_cache, new, cache_seqlens, block_table, append):
     """``(out (batch, seqlen_q, nheads, headdim_v), lse)`` of a call whose key
-    a first call stored, or None when none did or this call's lengths are out
-    of range (the whole path then runs, and names them). ``new``: the new
-    ``(k, v)`` or None; ``append(seqlens)``: writes them into the caches at
-    ``seqlens`` (a ``(batch,)`` int64 tensor), :func:`.kvcache._append`."""
+    a first call stored, or None when none did, or when this call's lengths
+    or block table entries are out of range (the whole path then runs, and
+    names them). ``new``: the new ``(k, v)`` or None; ``append(seqlens,
+    slot, table)``: writes them into the caches at ``seqlens``
+    (:func:`.kvcache._append`, given NumPy arrays)."""
     step = prepared(key)
     if step is None:
         return None
@@ -119,19 +122,20 @@ def run_step(key, q, k_cache, v_cache, new, cache_seqlens, append):
     seqlens = _seqlens(cache_seqlens, batch, most_keys(step.capacity, tn))
     if seqlens is None:
         return None
-    if new is not None:
-        append(torch.from_numpy(seqlens))
     lengths = seqlens + tn
-    if step.stride is None:  # one kv head: the transposed cache, one page per row
-        k_pages, v_pages = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-        table, page = np.arange(batch, dtype=np.int64)[:, None], step.capacity
-    else:  # one-token pages, a table of each sequence's tokens (as .kvcache._pages)
-        k_pages, v_pages = token_pages(k_cache, "k_cache")[0], token_pages(v_cache, "v_cache")[0]
-        width = max(1, int(lengths.max()))
-        rows = np.arange(batch, dtype=np.int64)[:, None]
-        table = token_index(rows, step.stride, np.arange(width, dtype=np.int64)[None, :])
-        page = 1
-    layout = CacheLayout(as_numpy(k_pages), as_numpy(v_pages), table, lengths, page, False)
+    slot = table = None
+    if block_table is None:
+        slot = np.arange(batch, dtype=np.int64)
+    else:
+        table = block_table.numpy().astype(np.int64)
+        if table_problem(np, table, lengths, k_cache.shape[1], k_cache.shape[0], True):
+            return None
+    if new is not None:
+        append(seqlens, slot, table)
+    k_pages, v_pages, table = cache_pages(k_cache, v_cache, slot, table, None, lengths)
+    page = k_pages.shape[2]
+    layout = CacheLayout(as_numpy(k_pages), as_numpy(v_pages), np.ascontiguousarray(table),
+                         lengths, page, True)  # fmt: skip
     q4 = as_numpy(q.transpose(1, 2))
     out, lse = decode_checked(q4, layout, step.variants, step.scale, step.splits)
     return as_tensor(out).transpose(1, 2).contiguous(), as_tensor(lse)

@@ -3,7 +3,10 @@ decode kernels' pages, in place (see :mod:`.kvcache`'s docstring)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from . import checks
 
 
 def transposes_contiguous(*caches) -> bool:
@@ -34,8 +37,57 @@ def token_pages(cache: torch.Tensor, name: str):
     return pages, stride
 
 
-def token_index(row, stride: int, position):
+def token_index(row, position, stride: int):
     """The one-token page (:func:`token_pages`) holding ``position`` of cache
     ``row``: the rows start ``stride`` tokens apart. Arrays of NumPy or
     torch, broadcast together."""
     return row * stride + position
+
+
+def block_rows(table, at, page_size: int):
+    """``(block, row)`` of positions ``at (batch, n)`` in a paged cache: position
+    ``p`` of sequence ``b`` lies in block ``table[b, p // page_size]`` at row ``p
+    % page_size``. NumPy arrays or tensors alike."""
+    index = at // page_size
+    block = (
+        table.gather(1, index)
+        if isinstance(table, torch.Tensor)
+        else np.take_along_axis(table, index, 1)
+    )
+    return block, at % page_size
+
+
+def cache_pages(k_cache, v_cache, slot, table, leftpad, lengths):
+    """The caches as the decode kernels' ``(pages, nheads_k, page_size, headdim)``
+    and their block table, without copying (see :mod:`.kvcache`'s docstring).
+    ``slot`` (the cache row of each sequence, or None with ``table``), the
+    block ``table`` (or None), ``leftpad`` (or None) and ``lengths`` (keys
+    after appending, past the left padding): ``(batch,)``/``(batch, pages)``
+    int64, all NumPy arrays or all tensors (the table comes back as they
+    are)."""
+    hkv = k_cache.shape[2]
+    natural = leftpad is None and (
+        checks.on_gpu(k_cache) or (hkv == 1 and transposes_contiguous(k_cache, v_cache))
+    )
+    if natural:  # pages of the cache's own rows (or blocks)
+        table = slot[:, None] if table is None else table
+        return k_cache.transpose(1, 2), v_cache.transpose(1, 2), table
+    k_tokens, stride = token_pages(k_cache, "k_cache")
+    v_tokens, v_stride = token_pages(v_cache, "v_cache")
+    if v_stride != stride:
+        raise ValueError(
+            f"k_cache and v_cache place their rows {stride} and {v_stride} tokens apart: give "
+            f"them one layout (e.g. both contiguous)"
+        )
+    rows = k_cache.shape[1]
+    xp = np if isinstance(lengths, np.ndarray) else torch
+    on = {} if xp is np else {"device": lengths.device}
+    width = max(1, int(lengths.max())) if len(lengths) else 1
+    first = xp.zeros_like(lengths) if leftpad is None else leftpad
+    at = first[:, None] + xp.arange(width, **on)  # (batch, width) positions
+    if table is None:
+        tokens = token_index(slot[:, None], at, stride)
+    else:  # entries past a sequence's length are never read: clamp them into the table
+        at = at.clip(max=table.shape[1] * rows - 1)
+        tokens = token_index(*block_rows(table, at, rows), stride)
+    return k_tokens, v_tokens, tokens
