@@ -187,7 +187,8 @@ def test_a_decoding_loop_is_checked_once_then_runs_its_stored_step(
             given = int(seqlens[0])
         kw = {"cache_seqlens": given, "return_softmax_lse": True, **new, **extra}
         out, lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
-        if appending:
+        if appending:  # (written through NumPy: the caches' versions still count it)
+            assert k_cache._version == v_cache._version == step + 1 + (step > 2)
             for b in range(batch):
                 assert torch.equal(k_cache[b, seqlens[b]], k[b, 0])
                 assert torch.equal(v_cache[b, seqlens[b]], v[b, 0])

@@ -236,8 +236,9 @@ def test_prepared_decode_attention_matches_the_general_path(dtype):
             assert got.dtype == np.float32
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16], ids=str)
 @pytest.mark.parametrize("paged", [False, True])
-def test_decode_attention_with_lengths_checks_its_values_on_every_call(monkeypatch, paged):
+def test_decode_attention_with_lengths_checks_its_values_on_every_call(monkeypatch, paged, dtype):
     """Calls with ``cache_seqlens`` (and a ``block_table``) of one key check
     their keywords once (a spy on decode_variants), then only the values:
     lengths that change per call give the general path's results bit for bit,
@@ -250,7 +251,7 @@ def test_decode_attention_with_lengths_checks_its_values_on_every_call(monkeypat
     monkeypatch.setattr(
         decode_module, "decode_variants", lambda *a, **kw: resolved.append(1) or variants(*a, **kw)
     )
-    q, k, v = _arrays((2, 4, 1, 16), (2, 2, 64, 16), np.float32, seed=3)
+    q, k, v = _arrays((2, 4, 1, 16), (2, 2, 64, 16), dtype, seed=3)
     kw = {"window": (20, 0), "return_lse": True}
     if paged:  # pages of 8 keys, shuffled
         k, v = (

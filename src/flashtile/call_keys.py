@@ -45,7 +45,7 @@ def decode_key(
     without ``alibi_slopes`` or ``sinks`` (the caller's test), or None when it
     has none: ``np.ndarray`` queries and C-contiguous caches of one dtype,
     ``cache_seqlens`` and ``block_table`` None or integer ``np.ndarray``
-    (their dtypes and the table's shape in the key, not their values), and
+    (their dtypes and shapes in the key, not their values), and
     the plain values of :func:`_plain_values`."""
     if not (type(q) is np.ndarray and type(k_cache) is type(v_cache) is np.ndarray):
         return None

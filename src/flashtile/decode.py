@@ -143,7 +143,8 @@ class CheckedDecode(NamedTuple):
 def decode_checked(q, layout: CacheLayout, variants: Variants, scale: float, num_splits, key=None):
     """``(out (B, Hq, Tq, dv), lse)`` of a checked decode call (as
     :func:`decode_attention` returns them): ``q`` and ``layout`` from
-    :func:`flashtile.kvlayout.check_cache`, the variants from
+    :func:`flashtile.kvlayout.check_cache` (or its value part,
+    :func:`~flashtile.kvlayout.cache_layout`), the variants from
     :func:`flashtile.kvlayout.decode_variants`, ``scale`` resolved,
     ``num_splits`` checked. The plan is stored for later calls of ``key``
     where one is given (:func:`flashtile.call_keys.decode_key`)."""

@@ -359,7 +359,9 @@ def _append(k_cache, v_cache, new, seqlens, slot, table, rows: int) -> None:
     k_cache[where] = k
     v_cache[where] = v
     if xp is np:  # (torch's own write counts it: autograd then sees the caches changed)
-        torch.autograd.graph.increment_version(caches)
+        for cache in caches:
+            if not cache.is_inference():  # (no version counter)
+                torch.autograd.graph.increment_version(cache)
 
 
 def _decode(q, k_pages, v_pages, lengths, table, splits, opts, prepared=None):

@@ -91,8 +91,10 @@ def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, ca
         return None
     if not type(window[0]) is type(window[1]) is int:
         return None
+    devices = (q.device, k_cache.device, v_cache.device)  # (the whole path checks them)
     return (
-        "kvcache", q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(), k_cache.dtype,
+        "kvcache", devices, q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(),
+        k_cache.dtype,
         v_cache.shape, v_cache.stride(), v_cache.dtype, new, lengths, table, scale, causal,
         window, softcap, num_splits, return_lse, numba_threads(),
     )  # fmt: skip
