@@ -9,13 +9,13 @@ found: the checked variants and scale, how the cache is read. Later calls of
 that metadata check only their values, append, and run the decode kernels
 (:func:`flashtile.decode.decode_checked`) with those: no torch-level checks
 and no second check of the cache. A value out of range (``cache_seqlens``
-past the capacity) sends the call down the whole path, whose check names
-it.
+past the capacity, a block table entry that is not a page) sends the call
+down the whole path, whose check names it.
 
 Only for CPU tensors without ``cache_batch_idx``, ``cache_leftpad``, rotary
 tables, ALiBi slopes or sinks: the other calls take the whole path every
-time. The records live among flashtile's prepared
-calls (:func:`flashtile.frontdoor.remember`), bounded with them.
+time. The records live among flashtile's prepared calls
+(:func:`flashtile.frontdoor.remember`), bounded with them.
 """
 
 from __future__ import annotations
@@ -94,9 +94,8 @@ def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, ca
     devices = (q.device, k_cache.device, v_cache.device)  # (the whole path checks them)
     return (
         "kvcache", devices, q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(),
-        k_cache.dtype,
-        v_cache.shape, v_cache.stride(), v_cache.dtype, new, lengths, table, scale, causal,
-        window, softcap, num_splits, return_lse, numba_threads(),
+        k_cache.dtype, v_cache.shape, v_cache.stride(), v_cache.dtype, new, lengths, table,
+        scale, causal, window, softcap, num_splits, return_lse, numba_threads(),
     )  # fmt: skip
 
 
