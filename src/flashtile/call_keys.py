@@ -20,13 +20,13 @@ def plain_key(q, k, v, causal, scale, return_lse, block_q, block_k, variants: di
     """The prepared-call key of a :func:`flashtile.attention` call on NumPy
     arrays, or None when it has none: all three ``np.ndarray`` with the same
     key count (at least one), no variant keyword but ``window`` and
-    ``softcap``, and the plain values of :func:`_plain_values`."""
+    ``softcap``, and the plain values of :func:`plain_values`."""
     if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
         return None
     window, softcap = variants.get("window"), variants.get("softcap")
     if len(variants) != (window is not None) + (softcap is not None):
         return None  # another keyword (an array, or a typo the check names)
-    if not _plain_values(causal, return_lse, scale, window, softcap, (block_q, block_k)):
+    if not plain_values(causal, return_lse, scale, window, softcap, (block_q, block_k)):
         return None
     ks, vs = k.shape, v.shape
     if not (k.ndim >= 2 and v.ndim >= 2 and ks[-2] == vs[-2] and ks[-2] > 0):
@@ -46,7 +46,7 @@ def decode_key(
     has none: ``np.ndarray`` queries and C-contiguous caches of one dtype,
     ``cache_seqlens`` and ``block_table`` None or integer ``np.ndarray``
     (their dtypes and shapes in the key, not their values), and
-    the plain values of :func:`_plain_values`."""
+    the plain values of :func:`plain_values`."""
     if not (type(q) is np.ndarray and type(k_cache) is type(v_cache) is np.ndarray):
         return None
     lengths = table = None
@@ -62,7 +62,7 @@ def decode_key(
         return None  # lse in the cache's compute dtype: the general path's shaping
     if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
         return None
-    if not _plain_values(causal, return_lse, scale, window, softcap, (num_splits,)):
+    if not plain_values(causal, return_lse, scale, window, softcap, (num_splits,)):
         return None
     return (
         "decode", q.shape, k_cache.shape, v_cache.shape, q.dtype, lengths, table, num_splits,
@@ -70,8 +70,9 @@ def decode_key(
     )  # fmt: skip
 
 
-def _plain_values(causal, return_lse, scale, window, softcap, sizes) -> bool:
-    """Whether a call's scalar keywords can be part of a key: bool flags,
+def plain_values(causal, return_lse, scale, window, softcap, sizes) -> bool:
+    """Whether a call's scalar keywords can be part of a key (also
+    :func:`flashtile.flash_attn.kvcache_steps.kvcache_key`'s): bool flags,
     ``scale`` and ``softcap`` None or a Python float, ``window`` None or a
     tuple of two ints, sizes None or ints. Types are part of the key: a value
     that the check would refuse (``causal=1``, ``window=(2.0, 0)``) never

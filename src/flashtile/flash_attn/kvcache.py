@@ -369,14 +369,14 @@ def _decode(q, k_pages, v_pages, lengths, table, splits, opts, prepared=None):
     (``lengths`` and ``table``: tensors on the GPU, NumPy arrays on the CPU);
     on the CPU, ``prepared(variants, scale)`` is told the call's checked
     variants and scale, where given."""
-    keywords = {
-        "num_splits": splits, "causal": opts.causal, "scale": opts.scale, "window": opts.window,
-        "softcap": opts.softcap, "return_lse": True,
-    }  # fmt: skip
     qt = q.transpose(1, 2)
     if checks.on_gpu(q):
         from flashtile import triton as gpu  # needs triton: imported on first use
 
+        keywords = {
+            "num_splits": splits, "causal": opts.causal, "scale": opts.scale,
+            "window": opts.window, "softcap": opts.softcap, "return_lse": True,
+        }  # fmt: skip
         if opts.sinks is not None:
             keywords["sinks"] = opts.sinks
         return gpu.decode_attention(

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from flashtile.call_keys import plain_values
 from flashtile.cpu.launch import numba_threads
 from flashtile.decode import decode_checked
 from flashtile.frontdoor import prepared, remember
@@ -58,13 +59,12 @@ def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, ca
     keywords are at their defaults (the caller's test), or None when it has
     none: CPU tensors, ``cache_seqlens`` None, a Python int or a tensor,
     ``block_table`` None or a tensor (its values not in the key), and
-    plain keyword values (``softmax_scale`` None or a float, ``causal`` and
-    ``return_softmax_lse`` bools, ``window_size`` two ints, ``softcap`` a
-    float, ``num_splits`` an int). Types are part of the key, as in
-    :func:`flashtile.call_keys.decode_key`."""
+    the plain keyword values of :func:`flashtile.call_keys.plain_values`
+    (a value the whole path refuses is never stored). Types are part of the
+    key, as in :func:`flashtile.call_keys.decode_key`."""
     if not (type(q) is type(k_cache) is type(v_cache) is torch.Tensor):
         return None
-    if checks.on_gpu(q):  # (the whole path refuses caches on another device)
+    if checks.on_gpu(q):  # (the Triton kernels' calls store no step)
         return None
     if k is None and v is None:
         new = None
@@ -83,13 +83,7 @@ def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, ca
         if type(block_table) is not torch.Tensor:
             return None
         table = (block_table.shape, block_table.dtype, block_table.device)
-    if not (type(causal) is bool and type(return_lse) is bool and type(num_splits) is int):
-        return None
-    if not (scale is None or type(scale) is float) or type(softcap) is not float:
-        return None
-    if not (type(window) is tuple and len(window) == 2):
-        return None
-    if not type(window[0]) is type(window[1]) is int:
+    if not plain_values(causal, return_lse, scale, window, softcap, (num_splits,)):
         return None
     devices = (q.device, k_cache.device, v_cache.device)  # (the whole path checks them)
     return (
@@ -128,7 +122,7 @@ def run_step(key, q, k_cache, v_cache, new, cache_seqlens, block_table, append):
     if block_table is None:
         slot = np.arange(batch, dtype=np.int64)
     else:
-        table = block_table.numpy().astype(np.int64)
+        table = block_table.numpy().astype(np.int64, copy=False)
         if table_problem(np, table, lengths, k_cache.shape[1], k_cache.shape[0], True):
             return None
     if new is not None:
