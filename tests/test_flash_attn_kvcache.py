@@ -258,6 +258,37 @@ def test_a_paged_decoding_loop_runs_its_stored_step(monkeypatch, rng):
     assert len(checked) == 3
 
 
+def test_a_models_layers_share_their_steps_plan(monkeypatch):
+    """The layers of a decoding step (caches of one metadata, the same lengths)
+    plan once per step (decode_planning.LengthsPlan): each layer still gets
+    its own cache's results, and a new length or a route change plans again."""
+    from flashtile import decode_planning, frontdoor, routes
+
+    frontdoor._PREPARED.clear()
+    planned = []
+    plan = decode_planning.plan_decode
+    monkeypatch.setattr(decode_planning, "plan_decode", lambda *a: planned.append(1) or plan(*a))
+    batch, hq, hkv, d, capacity = 2, 4, 2, 16, 48
+    g = torch.Generator().manual_seed(7)
+    caches = [[torch.randn(batch, capacity, hkv, d, generator=g) for _ in "kv"] for _ in "ab"]
+    seqlens = torch.tensor([5, 17], dtype=torch.int32)
+    zero = torch.zeros(batch, dtype=torch.int32)
+    for step in range(3):
+        planned.clear()
+        for k_cache, v_cache in caches:
+            q = torch.randn(batch, 1, hq, d, generator=g)
+            k, v = (torch.randn(batch, 1, hkv, d, generator=g) for _ in "kv")
+            out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens)
+            ref = _kvcache_oracle(*_f64(q, k_cache, v_cache), zero, seqlens + 1)[0]
+            assert rel_err(out.numpy(), ref.numpy()) < 1e-5
+        assert len(planned) == 1  # (in the first step, the second layer's)
+        if step == 1:  # a route change (GENERATION moves): the same call plans again
+            routes.forget()
+            again = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens)
+            assert len(planned) == 2 and torch.equal(again, out)
+        seqlens = seqlens + torch.tensor([2, 1], dtype=torch.int32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kvcache_16_bit(dtype):
     g = torch.Generator().manual_seed(4)

@@ -242,15 +242,23 @@ def test_decode_attention_with_lengths_checks_its_values_on_every_call(monkeypat
     """Calls with ``cache_seqlens`` (and a ``block_table``) of one key check
     their keywords once (a spy on decode_variants), then only the values:
     lengths that change per call give the general path's results bit for bit,
-    and bad lengths or table entries get the general path's errors."""
+    and bad lengths or table entries get the general path's errors. A second
+    cache of the same metadata with the same lengths (a model's next layer)
+    reuses the plan (decode_planning.LengthsPlan), which keeps no cache alive."""
+    import gc
+    import weakref
+
     from flashtile import decode as decode_module
+    from flashtile import decode_planning
 
     frontdoor._PREPARED.clear()
-    resolved = []
+    resolved, planned = [], []
     variants = decode_module.decode_variants
     monkeypatch.setattr(
         decode_module, "decode_variants", lambda *a, **kw: resolved.append(1) or variants(*a, **kw)
     )
+    plan = decode_planning.plan_decode
+    monkeypatch.setattr(decode_planning, "plan_decode", lambda *a: planned.append(1) or plan(*a))
     q, k, v = _arrays((2, 4, 1, 16), (2, 2, 64, 16), dtype, seed=3)
     kw = {"window": (20, 0), "return_lse": True}
     if paged:  # pages of 8 keys, shuffled
@@ -260,16 +268,23 @@ def test_decode_attention_with_lengths_checks_its_values_on_every_call(monkeypat
         order = np.random.default_rng(4).permutation(16)
         k, v = np.ascontiguousarray(k[order]), np.ascontiguousarray(v[order])
         kw["block_table"] = np.argsort(order).reshape(2, 8)
+    k2, v2 = (np.ascontiguousarray(x[::-1]) for x in (k, v))  # (another layer's cache)
     for lengths in ([64, 5], [17, 64], [1, 33]):
         kw["cache_seqlens"] = np.array(lengths)
-        out, lse = ft.decode_attention(q, k, v, **kw)
-        saved = dict(frontdoor._PREPARED)
-        frontdoor._PREPARED.clear()
-        want = ft.decode_attention(q, k, v, **kw)  # the general path
-        frontdoor._PREPARED.update(saved)
-        np.testing.assert_array_equal(out, want[0])
-        np.testing.assert_array_equal(lse, want[1])
-    assert len(resolved) == 4  # the first call, and the general path's three
+        for kc, vc in ((k2, v2), (k, v)):
+            out, lse = ft.decode_attention(q, kc, vc, **kw)
+            saved = dict(frontdoor._PREPARED)
+            frontdoor._PREPARED.clear()
+            want = ft.decode_attention(q, kc, vc, **kw)  # the general path
+            frontdoor._PREPARED.update(saved)
+            np.testing.assert_array_equal(out, want[0])
+            np.testing.assert_array_equal(lse, want[1])
+    assert len(resolved) == 7  # the first call, and the general path's six
+    assert len(planned) == 3  # once per lengths (the first call plans on the general path)
+    gone = weakref.ref(k2)
+    del k2, v2, kc, vc
+    gc.collect()
+    assert gone() is None
     kw["cache_seqlens"] = np.array([65, 0])
     with pytest.raises(ValueError, match="cache_seqlens must lie"):
         ft.decode_attention(q, k, v, **kw)
@@ -277,7 +292,7 @@ def test_decode_attention_with_lengths_checks_its_values_on_every_call(monkeypat
         kw["cache_seqlens"], kw["block_table"] = np.array([64, 3]), kw["block_table"] + 16
         with pytest.raises(ValueError, match="is not a page of the cache"):
             ft.decode_attention(q, k, v, **kw)
-    assert len(resolved) == 4
+    assert len(resolved) == 7
 
 
 def test_prepared_records_are_bounded():

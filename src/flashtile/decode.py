@@ -21,7 +21,7 @@ import numpy as np
 
 from ._validate import check_flag, check_num_splits, resolve_scale
 from .call_keys import decode_key
-from .decode_planning import plan_decode
+from .decode_planning import LengthsPlan, plan_decode
 from .frontdoor import (
     prepare_decode,
     prepared,
@@ -104,7 +104,9 @@ def decode_attention(
         entry = None if key is None else prepared(key)
         if type(entry) is CheckedDecode:  # lengths or a table: their values checked, planned
             layout = cache_layout(k_cache, v_cache, q.shape[0], cache_seqlens, block_table)
-            out, lse = decode_checked(q, layout, entry.variants, entry.scale, entry.num_splits)
+            out, lse = decode_checked(
+                q, layout, entry.variants, entry.scale, entry.num_splits, plans=entry.plans
+            )
             return (out, lse) if return_lse else out
         if entry is not None:  # checked and planned before
             result = run_prepared_decode(entry, q, k_cache, v_cache, return_lse)
@@ -120,7 +122,7 @@ def decode_attention(
     scale = resolve_scale(scale, q.shape[3])
     if key is not None and (cache_seqlens is not None or block_table is not None):
         # The plan depends on the lengths: later calls of the key plan again.
-        remember(key, CheckedDecode(variants, scale, num_splits))
+        remember(key, CheckedDecode(variants, scale, num_splits, LengthsPlan()))
         key = None
     out, lse = decode_checked(q, layout, variants, scale, num_splits, key)
     return (out, lse) if return_lse else out
@@ -130,25 +132,35 @@ class CheckedDecode(NamedTuple):
     """What a :func:`decode_attention` call with ``cache_seqlens`` or a
     ``block_table`` checked of its keywords, for later calls of its key
     (:func:`flashtile.call_keys.decode_key`): those check the lengths and the
-    table (:func:`flashtile.kvlayout.cache_layout`) and plan anew (the split
-    follows the lengths). ``flashtile.KVCache.attend``, 12 heads of d 64
-    against 2048 of 4096 keys (AMD EPYC, Zen 3, three process pairs): 257-259
-    -> 233-237 us a call; in pages of 16, 485-490 -> 463-471 us."""
+    table (:func:`flashtile.kvlayout.cache_layout`) and plan anew where the
+    lengths changed (the split follows them; ``plans``, a
+    :class:`~flashtile.decode_planning.LengthsPlan`, keeps the last plan).
+    ``flashtile.KVCache.attend``, 12 heads of d 64 against 2048 of 4096 keys
+    (AMD EPYC, Zen 3, three process pairs): 257-259 -> 233-237 us a call; in
+    pages of 16, 485-490 -> 463-471 us."""
 
     variants: Variants
     scale: float
     num_splits: int | None
+    plans: LengthsPlan
 
 
-def decode_checked(q, layout: CacheLayout, variants: Variants, scale: float, num_splits, key=None):
+def decode_checked(
+    q, layout: CacheLayout, variants: Variants, scale: float, num_splits, key=None, plans=None
+):
     """``(out (B, Hq, Tq, dv), lse)`` of a checked decode call (as
     :func:`decode_attention` returns them): ``q`` and ``layout`` from
     :func:`flashtile.kvlayout.check_cache` (or its value part,
     :func:`~flashtile.kvlayout.cache_layout`), the variants from
     :func:`flashtile.kvlayout.decode_variants`, ``scale`` resolved,
     ``num_splits`` checked. The plan is stored for later calls of ``key``
-    where one is given (:func:`flashtile.call_keys.decode_key`)."""
-    plan = plan_decode(q, layout, variants, scale, num_splits)
+    where one is given (:func:`flashtile.call_keys.decode_key`), or comes
+    from ``plans`` (a stored call's
+    :class:`~flashtile.decode_planning.LengthsPlan`) where that is given."""
+    if plans is None:
+        plan = plan_decode(q, layout, variants, scale, num_splits)
+    else:
+        plan = plans.plan(q, layout, variants, scale, num_splits)
     if key is not None:
         prepare_decode(key, plan, variants, q, num_splits)
     out, lse = run_decode_checked(plan, variants, q, num_splits)

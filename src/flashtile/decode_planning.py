@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import routes
 from ._validate import BFLOAT16, compute_dtype, head_group
 from .cpu.launch import numba_threads
 from .cpu.tiles import KernelVariants
@@ -153,6 +154,37 @@ def plan_decode(q, layout: CacheLayout, va: Variants, scale, num_splits) -> Deco
     return DecodePlan(
         q_work, layout, items, spans, variants, scale, tile_keys, threads, walk, small, size
     )
+
+
+class LengthsPlan:
+    """The last :func:`plan_decode` plan of a stored call whose plan follows
+    its lengths (:func:`flashtile.decode_attention` with ``cache_seqlens`` or
+    a block table, ``flash_attn_with_kvcache``'s stored step), for the next
+    call with the same lengths: the layers of a model's decoding step attend
+    with the same lengths, and all but the first skip planning. The plan is
+    kept without its queries and cache (they are the call's own, and a kept
+    cache would outlive the user's); what else it depends on is fixed by the
+    stored call's key, or compared here (the thread count, the routes'
+    :data:`~flashtile.routes.GENERATION`)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self):
+        self.last = None  # (what it was planned for, the plan less q and layout, q's dtype)
+
+    def plan(self, q, layout: CacheLayout, va: Variants, scale, num_splits) -> DecodePlan:
+        """:func:`plan_decode`'s plan, reused when the last one was planned
+        for the same lengths and shapes."""
+        seen = (
+            layout.seqlens.tobytes(), q.shape, q.dtype, layout.k.dtype, layout.table.shape,
+            layout.page, numba_threads(), routes.GENERATION[0],
+        )  # fmt: skip
+        last = self.last  # (one read: another thread may store meanwhile)
+        if last is not None and last[0] == seen:
+            return last[1]._replace(q=np.ascontiguousarray(q, dtype=last[2]), layout=layout)
+        plan = plan_decode(q, layout, va, scale, num_splits)
+        self.last = (seen, plan._replace(q=None, layout=None), plan.q.dtype)
+        return plan
 
 
 def decode_operands(q_dtype, layout: CacheLayout, scale: float, row_walk: bool) -> np.dtype:

@@ -28,13 +28,14 @@ import torch
 from flashtile.call_keys import plain_values
 from flashtile.cpu.launch import numba_threads
 from flashtile.decode import decode_checked
+from flashtile.decode_planning import LengthsPlan
 from flashtile.frontdoor import prepared, remember
 from flashtile.kvlayout import CacheLayout, table_problem
 from flashtile.torch.arrays import as_numpy, as_tensor
 from flashtile.variants import Variants
 
 from . import checks
-from .pages import cache_pages
+from .pages import cache_pages, page_views
 
 
 class KVCacheStep(NamedTuple):
@@ -45,12 +46,20 @@ class KVCacheStep(NamedTuple):
         splits: ``num_splits`` checked (None: automatic).
         capacity: keys a sequence can hold (``seqlen_cache``, or its block
             table's pages times ``page_block_size``).
+        plans: the last plan (:class:`flashtile.decode_planning.LengthsPlan`:
+            a model's layers attend with the same lengths).
+        slots: ``[table]``, the page table of a cache without a block table
+            (sequence ``b`` in cache row ``b``) over every position of each
+            row, which the key's shapes and strides fix: the first stored
+            call builds it (``[None]`` until then, and with a block table).
     """
 
     variants: Variants
     scale: float
     splits: int | None
     capacity: int
+    plans: LengthsPlan
+    slots: list
 
 
 def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal, window,
@@ -98,7 +107,7 @@ def prepare_step(key, splits, capacity: int):
     once the whole path has checked them (:func:`.kvcache._decode` calls it)."""
 
     def store(variants: Variants, scale: float) -> None:
-        remember(key, KVCacheStep(variants, scale, splits, capacity))
+        remember(key, KVCacheStep(variants, scale, splits, capacity, LengthsPlan(), [None]))
 
     return store
 
@@ -127,13 +136,30 @@ def run_step(key, q, k_cache, v_cache, new, cache_seqlens, block_table, append):
             return None
     if new is not None:
         append(seqlens, slot, table)
-    k_pages, v_pages, table = cache_pages(k_cache, v_cache, slot, table, None, lengths)
+    if table is None:
+        k_pages, v_pages, table = _slot_pages(step, k_cache, v_cache, slot)
+    else:
+        k_pages, v_pages, table = cache_pages(k_cache, v_cache, None, table, None, lengths)
+        table = np.ascontiguousarray(table)
     page = k_pages.shape[2]
-    layout = CacheLayout(as_numpy(k_pages), as_numpy(v_pages), np.ascontiguousarray(table),
-                         lengths, page, True)  # fmt: skip
+    layout = CacheLayout(as_numpy(k_pages), as_numpy(v_pages), table, lengths, page, True)
     q4 = as_numpy(q.transpose(1, 2))
-    out, lse = decode_checked(q4, layout, step.variants, step.scale, step.splits)
+    out, lse = decode_checked(q4, layout, step.variants, step.scale, step.splits, plans=step.plans)
     return as_tensor(out).transpose(1, 2).contiguous(), as_tensor(lse)
+
+
+def _slot_pages(step: KVCacheStep, k_cache, v_cache, slot):
+    """:func:`.pages.cache_pages` of sequence ``b`` in cache row ``b``
+    (``slot``), the table over every position of a row (``step.slots``,
+    built once: the kernels read only a sequence's valid keys)."""
+    table = step.slots[0]
+    if table is None:
+        full = np.full(len(slot), step.capacity, dtype=np.int64)
+        k_pages, v_pages, table = cache_pages(k_cache, v_cache, slot, None, None, full)
+        step.slots[0] = table = np.ascontiguousarray(table)
+        return k_pages, v_pages, table
+    k_pages, v_pages, _ = page_views(k_cache, v_cache, None)
+    return k_pages, v_pages, table
 
 
 def most_keys(capacity: int, tn: int) -> int:

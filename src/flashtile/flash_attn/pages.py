@@ -65,20 +65,10 @@ def cache_pages(k_cache, v_cache, slot, table, leftpad, lengths):
     after appending, past the left padding): ``(batch,)``/``(batch, pages)``
     int64, all NumPy arrays or all tensors (the table comes back as they
     are)."""
-    hkv = k_cache.shape[2]
-    natural = leftpad is None and (
-        checks.on_gpu(k_cache) or (hkv == 1 and transposes_contiguous(k_cache, v_cache))
-    )
-    if natural:  # pages of the cache's own rows (or blocks)
+    k_pages, v_pages, stride = page_views(k_cache, v_cache, leftpad)
+    if stride is None:  # pages of the cache's own rows (or blocks)
         table = slot[:, None] if table is None else table
-        return k_cache.transpose(1, 2), v_cache.transpose(1, 2), table
-    k_tokens, stride = token_pages(k_cache, "k_cache")
-    v_tokens, v_stride = token_pages(v_cache, "v_cache")
-    if v_stride != stride:
-        raise ValueError(
-            f"k_cache and v_cache place their rows {stride} and {v_stride} tokens apart: give "
-            f"them one layout (e.g. both contiguous)"
-        )
+        return k_pages, v_pages, table
     rows = k_cache.shape[1]
     xp = np if isinstance(lengths, np.ndarray) else torch
     on = {} if xp is np else {"device": lengths.device}
@@ -90,4 +80,26 @@ def cache_pages(k_cache, v_cache, slot, table, leftpad, lengths):
     else:  # entries past a sequence's length are never read: clamp them into the table
         at = at.clip(max=table.shape[1] * rows - 1)
         tokens = token_index(*block_rows(table, at, rows), stride)
-    return k_tokens, v_tokens, tokens
+    return k_pages, v_pages, tokens
+
+
+def page_views(k_cache, v_cache, leftpad):
+    """The caches as :func:`cache_pages`' pages, and how many tokens apart
+    their rows start: the caches' own rows (or blocks) on the GPU, and for
+    one kv head without left padding (stride None: their table is
+    ``cache_pages``' block table, or each sequence's cache row), else
+    one-token pages (:func:`token_pages`)."""
+    natural = leftpad is None and (
+        checks.on_gpu(k_cache)
+        or (k_cache.shape[2] == 1 and transposes_contiguous(k_cache, v_cache))
+    )
+    if natural:
+        return k_cache.transpose(1, 2), v_cache.transpose(1, 2), None
+    k_tokens, stride = token_pages(k_cache, "k_cache")
+    v_tokens, v_stride = token_pages(v_cache, "v_cache")
+    if v_stride != stride:
+        raise ValueError(
+            f"k_cache and v_cache place their rows {stride} and {v_stride} tokens apart: give "
+            f"them one layout (e.g. both contiguous)"
+        )
+    return k_tokens, v_tokens, stride
