@@ -553,18 +553,20 @@ def test_the_row_walk_of_a_long_contiguous_cache(rng):
 @pytest.mark.parametrize(
     "hq, tq", [(2, 1), (6, 1), (6, 2), (6, 3)], ids=["1row", "3rows", "6rows", "9rows"]
 )
+@pytest.mark.parametrize("d, dv", [(13, 11), (16, 24)], ids=["odd", "lanes"])
 def test_the_walks_that_read_rows_fold_keys_in_passes_and_the_rest_one_by_one(
-    rng, dtype, walk, page, hq, tq
+    rng, dtype, walk, page, hq, tq, d, dv
 ):
     """The row walks' passes (cache_rows.ROWS_PER_PASS query rows, four keys for
-    one row, four or two value rows) and their remainders: items of 1, 3, 6 and
-    9 rows; runs of every length modulo four (sequences of 1, 2, 3, 4, 5, 7, 9
-    and 600 keys; pages of 6 and 5 keys, read by one head's rows or by
-    every head's page by page; one-token pages of two kv heads); unaligned
-    rows; each cache format; against the float64 reference on the cache's
-    values."""
+    one row, four or two value rows; with head dims that are multiples of 8,
+    two keys by four rows in LLVM IR, cpu/quad_passes.py) and their
+    remainders: items of 1, 3, 6 and 9 rows; runs of every length modulo four
+    (sequences of 1, 2, 3, 4, 5, 7, 9 and 600 keys; pages of 6 and 5 keys,
+    read by one head's rows or by every head's page by page; one-token pages
+    of two kv heads); unaligned rows; each cache format; against the float64
+    reference on the cache's values."""
     dtype = np.dtype(dtype)
-    q, k, v = _problem(rng, batch=8, hq=hq, hkv=2, tq=tq, d=13, dv=11, t_max=600)
+    q, k, v = _problem(rng, batch=8, hq=hq, hkv=2, tq=tq, d=d, dv=dv, t_max=600)
     k, v = k.astype(dtype), v.astype(dtype)
     lengths = np.array([1, 2, 3, 4, 5, 7, 9, 600])  # (600: tiles of 256 end mid-page)
     kw = dict(cache_seqlens=lengths, return_lse=True, causal=True)

@@ -39,6 +39,7 @@ from numba.extending import overload
 
 from . import FASTMATH
 from .memory import CACHE_LINE, is_flag, load_value, prefetch, unmanaged
+from .quad_passes import FETCH_ROWS, QUAD, has_quads, quad_scores, quad_values
 from .tile_step import KeptScores, flag_non_finite, rescale_rows, softmax_tile
 from .tiles import SEG_KEY, SEG_LENGTH, QueryTile, tile_sees_all
 from .vectors import wide_vectors
@@ -280,8 +281,19 @@ def run_values(acc, p, r0, r1, t, run, count, flat, o, width, fmt, ahead):
 def page_values_run(acc, p, r0, r1, t, run, flat, o, width, fmt, ahead):
     """:func:`run_values` over all ``run`` keys: :func:`pass_keys` keys per
     pass, then one by one for the last few; one row's passes compiled on
-    their own (see :func:`run_values`)."""
+    their own (see :func:`run_values`); four rows or more two keys per pass,
+    four rows at a time (:func:`.quad_passes.quad_values`, where it exists;
+    no prefetch with ``j_end = 0``)."""
     rows = r1 - r0
+    if rows >= QUAD and has_quads(acc, flat, fmt, acc.shape[1]):
+        table_row, heads, hk, page, dv, j, j_end = ahead
+        for a in range(run):
+            prefetch_row(flat, table_row, heads, hk, page, dv, j + a + AHEAD, j_end)
+        fetch = FETCH_ROWS * dv if page >= PREFETCH_BELOW_PAGE and j_end > 0 else 0
+        top = r1 - rows % QUAD  # four rows at a time (.quad_passes), the rest below
+        for r in range(r0, top, QUAD):
+            quad_values(acc, r, p, t, flat, fmt, o, width, run, fetch)
+        r0, rows = top, r1 - top
     if rows == 1:
         u = run_values(acc, p, r0, r0 + 1, t, run, 2, flat, o, width, fmt, ahead)
     elif pass_keys(rows) == 4:
@@ -323,10 +335,12 @@ def dot_rows4(q_tile, r, flat, o0, o1, o2, o3, width, fmt):
 def cache_scores(q_tile, flat, fmt, table_row, heads, hk, page, j0, n, s, j_end):
     """``s[r, t] = q_tile[r] . key_{j0 + t}`` for ``t < n``: the keys' rows read
     from the flat cache ``flat`` (format flag ``fmt``), one page's run at a
-    time: key by key (:func:`key_scores`), or for one query row four keys per
-    pass (:func:`dot_keys4`). ``q_tile (rows, d)``, ``s (rows, >= n)``, both
-    in the work dtype. Each key prefetches the row :data:`AHEAD` keys on,
-    below ``j_end``."""
+    time: key by key (:func:`key_scores`), for one query row four keys per
+    pass (:func:`dot_keys4`), and for four rows or more two keys per pass,
+    four rows at a time (:func:`.quad_passes.quad_scores`, where it
+    exists). ``q_tile (rows, d)``, ``s (rows, >= n)``, both in the work
+    dtype. Each key prefetches the row :data:`AHEAD` keys on, below
+    ``j_end``."""
     wide_vectors()
     q_tile, s = unmanaged(q_tile), unmanaged(s)  # (see .memory.unmanaged)
     flat, table_row = unmanaged(flat), unmanaged(table_row)
@@ -336,7 +350,7 @@ def cache_scores(q_tile, flat, fmt, table_row, heads, hk, page, j0, n, s, j_end)
     while t < n:
         j = j0 + t
         run, base = page_run(table_row, heads, hk, page, d, j, n - t)
-        u = 0
+        u = top = 0
         if rows == 1:  # one row: nothing to share a key's elements with
             while u + 4 <= run:
                 for a in range(4):
@@ -344,9 +358,18 @@ def cache_scores(q_tile, flat, fmt, table_row, heads, hk, page, j0, n, s, j_end)
                 x = dot_keys4(q_tile, 0, flat, base + np.uint64(u) * width, width, fmt)
                 s[0, t + u], s[0, t + u + 1], s[0, t + u + 2], s[0, t + u + 3] = x
                 u += 4
+        elif rows >= QUAD and has_quads(q_tile, flat, fmt, d):
+            fetch = FETCH_ROWS * d if page >= PREFETCH_BELOW_PAGE else 0
+            top = rows - rows % QUAD  # four rows at a time (.quad_passes), the rest below
+            for r in range(0, top, QUAD):
+                quad_scores(q_tile, r, flat, fmt, base, d, run, s, t, fetch)
+            if top == rows:
+                for a in range(run):
+                    prefetch_row(flat, table_row, heads, hk, page, d, j + a + AHEAD, j_end)
+                u = run
         for i in range(u, run):
             prefetch_row(flat, table_row, heads, hk, page, d, j + i + AHEAD, j_end)
-            key_scores(q_tile, 0, rows, flat, base + np.uint64(i) * width, width, fmt, s, t + i)
+            key_scores(q_tile, top, rows, flat, base + np.uint64(i) * width, width, fmt, s, t + i)
         t += run
 
 

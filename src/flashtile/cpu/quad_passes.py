@@ -1,0 +1,340 @@
+"""Four query rows against two keys per step: the row walk's passes in LLVM IR.
+
+A GQA group of four query heads (or four queries of one head) reads each key
+row once for four dot products and each value row once for four accumulator
+rows (:mod:`.cache_rows`). Written as Numba loops, those passes ran at a
+third of what the core can do: each loop over a row's elements has a
+runtime length, so LLVM wraps it in alias checks and remainder loops, and
+the score pass reduces four vector sums to scalars for every key. Here the
+loops are written in LLVM IR over 8-float vectors (any head dim that is a
+multiple of 8; AVX2 registers, and the same code on AVX-512 CPUs):
+
+- :func:`quad_scores`: for two keys at once, eight vector sums (four rows by
+  two keys) over the row, each key element loaded once and each query
+  element once per two keys; the eight sums are reduced together, as a
+  transpose (three rounds of pairwise shuffles and adds), into eight
+  scores;
+- :func:`quad_values`: for two keys at once, each accumulator vector of the
+  four rows loaded, given both keys' weighted value vectors, and stored.
+
+Each call reads one run of consecutive rows (a page's run,
+:func:`.cache_rows.page_run`), two rows side by side; over a long run (a
+contiguous cache) each row read prefetches the row :data:`FETCH_ROWS` on.
+Cache formats: float32, bf16 bit patterns (widened by a shift) and float16
+patterns where the CPU converts them (F16C); :func:`has_quads` says whether
+a call's types and width have these passes, and compiles to a constant
+where the types decide. Measured: docs/decoding.md, "Four query rows in
+LLVM IR".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from .memory import HARDWARE_F16, BFloat16Bits, Float16Bits, FloatValues, is_flag
+
+#: Floats per vector of the passes.
+LANES = 8
+#: Query rows per pass.
+QUAD = 4
+#: Rows ahead that a pass over a long run prefetches (the callers' ``fetch``,
+#: in elements): the two rows read side by side are two streams, which the
+#: hardware prefetcher follows worse than one (one thread streaming GQA 32/8,
+#: d 128, from memory, AVX2 AMD EPYC: the score pass 10.2 GB/s without,
+#: 13.6 with, the Numba pass 12.6-14.5).
+FETCH_ROWS = 4
+
+_F32 = ir.FloatType()
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_VF = ir.VectorType(_F32, LANES)
+_FAST = ("fast",)
+
+
+def _supported(q, flat, fmt) -> bool:
+    """Whether the passes exist for float32 queries and a cache of ``flat``'s
+    dtype read as ``fmt`` (a Numba type check)."""
+    if not (isinstance(q, types.Array) and q.dtype == types.float32):
+        return False
+    if not isinstance(flat, types.Array):
+        return False
+    if flat.dtype == types.float32:
+        return is_flag(fmt, FloatValues)
+    if flat.dtype == types.uint16:
+        return is_flag(fmt, BFloat16Bits) or (is_flag(fmt, Float16Bits) and HARDWARE_F16)
+    return False
+
+
+def has_quads(q, flat, fmt, width):
+    """Whether :func:`quad_scores` and :func:`quad_values` run for these
+    operands: the types have the passes and ``width`` is a multiple of
+    :data:`LANES`. Only callable from compiled code."""
+    raise NotImplementedError("has_quads is only available inside Numba kernels")
+
+
+@overload(has_quads, inline="always")
+def _has_quads(q, flat, fmt, width):
+    if not _supported(q, flat, fmt):
+        return lambda q, flat, fmt, width: False
+    return lambda q, flat, fmt, width: width % LANES == 0
+
+
+def _data(context, builder, array_type, value):
+    """The data pointer of an array argument (its element type)."""
+    return context.make_array(array_type)(context, builder, value).data
+
+
+def _splat(builder, scalar):
+    vector = builder.insert_element(ir.Constant(_VF, None), scalar, _I32(0))
+    return builder.shuffle_vector(vector, vector, ir.Constant(ir.VectorType(_I32, LANES), [0] * 8))
+
+
+def _load_floats(builder, pointer):
+    return builder.load(builder.bitcast(pointer, _VF.as_pointer()), align=4)
+
+
+def _load_row(builder, pointer, fmt):
+    """:data:`LANES` cache elements from ``pointer`` (the cache's element type)
+    as float32: as they are, or 16-bit patterns widened exactly."""
+    if is_flag(fmt, FloatValues):
+        return _load_floats(builder, pointer)
+    if is_flag(fmt, Float16Bits):
+        halves = ir.VectorType(ir.HalfType(), LANES)
+        return builder.fpext(
+            builder.load(builder.bitcast(pointer, halves.as_pointer()), align=2), _VF
+        )
+    bits = builder.load(
+        builder.bitcast(pointer, ir.VectorType(ir.IntType(16), LANES).as_pointer()), align=2
+    )
+    wide = builder.shl(
+        builder.zext(bits, ir.VectorType(_I32, LANES)),
+        ir.Constant(ir.VectorType(_I32, LANES), [16] * 8),
+    )
+    return builder.bitcast(wide, _VF)
+
+
+def _prefetch(builder, pointer):
+    """Hint the CPU to load the line of ``pointer`` (``prefetcht0``)."""
+    i8p = ir.IntType(8).as_pointer()
+    fnty = ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+    builder.call(fn, [builder.bitcast(pointer, i8p), _I32(0), _I32(3), _I32(1)])
+
+
+def _fma(builder, acc, x, y):
+    """``acc + x * y`` with fast-math flags (one fused multiply-add)."""
+    return builder.fadd(acc, builder.fmul(x, y, flags=_FAST), flags=_FAST)
+
+
+class _Loop:
+    """A counted IR loop ``for i in range(start, stop, step)`` with extra
+    loop-carried values: ``with _Loop(...) as loop:`` emits the body at
+    ``loop.index``; ``loop.carry(initial)`` declares a carried value (set the
+    next iteration's with ``loop.next``); after the block, ``loop.results``
+    holds each carried value's final value (its initial one when the loop
+    ran no iteration)."""
+
+    def __init__(self, builder, start, stop, step, name):
+        self.builder, self.start, self.stop, self.step, self.name = builder, start, stop, step, name
+        self._carried, self._next = [], []
+
+    def __enter__(self):
+        b = self.builder
+        self.entry = b.block
+        self.body = b.append_basic_block(f"{self.name}.body")
+        self.done = b.append_basic_block(f"{self.name}.done")
+        b.cbranch(b.icmp_signed("<", self.start, self.stop), self.body, self.done)
+        b.position_at_end(self.body)
+        self.index = b.phi(self.start.type)
+        self.index.add_incoming(self.start, self.entry)
+        return self
+
+    def carry(self, initial):
+        phi = self.builder.phi(initial.type)
+        phi.add_incoming(initial, self.entry)
+        self._carried.append((phi, initial))
+        self._next.append(None)
+        return phi
+
+    def next(self, phi, value):
+        self._next[[p for p, _ in self._carried].index(phi)] = value
+
+    def __exit__(self, *exc):
+        if exc[0] is not None:
+            return False
+        b = self.builder
+        following = b.add(self.index, self.step)
+        end = b.block
+        self.index.add_incoming(following, end)
+        for (phi, _), value in zip(self._carried, self._next, strict=True):
+            phi.add_incoming(value, end)
+        b.cbranch(b.icmp_signed("<", following, self.stop), self.body, self.done)
+        b.position_at_end(self.done)
+        self.results = []
+        for (_, initial), value in zip(self._carried, self._next, strict=True):
+            out = b.phi(initial.type)
+            out.add_incoming(initial, self.entry)
+            out.add_incoming(value, end)
+            self.results.append(out)
+        return False
+
+
+def _reduce8(builder, sums):
+    """The eight lane sums of the eight vectors ``sums``, as one vector (element
+    ``i`` the sum of ``sums[i]``): pairwise shuffles and adds, a transpose."""
+    even = ir.Constant(ir.VectorType(_I32, LANES), [0, 2, 8, 10, 4, 6, 12, 14])
+    odd = ir.Constant(ir.VectorType(_I32, LANES), [1, 3, 9, 11, 5, 7, 13, 15])
+
+    def pair(a, b):
+        return builder.fadd(
+            builder.shuffle_vector(a, b, even), builder.shuffle_vector(a, b, odd), flags=_FAST
+        )
+
+    quads = [pair(pair(sums[i], sums[i + 1]), pair(sums[i + 2], sums[i + 3])) for i in (0, 4)]
+    low = ir.Constant(ir.VectorType(_I32, LANES), [0, 1, 2, 3, 8, 9, 10, 11])
+    high = ir.Constant(ir.VectorType(_I32, LANES), [4, 5, 6, 7, 12, 13, 14, 15])
+    return builder.fadd(
+        builder.shuffle_vector(quads[0], quads[1], low),
+        builder.shuffle_vector(quads[0], quads[1], high),
+        flags=_FAST,
+    )
+
+
+@intrinsic
+def _scores(typingctx, q, q0, q_step, flat, fmt, o, width, keys, s, s0, s_step, fetch):
+    """``s[s0 + r * s_step + k] = q[q0 + r * q_step :][:width] . flat[o + k * width:][:width]``
+    for the four rows ``r`` and the ``keys`` keys ``k`` (flat element
+    offsets; ``width`` a multiple of :data:`LANES`), two keys per step (an
+    odd last key read twice, its second score not kept)."""
+    if not _supported(q, flat, fmt):
+        return None
+    i64 = types.int64
+    sig = types.void(q, i64, i64, flat, fmt, i64, i64, i64, s, i64, i64, i64)
+
+    def codegen(context, builder, signature, args):
+        q, q0, q_step, flat, _, o, width, keys, s, s0, s_step, fetch = args
+        b = builder
+        base = _data(context, b, signature.args[0], q)
+        rows = [b.gep(base, [b.add(q0, b.mul(_I64(r), q_step))]) for r in range(QUAD)]
+        start = b.gep(_data(context, b, signature.args[3], flat), [o])
+        out = b.gep(_data(context, b, signature.args[8], s), [s0])
+        with _Loop(b, _I64(0), keys, _I64(2), "pair") as pair:
+            last = b.icmp_signed(">=", b.add(pair.index, _I64(1)), keys)  # (an odd last key)
+            first = b.gep(start, [b.mul(pair.index, width)])
+            key = [first, b.select(last, first, b.gep(first, [width]))]
+            with _Loop(b, _I64(0), width, _I64(LANES), "dot") as dot:
+                sums = [dot.carry(ir.Constant(_VF, None)) for _ in range(2 * QUAD)]
+                x = [_load_row(b, b.gep(k, [dot.index]), fmt) for k in key]
+                for k in key:
+                    _prefetch(b, b.gep(k, [b.add(dot.index, fetch)]))
+                for r in range(QUAD):
+                    y = _load_floats(b, b.gep(rows[r], [dot.index]))
+                    for k in range(2):
+                        dot.next(sums[2 * r + k], _fma(b, sums[2 * r + k], y, x[k]))
+            total = _reduce8(b, dot.results)  # (zeros for an empty row: the initial values)
+            for r in range(QUAD):
+                row = b.gep(out, [b.add(b.mul(_I64(r), s_step), pair.index)])
+                # The second key's score first: an odd last key's lands on the first's
+                # place, which the first key's then takes.
+                second = b.select(last, row, b.gep(row, [_I64(1)]))
+                b.store(b.extract_element(total, _I32(2 * r + 1)), second)
+                b.store(b.extract_element(total, _I32(2 * r)), row)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _values(typingctx, acc, a0, a_step, p, p0, p_step, flat, fmt, o, width, keys, fetch):
+    """``acc[a0 + r * a_step + c] += sum_k p[p0 + r * p_step + k] * flat[o + k * width + c]``
+    for the four rows ``r``, ``c < width`` and the ``keys`` keys ``k``, two
+    keys per step (an odd last key's second weight zero)."""
+    if not (_supported(acc, flat, fmt) and isinstance(p, types.Array) and p.dtype == types.float32):
+        return None
+    i64 = types.int64
+    sig = types.void(acc, i64, i64, p, i64, i64, flat, fmt, i64, i64, i64, i64)
+
+    def codegen(context, builder, signature, args):
+        acc, a0, a_step, p, p0, p_step, flat, _, o, width, keys, fetch = args
+        b = builder
+        base = _data(context, b, signature.args[0], acc)
+        rows = [b.gep(base, [b.add(a0, b.mul(_I64(r), a_step))]) for r in range(QUAD)]
+        weights = b.gep(_data(context, b, signature.args[3], p), [p0])
+        start = b.gep(_data(context, b, signature.args[6], flat), [o])
+        with _Loop(b, _I64(0), keys, _I64(2), "pair") as pair:
+            last = b.icmp_signed(">=", b.add(pair.index, _I64(1)), keys)  # (an odd last key)
+            w = []
+            for r in range(QUAD):
+                first = b.gep(weights, [b.add(b.mul(_I64(r), p_step), pair.index)])
+                second = b.load(b.select(last, first, b.gep(first, [_I64(1)])))
+                second = b.select(last, ir.Constant(_F32, 0.0), second)
+                w.append([_splat(b, b.load(first)), _splat(b, second)])
+            first = b.gep(start, [b.mul(pair.index, width)])
+            value = [first, b.select(last, first, b.gep(first, [width]))]
+            with _Loop(b, _I64(0), width, _I64(LANES), "add") as add:
+                x = [_load_row(b, b.gep(v, [add.index]), fmt) for v in value]
+                for v in value:
+                    _prefetch(b, b.gep(v, [b.add(add.index, fetch)]))
+                for r in range(QUAD):
+                    slot = b.bitcast(b.gep(rows[r], [add.index]), _VF.as_pointer())
+                    total = _fma(b, _fma(b, b.load(slot, align=4), w[r][0], x[0]), w[r][1], x[1])
+                    b.store(total, slot, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def quad_scores(q_tile, r, flat, fmt, o, width, keys, s, t, fetch):
+    """``s[r + i, t + k] = q_tile[r + i] . key_k`` for ``i < 4`` and the
+    ``keys`` consecutive key rows ``key_k`` from flat offset ``o`` (``width``
+    elements each, read in format ``fmt``), prefetching ``fetch`` elements
+    ahead of each row read (0: the row itself). Only callable from compiled
+    code, where :func:`has_quads` holds (elsewhere it compiles to nothing)."""
+    raise NotImplementedError("quad_scores is only available inside Numba kernels")
+
+
+@overload(quad_scores, inline="always")
+def _quad_scores(q_tile, r, flat, fmt, o, width, keys, s, t, fetch):
+    if not _supported(q_tile, flat, fmt):
+        return lambda q_tile, r, flat, fmt, o, width, keys, s, t, fetch: None
+
+    def impl(q_tile, r, flat, fmt, o, width, keys, s, t, fetch):
+        q_step = q_tile.strides[0] // q_tile.itemsize
+        s_step = s.strides[0] // s.itemsize
+        _scores(
+            q_tile, np.int64(r * q_step), np.int64(q_step), flat, fmt, np.int64(o),
+            np.int64(width), np.int64(keys), s, np.int64(r * s_step + t), np.int64(s_step),
+            np.int64(fetch),
+        )  # fmt: skip
+
+    return impl
+
+
+def quad_values(acc, r, p, t, flat, fmt, o, width, keys, fetch):
+    """``acc[r + i] += sum_k p[r + i, t + k] * value_k`` for ``i < 4`` and the
+    ``keys`` consecutive value rows ``value_k`` from flat offset ``o``
+    (``width`` elements each, format ``fmt``), prefetching as
+    :func:`quad_scores`. Only callable from compiled code, where
+    :func:`has_quads` holds (elsewhere it compiles to nothing)."""
+    raise NotImplementedError("quad_values is only available inside Numba kernels")
+
+
+@overload(quad_values, inline="always")
+def _quad_values(acc, r, p, t, flat, fmt, o, width, keys, fetch):
+    if not _supported(acc, flat, fmt):
+        return lambda acc, r, p, t, flat, fmt, o, width, keys, fetch: None
+
+    def impl(acc, r, p, t, flat, fmt, o, width, keys, fetch):
+        a_step = acc.strides[0] // acc.itemsize
+        p_step = p.strides[0] // p.itemsize
+        _values(
+            acc, np.int64(r * a_step), np.int64(a_step), p, np.int64(r * p_step + t),
+            np.int64(p_step), flat, fmt, np.int64(o), np.int64(width), np.int64(keys),
+            np.int64(fetch),
+        )  # fmt: skip
+
+    return impl
