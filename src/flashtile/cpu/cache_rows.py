@@ -8,8 +8,10 @@ measured on the machine, :func:`flashtile.workitems.decode_walk`):
   widened in registers, :func:`.memory.load_value`): the dot products of
   each key with the query rows, the value rows added into the accumulator
   rows, in passes that load each element once for several products
-  (:data:`ROWS_PER_PASS`), each key prefetching the row :data:`AHEAD` keys
-  on (pages are separate streams the hardware prefetcher does not follow);
+  (:data:`ROWS_PER_PASS`; four rows at a time against two keys in LLVM IR
+  where the head dim is a multiple of 8, :mod:`.quad_passes`), each key
+  prefetching the row :data:`AHEAD` keys on (pages are separate streams
+  the hardware prefetcher does not follow);
 - :class:`HeadRowsWalk`: an item takes every kv head of its key chunk and
   reads the rows of all heads in the cache's memory order, with this
   module's passes (:mod:`.cache_heads`, which also dispatches the two).
