@@ -184,6 +184,20 @@ ROWS_PER_PASS = 4
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
+def quad_steps(page, width):
+    """``(keys, fetch)`` of a page's run in the four-row passes
+    (:mod:`.quad_passes`): a long page's run in one call, each row read
+    prefetching the row :data:`~.quad_passes.FETCH_ROWS` on (``fetch``, in
+    elements); a small page's two keys per call, each key prefetching
+    its own row :data:`AHEAD` keys on, in the next pages, as the other
+    passes do (prefetched all at once per run, pages of 16 keys took 1.15x
+    the time)."""
+    if page >= PREFETCH_BELOW_PAGE:
+        return page, FETCH_ROWS * width
+    return 2, 0
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
 def dot_row(q_tile, r, flat, o, width, fmt):
     """``q_tile[r] . flat[o : o + width]``, the cache row read in format ``fmt``."""
     acc = q_tile.dtype.type(0.0)
@@ -289,12 +303,16 @@ def page_values_run(acc, p, r0, r1, t, run, flat, o, width, fmt, ahead):
     rows = r1 - r0
     if rows >= QUAD and has_quads(acc, flat, fmt, acc.shape[1]):
         table_row, heads, hk, page, dv, j, j_end = ahead
-        for a in range(run):
-            prefetch_row(flat, table_row, heads, hk, page, dv, j + a + AHEAD, j_end)
-        fetch = FETCH_ROWS * dv if page >= PREFETCH_BELOW_PAGE and j_end > 0 else 0
         top = r1 - rows % QUAD  # four rows at a time (.quad_passes), the rest below
-        for r in range(r0, top, QUAD):
-            quad_values(acc, r, p, t, flat, fmt, o, width, run, fetch)
+        step, fetch = quad_steps(page, dv)
+        fetch = fetch if j_end > 0 else 0
+        for a in range(0, run, step):
+            keys = min(step, run - a)
+            for i in range(a, a + keys):
+                prefetch_row(flat, table_row, heads, hk, page, dv, j + i + AHEAD, j_end)
+            o_a = o + np.uint64(a) * width
+            for r in range(r0, top, QUAD):
+                quad_values(acc, r, p, t + a, flat, fmt, o_a, width, keys, fetch)
         r0, rows = top, r1 - top
     if rows == 1:
         u = run_values(acc, p, r0, r0 + 1, t, run, 2, flat, o, width, fmt, ahead)
@@ -361,13 +379,16 @@ def cache_scores(q_tile, flat, fmt, table_row, heads, hk, page, j0, n, s, j_end)
                 s[0, t + u], s[0, t + u + 1], s[0, t + u + 2], s[0, t + u + 3] = x
                 u += 4
         elif rows >= QUAD and has_quads(q_tile, flat, fmt, d):
-            fetch = FETCH_ROWS * d if page >= PREFETCH_BELOW_PAGE else 0
             top = rows - rows % QUAD  # four rows at a time (.quad_passes), the rest below
-            for r in range(0, top, QUAD):
-                quad_scores(q_tile, r, flat, fmt, base, d, run, s, t, fetch)
+            step, fetch = quad_steps(page, d)
+            for a in range(0, run, step):
+                keys = min(step, run - a)
+                for i in range(a, a + keys):
+                    prefetch_row(flat, table_row, heads, hk, page, d, j + i + AHEAD, j_end)
+                o_a = base + np.uint64(a) * width
+                for r in range(0, top, QUAD):
+                    quad_scores(q_tile, r, flat, fmt, o_a, d, keys, s, t + a, fetch)
             if top == rows:
-                for a in range(run):
-                    prefetch_row(flat, table_row, heads, hk, page, d, j + a + AHEAD, j_end)
                 u = run
         for i in range(u, run):
             prefetch_row(flat, table_row, heads, hk, page, d, j + i + AHEAD, j_end)
