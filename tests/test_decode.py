@@ -551,7 +551,9 @@ def test_the_row_walk_of_a_long_contiguous_cache(rng):
     ],
 )
 @pytest.mark.parametrize(
-    "hq, tq", [(2, 1), (6, 1), (6, 2), (6, 3)], ids=["1row", "3rows", "6rows", "9rows"]
+    "hq, tq",
+    [(2, 1), (6, 1), (8, 1), (6, 2), (6, 3)],
+    ids=["1row", "3rows", "4rows", "6rows", "9rows"],
 )
 @pytest.mark.parametrize("d, dv", [(13, 11), (16, 24)], ids=["odd", "lanes"])
 def test_the_walks_that_read_rows_fold_keys_in_passes_and_the_rest_one_by_one(
@@ -560,7 +562,7 @@ def test_the_walks_that_read_rows_fold_keys_in_passes_and_the_rest_one_by_one(
     """The row walks' passes (cache_rows.ROWS_PER_PASS query rows, four keys for
     one row, four or two value rows; with head dims that are multiples of 8,
     two keys by four rows in LLVM IR, cpu/quad_passes.py) and their
-    remainders: items of 1, 3, 6 and 9 rows; runs of every length modulo four
+    remainders: items of 1, 3, 4, 6 and 9 rows; runs of every length modulo four
     (sequences of 1, 2, 3, 4, 5, 7, 9 and 600 keys; pages of 6 and 5 keys,
     read by one head's rows or by every head's page by page; one-token pages
     of two kv heads); unaligned rows; each cache format; against the float64

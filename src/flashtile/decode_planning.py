@@ -27,7 +27,7 @@ from .cpu.launch import numba_threads
 from .cpu.tiles import KernelVariants
 from .kvlayout import CacheLayout
 from .masks import block_key_range
-from .planning import Call, as_4d, bf16_allowed, call_threads, kernel_variants
+from .planning import Call, as_4d, bf16_allowed, bf16_products, call_threads, kernel_variants
 from .variants import Variants
 from .workitems import (
     DECODE_TILE,
@@ -165,7 +165,10 @@ class LengthsPlan:
     kept without its queries and cache (they are the call's own, and a kept
     cache would outlive the user's); what else it depends on is fixed by the
     stored call's key, or compared here (the thread count, the routes'
-    :data:`~flashtile.routes.GENERATION`)."""
+    :data:`~flashtile.routes.GENERATION`, for bf16 queries whether bf16
+    products run). As with the other stored plans, a route's environment
+    variable changed meanwhile applies from the next plan (here: the next
+    lengths)."""
 
     __slots__ = ("last",)
 
@@ -175,9 +178,10 @@ class LengthsPlan:
     def plan(self, q, layout: CacheLayout, va: Variants, scale, num_splits) -> DecodePlan:
         """:func:`plan_decode`'s plan, reused when the last one was planned
         for the same lengths and shapes."""
+        products = bf16_products(BFLOAT16) if q.dtype == BFLOAT16 else None  # (as frontdoor.live)
         seen = (
             layout.seqlens.tobytes(), q.shape, q.dtype, layout.k.dtype, layout.table.shape,
-            layout.page, numba_threads(), routes.GENERATION[0],
+            layout.page, numba_threads(), routes.GENERATION[0], products,
         )  # fmt: skip
         last = self.last  # (one read: another thread may store meanwhile)
         if last is not None and last[0] == seen:

@@ -48,6 +48,10 @@ from .vectors import wide_vectors
 
 #: Each key's row prefetches the row this many keys on (the same stream).
 AHEAD = 16
+#: Keys per call of the four-row passes over a long run (:func:`quad_steps`):
+#: 16 KiB of float32 rows at d 128, so that items of 8 to 16 rows read a
+#: chunk's rows again from L1, not the whole run from L2 or memory.
+QUAD_RUN = 32
 #: Only pages shorter than this are prefetched row by row. Longer pages (a
 #: contiguous cache is one page per sequence) are long sequential runs that
 #: the hardware prefetcher follows by itself, and software prefetches there
@@ -186,14 +190,15 @@ ROWS_PER_PASS = 4
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def quad_steps(page, width):
     """``(keys, fetch)`` of a page's run in the four-row passes
-    (:mod:`.quad_passes`): a long page's run in one call, each row read
-    prefetching the row :data:`~.quad_passes.FETCH_ROWS` on (``fetch``, in
-    elements); a small page's two keys per call, each key prefetching
-    its own row :data:`AHEAD` keys on, in the next pages, as the other
-    passes do (prefetched all at once per run, pages of 16 keys took 1.15x
-    the time)."""
+    (:mod:`.quad_passes`): a long page's run :data:`QUAD_RUN` keys per call
+    (each group of four rows reads them in turn, from L1 after the first),
+    each row read prefetching the row :data:`~.quad_passes.FETCH_ROWS` on
+    (``fetch``, in elements); a small page's two keys per call, each key
+    prefetching its own row :data:`AHEAD` keys on, in the next pages, as
+    the other passes do (prefetched all at once per run, pages of 16 keys
+    took 1.15x the time)."""
     if page >= PREFETCH_BELOW_PAGE:
-        return page, FETCH_ROWS * width
+        return QUAD_RUN, FETCH_ROWS * width
     return 2, 0
 
 
@@ -301,7 +306,7 @@ def page_values_run(acc, p, r0, r1, t, run, flat, o, width, fmt, ahead):
     four rows at a time (:func:`.quad_passes.quad_values`, where it exists;
     no prefetch with ``j_end = 0``)."""
     rows = r1 - r0
-    if rows >= QUAD and has_quads(acc, flat, fmt, acc.shape[1]):
+    if rows >= QUAD and has_quads(acc, p, flat, fmt, acc.shape[1]):
         table_row, heads, hk, page, dv, j, j_end = ahead
         top = r1 - rows % QUAD  # four rows at a time (.quad_passes), the rest below
         step, fetch = quad_steps(page, dv)
@@ -313,7 +318,10 @@ def page_values_run(acc, p, r0, r1, t, run, flat, o, width, fmt, ahead):
             o_a = o + np.uint64(a) * width
             for r in range(r0, top, QUAD):
                 quad_values(acc, r, p, t + a, flat, fmt, o_a, width, keys, fetch)
+        if top == r1:
+            return
         r0, rows = top, r1 - top
+        ahead = (table_row, heads, hk, PREFETCH_BELOW_PAGE, dv, j, 0)  # (prefetched above)
     if rows == 1:
         u = run_values(acc, p, r0, r0 + 1, t, run, 2, flat, o, width, fmt, ahead)
     elif pass_keys(rows) == 4:
@@ -378,7 +386,7 @@ def cache_scores(q_tile, flat, fmt, table_row, heads, hk, page, j0, n, s, j_end)
                 x = dot_keys4(q_tile, 0, flat, base + np.uint64(u) * width, width, fmt)
                 s[0, t + u], s[0, t + u + 1], s[0, t + u + 2], s[0, t + u + 3] = x
                 u += 4
-        elif rows >= QUAD and has_quads(q_tile, flat, fmt, d):
+        elif rows >= QUAD and has_quads(q_tile, s, flat, fmt, d):
             top = rows - rows % QUAD  # four rows at a time (.quad_passes), the rest below
             step, fetch = quad_steps(page, d)
             for a in range(0, run, step):
@@ -391,7 +399,8 @@ def cache_scores(q_tile, flat, fmt, table_row, heads, hk, page, j0, n, s, j_end)
             if top == rows:
                 u = run
         for i in range(u, run):
-            prefetch_row(flat, table_row, heads, hk, page, d, j + i + AHEAD, j_end)
+            if top == 0:  # (else the quad passes' loop prefetched the run)
+                prefetch_row(flat, table_row, heads, hk, page, d, j + i + AHEAD, j_end)
             key_scores(q_tile, top, rows, flat, base + np.uint64(i) * width, width, fmt, s, t + i)
         t += run
 

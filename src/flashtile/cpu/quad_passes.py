@@ -35,6 +35,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from . import FASTMATH
 from .memory import HARDWARE_F16, BFloat16Bits, Float16Bits, FloatValues, is_flag
 
 #: Floats per vector of the passes.
@@ -52,15 +53,25 @@ _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 _VF = ir.VectorType(_F32, LANES)
-_FAST = ("fast",)
+_FAST = tuple(sorted(FASTMATH))  # (the kernels' flags: no nnan/ninf, see cpu/__init__.py)
 
 
-def _supported(q, flat, fmt) -> bool:
-    """Whether the passes exist for float32 queries and a cache of ``flat``'s
+def _rows(a) -> bool:
+    """Whether ``a`` is a C-contiguous 2-D float32 array type (rows the passes
+    address by their first stride, elements one apart)."""
+    return (
+        isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C"
+        and a.dtype == types.float32
+    )  # fmt: skip
+
+
+def _supported(q, other, flat, fmt) -> bool:
+    """Whether the passes exist for float32 row tiles ``q`` and ``other`` (the
+    scores or the weights; :func:`_rows`) and a flat cache of ``flat``'s
     dtype read as ``fmt`` (a Numba type check)."""
-    if not (isinstance(q, types.Array) and q.dtype == types.float32):
+    if not (_rows(q) and _rows(other)):
         return False
-    if not isinstance(flat, types.Array):
+    if not (isinstance(flat, types.Array) and flat.ndim == 1 and flat.layout == "C"):
         return False
     if flat.dtype == types.float32:
         return is_flag(fmt, FloatValues)
@@ -69,18 +80,19 @@ def _supported(q, flat, fmt) -> bool:
     return False
 
 
-def has_quads(q, flat, fmt, width):
-    """Whether :func:`quad_scores` and :func:`quad_values` run for these
-    operands: the types have the passes and ``width`` is a multiple of
-    :data:`LANES`. Only callable from compiled code."""
+def has_quads(q, other, flat, fmt, width):
+    """Whether :func:`quad_scores` (``q`` the queries, ``other`` the scores)
+    or :func:`quad_values` (the accumulators and the weights) run for these
+    operands: the types have the passes (:func:`_supported`) and ``width``
+    is a multiple of :data:`LANES`. Only callable from compiled code."""
     raise NotImplementedError("has_quads is only available inside Numba kernels")
 
 
 @overload(has_quads, inline="always")
-def _has_quads(q, flat, fmt, width):
-    if not _supported(q, flat, fmt):
-        return lambda q, flat, fmt, width: False
-    return lambda q, flat, fmt, width: width % LANES == 0
+def _has_quads(q, other, flat, fmt, width):
+    if not _supported(q, other, flat, fmt):
+        return lambda q, other, flat, fmt, width: False
+    return lambda q, other, flat, fmt, width: width % LANES == 0
 
 
 def _data(context, builder, array_type, value):
@@ -123,6 +135,15 @@ def _prefetch(builder, pointer):
     fnty = ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32])
     fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
     builder.call(fn, [builder.bitcast(pointer, i8p), _I32(0), _I32(3), _I32(1)])
+
+
+def _prefetch_rows(builder, rows, index, fetch):
+    """Prefetch element ``index + fetch`` of each of ``rows`` (pointers), unless
+    ``fetch`` is 0 (a branch on a loop invariant: LLVM takes it out of the
+    loop)."""
+    with builder.if_then(builder.icmp_signed("!=", fetch, _I64(0))):
+        for row in rows:
+            _prefetch(builder, builder.gep(row, [builder.add(index, fetch)]))
 
 
 def _fma(builder, acc, x, y):
@@ -210,7 +231,7 @@ def _scores(typingctx, q, q0, q_step, flat, fmt, o, width, keys, s, s0, s_step, 
     for the four rows ``r`` and the ``keys`` keys ``k`` (flat element
     offsets; ``width`` a multiple of :data:`LANES`), two keys per step (an
     odd last key read twice, its second score not kept)."""
-    if not _supported(q, flat, fmt):
+    if not _supported(q, s, flat, fmt):
         return None
     i64 = types.int64
     sig = types.void(q, i64, i64, flat, fmt, i64, i64, i64, s, i64, i64, i64)
@@ -229,8 +250,7 @@ def _scores(typingctx, q, q0, q_step, flat, fmt, o, width, keys, s, s0, s_step, 
             with _Loop(b, _I64(0), width, _I64(LANES), "dot") as dot:
                 sums = [dot.carry(ir.Constant(_VF, None)) for _ in range(2 * QUAD)]
                 x = [_load_row(b, b.gep(k, [dot.index]), fmt) for k in key]
-                for k in key:
-                    _prefetch(b, b.gep(k, [b.add(dot.index, fetch)]))
+                _prefetch_rows(b, key, dot.index, fetch)
                 for r in range(QUAD):
                     y = _load_floats(b, b.gep(rows[r], [dot.index]))
                     for k in range(2):
@@ -252,8 +272,8 @@ def _scores(typingctx, q, q0, q_step, flat, fmt, o, width, keys, s, s0, s_step, 
 def _values(typingctx, acc, a0, a_step, p, p0, p_step, flat, fmt, o, width, keys, fetch):
     """``acc[a0 + r * a_step + c] += sum_k p[p0 + r * p_step + k] * flat[o + k * width + c]``
     for the four rows ``r``, ``c < width`` and the ``keys`` keys ``k``, two
-    keys per step (an odd last key's second weight zero)."""
-    if not (_supported(acc, flat, fmt) and isinstance(p, types.Array) and p.dtype == types.float32):
+    keys per step (an odd last key's second row taken as zeros)."""
+    if not _supported(acc, p, flat, fmt):
         return None
     i64 = types.int64
     sig = types.void(acc, i64, i64, p, i64, i64, flat, fmt, i64, i64, i64, i64)
@@ -277,8 +297,9 @@ def _values(typingctx, acc, a0, a_step, p, p0, p_step, flat, fmt, o, width, keys
             value = [first, b.select(last, first, b.gep(first, [width]))]
             with _Loop(b, _I64(0), width, _I64(LANES), "add") as add:
                 x = [_load_row(b, b.gep(v, [add.index]), fmt) for v in value]
-                for v in value:
-                    _prefetch(b, b.gep(v, [b.add(add.index, fetch)]))
+                # (an odd last key: no second row, not 0 times it, which is NaN for inf)
+                x[1] = b.select(last, ir.Constant(_VF, None), x[1])
+                _prefetch_rows(b, value, add.index, fetch)
                 for r in range(QUAD):
                     slot = b.bitcast(b.gep(rows[r], [add.index]), _VF.as_pointer())
                     total = _fma(b, _fma(b, b.load(slot, align=4), w[r][0], x[0]), w[r][1], x[1])
@@ -299,7 +320,7 @@ def quad_scores(q_tile, r, flat, fmt, o, width, keys, s, t, fetch):
 
 @overload(quad_scores, inline="always")
 def _quad_scores(q_tile, r, flat, fmt, o, width, keys, s, t, fetch):
-    if not _supported(q_tile, flat, fmt):
+    if not _supported(q_tile, s, flat, fmt):
         return lambda q_tile, r, flat, fmt, o, width, keys, s, t, fetch: None
 
     def impl(q_tile, r, flat, fmt, o, width, keys, s, t, fetch):
@@ -325,7 +346,7 @@ def quad_values(acc, r, p, t, flat, fmt, o, width, keys, fetch):
 
 @overload(quad_values, inline="always")
 def _quad_values(acc, r, p, t, flat, fmt, o, width, keys, fetch):
-    if not _supported(acc, flat, fmt):
+    if not _supported(acc, p, flat, fmt):
         return lambda acc, r, p, t, flat, fmt, o, width, keys, fetch: None
 
     def impl(acc, r, p, t, flat, fmt, o, width, keys, fetch):
