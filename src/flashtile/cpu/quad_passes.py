@@ -2,10 +2,10 @@
 
 A GQA group of four query heads (or four queries of one head) reads each key
 row once for four dot products and each value row once for four accumulator
-rows (:mod:`.cache_rows`). Written as Numba loops, those passes ran at a
-third of what the core can do: each loop over a row's elements has a
-runtime length, so LLVM wraps it in alias checks and remainder loops, and
-the score pass reduces four vector sums to scalars for every key. Here the
+rows (:mod:`.cache_rows`). Written as Numba loops, those passes ran at
+under half of what the core's FMAs allow: each loop over a row's elements
+has a runtime length, so LLVM wraps it in alias checks and remainder loops,
+and the score pass reduces four vector sums to scalars for every key. Here the
 loops are written in LLVM IR over 8-float vectors (any head dim that is a
 multiple of 8; AVX2 registers, and the same code on AVX-512 CPUs):
 
@@ -17,9 +17,10 @@ multiple of 8; AVX2 registers, and the same code on AVX-512 CPUs):
 - :func:`quad_values`: for two keys at once, each accumulator vector of the
   four rows loaded, given both keys' weighted value vectors, and stored.
 
-Each call reads one run of consecutive rows (a page's run,
-:func:`.cache_rows.page_run`), two rows side by side; over a long run (a
-contiguous cache) each row read prefetches the row :data:`FETCH_ROWS` on.
+Each call reads consecutive rows of one run (a page's run,
+:func:`.cache_rows.page_run`, in the pieces :func:`.cache_rows.quad_steps`
+gives), two rows side by side; over a long run (a contiguous cache) each
+row read prefetches the row :data:`FETCH_ROWS` on.
 Cache formats: float32, bf16 bit patterns (widened by a shift) and float16
 patterns where the CPU converts them (F16C); :func:`has_quads` says whether
 a call's types and width have these passes, and compiles to a constant
