@@ -226,6 +226,24 @@ def _reduce8(builder, sums):
     )
 
 
+def _row_starts(context, builder, array_type, value, first, step):
+    """Pointers to the :data:`QUAD` rows of an array argument that start at
+    elements ``first + r * step``."""
+    base = _data(context, builder, array_type, value)
+    return [
+        builder.gep(base, [builder.add(first, builder.mul(_I64(r), step))]) for r in range(QUAD)
+    ]
+
+
+def _key_pair(builder, start, index, width, keys):
+    """``(last, [row, next row])`` of the pair of keys from key ``index`` of the
+    rows from ``start``: ``last`` whether ``index`` is an odd count's last key,
+    whose "next row" is then its own row again (nothing past the run is read)."""
+    last = builder.icmp_signed(">=", builder.add(index, _I64(1)), keys)
+    first = builder.gep(start, [builder.mul(index, width)])
+    return last, [first, builder.select(last, first, builder.gep(first, [width]))]
+
+
 @intrinsic
 def _scores(typingctx, q, q0, q_step, flat, fmt, o, width, keys, s, s0, s_step, fetch):
     """``s[s0 + r * s_step + k] = q[q0 + r * q_step :][:width] . flat[o + k * width:][:width]``
@@ -240,14 +258,11 @@ def _scores(typingctx, q, q0, q_step, flat, fmt, o, width, keys, s, s0, s_step, 
     def codegen(context, builder, signature, args):
         q, q0, q_step, flat, _, o, width, keys, s, s0, s_step, fetch = args
         b = builder
-        base = _data(context, b, signature.args[0], q)
-        rows = [b.gep(base, [b.add(q0, b.mul(_I64(r), q_step))]) for r in range(QUAD)]
+        rows = _row_starts(context, b, signature.args[0], q, q0, q_step)
         start = b.gep(_data(context, b, signature.args[3], flat), [o])
         out = b.gep(_data(context, b, signature.args[8], s), [s0])
         with _Loop(b, _I64(0), keys, _I64(2), "pair") as pair:
-            last = b.icmp_signed(">=", b.add(pair.index, _I64(1)), keys)  # (an odd last key)
-            first = b.gep(start, [b.mul(pair.index, width)])
-            key = [first, b.select(last, first, b.gep(first, [width]))]
+            last, key = _key_pair(b, start, pair.index, width, keys)
             with _Loop(b, _I64(0), width, _I64(LANES), "dot") as dot:
                 sums = [dot.carry(ir.Constant(_VF, None)) for _ in range(2 * QUAD)]
                 x = [_load_row(b, b.gep(k, [dot.index]), fmt) for k in key]
@@ -282,20 +297,16 @@ def _values(typingctx, acc, a0, a_step, p, p0, p_step, flat, fmt, o, width, keys
     def codegen(context, builder, signature, args):
         acc, a0, a_step, p, p0, p_step, flat, _, o, width, keys, fetch = args
         b = builder
-        base = _data(context, b, signature.args[0], acc)
-        rows = [b.gep(base, [b.add(a0, b.mul(_I64(r), a_step))]) for r in range(QUAD)]
-        weights = b.gep(_data(context, b, signature.args[3], p), [p0])
+        rows = _row_starts(context, b, signature.args[0], acc, a0, a_step)
+        weights = _row_starts(context, b, signature.args[3], p, p0, p_step)
         start = b.gep(_data(context, b, signature.args[6], flat), [o])
         with _Loop(b, _I64(0), keys, _I64(2), "pair") as pair:
-            last = b.icmp_signed(">=", b.add(pair.index, _I64(1)), keys)  # (an odd last key)
+            last, value = _key_pair(b, start, pair.index, width, keys)
             w = []
-            for r in range(QUAD):
-                first = b.gep(weights, [b.add(b.mul(_I64(r), p_step), pair.index)])
-                second = b.load(b.select(last, first, b.gep(first, [_I64(1)])))
-                second = b.select(last, ir.Constant(_F32, 0.0), second)
+            for row in weights:
+                _, (first, second) = _key_pair(b, row, pair.index, _I64(1), keys)
+                second = b.select(last, ir.Constant(_F32, 0.0), b.load(second))
                 w.append([_splat(b, b.load(first)), _splat(b, second)])
-            first = b.gep(start, [b.mul(pair.index, width)])
-            value = [first, b.select(last, first, b.gep(first, [width]))]
             with _Loop(b, _I64(0), width, _I64(LANES), "add") as add:
                 x = [_load_row(b, b.gep(v, [add.index]), fmt) for v in value]
                 # (an odd last key: no second row, not 0 times it, which is NaN for inf)
