@@ -546,6 +546,7 @@ def test_the_row_walk_of_a_long_contiguous_cache(rng):
         ("rows", 6),
         ("rows", 5),
         ("head-rows", 1),
+        ("head-rows", -1),
         ("head-rows", 6),
         ("head-rows", 5),
     ],
@@ -565,16 +566,20 @@ def test_the_walks_that_read_rows_fold_keys_in_passes_and_the_rest_one_by_one(
     remainders: items of 1, 3, 4, 6 and 9 rows; runs of every length modulo four
     (sequences of 1, 2, 3, 4, 5, 7, 9 and 600 keys; pages of 6 and 5 keys,
     read by one head's rows or by every head's page by page; one-token pages
-    of two kv heads); unaligned rows; each cache format; against the float64
-    reference on the cache's values."""
+    of two kv heads, in order or (page -1) in blocks of 5 tokens shuffled,
+    so that runs of tokens end anywhere); unaligned rows; each cache format;
+    against the float64 reference on the cache's values."""
     dtype = np.dtype(dtype)
     q, k, v = _problem(rng, batch=8, hq=hq, hkv=2, tq=tq, d=d, dv=dv, t_max=600)
     k, v = k.astype(dtype), v.astype(dtype)
     lengths = np.array([1, 2, 3, 4, 5, 7, 9, 600])  # (600: tiles of 256 end mid-page)
     kw = dict(cache_seqlens=lengths, return_lse=True, causal=True)
-    if page == 1:  # one-token pages of every kv head: flash-attn's (B, T, Hkv, d) cache
+    if page in (1, -1):  # one-token pages of every kv head: flash-attn's (B, T, Hkv, d) cache
         k, v = (x.transpose(0, 2, 1, 3).reshape(-1, 2, 1, x.shape[3]).copy() for x in (k, v))
         kw["block_table"] = np.arange(k.shape[0]).reshape(8, -1)
+        if page == -1:  # token i moves to place at[i]: blocks of 5 in a random order
+            at = (5 * rng.permutation(k.shape[0] // 5)[:, None] + np.arange(5)).reshape(-1)
+            k[at], v[at], kw["block_table"] = k.copy(), v.copy(), at[kw["block_table"]]
     elif page is not None:
         k, v, kw["block_table"] = _paged(rng, k, v, lengths, page)
     with contextlib.ExitStack() as forced:

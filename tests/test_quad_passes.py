@@ -25,29 +25,33 @@ FORMATS = {
 
 
 @njit
-def _passes(q, s, acc, p, flat, fmt, keys, width):
+def _passes(q, s, acc, p, flat, fmt, keys, width, stride):
     """Rows 1-4 of ``q``/``acc`` against ``keys`` rows of ``flat`` from its
-    second row, into ``s`` and ``acc`` from column/row offsets 2 and 1."""
+    second row (rows ``stride`` elements apart), into ``s`` and ``acc`` from
+    column/row offsets 2 and 1."""
     if has_quads(q, s, flat, fmt, width) and has_quads(acc, p, flat, fmt, width):
-        quad_scores(q, 1, flat, fmt, width, width, keys, s, 2, 0)
-        quad_values(acc, 1, p, 2, flat, fmt, width, width, keys, 2 * width)
+        quad_scores(q, 1, flat, fmt, stride, width, stride, keys, s, 2, 0)
+        quad_values(acc, 1, p, 2, flat, fmt, stride, width, stride, keys, 2 * stride)
         return True
     return False
 
 
 @pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("width", [8, 24])
-def test_each_pass_against_numpy(rng, name, width):
+@pytest.mark.parametrize(("width", "gap"), [(8, 0), (24, 0), (16, 40)])
+def test_each_pass_against_numpy(rng, name, width, gap):
     """Every key count 0-5 (odd ones end in a single key), offsets into every
-    operand, each cache format; nothing outside the rows and columns named
-    is written."""
+    operand, each cache format, rows one after another or ``gap`` elements
+    apart (one kv head's rows of consecutive tokens in flash-attn's layout;
+    NaN there, never read); nothing outside the rows and columns named is
+    written."""
     dtype, fmt = FORMATS[name]
     if name == "float16" and not HARDWARE_F16:
         pytest.skip("no F16C: float16 caches take the Numba passes")
     for keys in range(6):
-        rows = rng.standard_normal((keys + 2, width)).astype(dtype)
+        rows = np.full((keys + 2, width + gap), np.nan, dtype)
+        rows[:, :width] = rng.standard_normal((keys + 2, width))
         flat = rows.view(np.uint16).reshape(-1) if dtype != np.float32 else rows.reshape(-1)
-        kv = rows.astype(np.float32)[1 : 1 + keys]
+        kv = rows[:, :width].astype(np.float32)[1 : 1 + keys]
         q = rng.standard_normal((6, width)).astype(np.float32)
         s = np.full((6, keys + 4), 7.0, np.float32)
         acc = rng.standard_normal((6, width)).astype(np.float32)
@@ -55,7 +59,7 @@ def test_each_pass_against_numpy(rng, name, width):
         want_s, want_acc = s.copy(), acc.copy()
         want_s[1:5, 2 : 2 + keys] = q[1:5] @ kv.T
         want_acc[1:5] += p[1:5, 2 : 2 + keys] @ kv
-        assert _passes(q, s, acc, p, np.ascontiguousarray(flat), fmt, keys, width)
+        assert _passes(q, s, acc, p, np.ascontiguousarray(flat), fmt, keys, width, width + gap)
         np.testing.assert_allclose(s, want_s, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(acc, want_acc, rtol=1e-5, atol=1e-5)
 
@@ -64,8 +68,9 @@ def test_the_passes_refuse_what_they_cannot_address():
     """Strided row tiles and float64 take the Numba passes (has_quads False)."""
     q = np.zeros((4, 16), np.float32)
     flat = np.zeros(64, np.float32)
-    assert not _passes(q[:, ::2], q[:, :8], q, q, flat, FloatValues(), 2, 8)
-    assert not _passes(q, q, q.astype(np.float64), q, flat.astype(np.float64), FloatValues(), 2, 8)
+    assert not _passes(q[:, ::2], q[:, :8], q, q, flat, FloatValues(), 2, 8, 8)
+    args = (q, q, q.astype(np.float64), q, flat.astype(np.float64), FloatValues(), 2, 8, 8)
+    assert not _passes(*args)
 
 
 @pytest.mark.parametrize("name", FORMATS)

@@ -317,7 +317,7 @@ def page_values_run(acc, p, r0, r1, t, run, flat, o, width, fmt, ahead):
                 prefetch_row(flat, table_row, heads, hk, page, dv, j + i + AHEAD, j_end)
             o_a = o + np.uint64(a) * width
             for r in range(r0, top, QUAD):
-                quad_values(acc, r, p, t + a, flat, fmt, o_a, width, keys, fetch)
+                quad_values(acc, r, p, t + a, flat, fmt, o_a, width, width, keys, fetch)
         if top == r1:
             return
         r0, rows = top, r1 - top
@@ -395,7 +395,7 @@ def cache_scores(q_tile, flat, fmt, table_row, heads, hk, page, j0, n, s, j_end)
                     prefetch_row(flat, table_row, heads, hk, page, d, j + i + AHEAD, j_end)
                 o_a = base + np.uint64(a) * width
                 for r in range(0, top, QUAD):
-                    quad_scores(q_tile, r, flat, fmt, o_a, d, keys, s, t + a, fetch)
+                    quad_scores(q_tile, r, flat, fmt, o_a, d, d, keys, s, t + a, fetch)
             if top == rows:
                 u = run
         for i in range(u, run):

@@ -17,10 +17,13 @@ multiple of 8; AVX2 registers, and the same code on AVX-512 CPUs):
 - :func:`quad_values`: for two keys at once, each accumulator vector of the
   four rows loaded, given both keys' weighted value vectors, and stored.
 
-Each call reads consecutive rows of one run (a page's run,
-:func:`.cache_rows.page_run`, in the pieces :func:`.cache_rows.quad_steps`
-gives), two rows side by side; over a long run (a contiguous cache) each
-row read prefetches the row :data:`FETCH_ROWS` on.
+Each call reads the rows of one run, two rows side by side: consecutive
+rows of a page's run (:func:`.cache_rows.page_run`, in the pieces
+:func:`.cache_rows.quad_steps` gives), or one kv head's rows of
+consecutive tokens in a cache of one-token pages (flash-attn's layout),
+``kv heads * d`` elements apart (:func:`.cache_heads.head_scores`). Over a
+long run (a contiguous cache, a run of tokens) each row read prefetches the
+row :data:`FETCH_ROWS` on.
 Cache formats: float32, bf16 bit patterns (widened by a shift) and float16
 patterns where the CPU converts them (F16C); :func:`has_quads` says whether
 a call's types and width have these passes, and compiles to a constant
@@ -235,34 +238,35 @@ def _row_starts(context, builder, array_type, value, first, step):
     ]
 
 
-def _key_pair(builder, start, index, width, keys):
+def _key_pair(builder, start, index, stride, keys):
     """``(last, [row, next row])`` of the pair of keys from key ``index`` of the
-    rows from ``start``: ``last`` whether ``index`` is an odd count's last key,
-    whose "next row" is then its own row again (nothing past the run is read)."""
+    rows from ``start``, ``stride`` elements apart: ``last`` whether ``index``
+    is an odd count's last key, whose "next row" is then its own row again
+    (nothing past the run is read)."""
     last = builder.icmp_signed(">=", builder.add(index, _I64(1)), keys)
-    first = builder.gep(start, [builder.mul(index, width)])
-    return last, [first, builder.select(last, first, builder.gep(first, [width]))]
+    first = builder.gep(start, [builder.mul(index, stride)])
+    return last, [first, builder.select(last, first, builder.gep(first, [stride]))]
 
 
 @intrinsic
-def _scores(typingctx, q, q0, q_step, flat, fmt, o, width, keys, s, s0, s_step, fetch):
-    """``s[s0 + r * s_step + k] = q[q0 + r * q_step :][:width] . flat[o + k * width:][:width]``
+def _scores(typingctx, q, q0, q_step, flat, fmt, o, width, stride, keys, s, s0, s_step, fetch):
+    """``s[s0 + r * s_step + k] = q[q0 + r * q_step :][:width] . flat[o + k * stride:][:width]``
     for the four rows ``r`` and the ``keys`` keys ``k`` (flat element
     offsets; ``width`` a multiple of :data:`LANES`), two keys per step (an
     odd last key read twice, its second score not kept)."""
     if not _supported(q, s, flat, fmt):
         return None
     i64 = types.int64
-    sig = types.void(q, i64, i64, flat, fmt, i64, i64, i64, s, i64, i64, i64)
+    sig = types.void(q, i64, i64, flat, fmt, i64, i64, i64, i64, s, i64, i64, i64)
 
     def codegen(context, builder, signature, args):
-        q, q0, q_step, flat, _, o, width, keys, s, s0, s_step, fetch = args
+        q, q0, q_step, flat, _, o, width, stride, keys, s, s0, s_step, fetch = args
         b = builder
         rows = _row_starts(context, b, signature.args[0], q, q0, q_step)
         start = b.gep(_data(context, b, signature.args[3], flat), [o])
-        out = b.gep(_data(context, b, signature.args[8], s), [s0])
+        out = b.gep(_data(context, b, signature.args[9], s), [s0])
         with _Loop(b, _I64(0), keys, _I64(2), "pair") as pair:
-            last, key = _key_pair(b, start, pair.index, width, keys)
+            last, key = _key_pair(b, start, pair.index, stride, keys)
             with _Loop(b, _I64(0), width, _I64(LANES), "dot") as dot:
                 sums = [dot.carry(ir.Constant(_VF, None)) for _ in range(2 * QUAD)]
                 x = [_load_row(b, b.gep(k, [dot.index]), fmt) for k in key]
@@ -285,23 +289,23 @@ def _scores(typingctx, q, q0, q_step, flat, fmt, o, width, keys, s, s0, s_step, 
 
 
 @intrinsic
-def _values(typingctx, acc, a0, a_step, p, p0, p_step, flat, fmt, o, width, keys, fetch):
-    """``acc[a0 + r * a_step + c] += sum_k p[p0 + r * p_step + k] * flat[o + k * width + c]``
+def _values(typingctx, acc, a0, a_step, p, p0, p_step, flat, fmt, o, width, stride, keys, fetch):
+    """``acc[a0 + r * a_step + c] += sum_k p[p0 + r * p_step + k] * flat[o + k * stride + c]``
     for the four rows ``r``, ``c < width`` and the ``keys`` keys ``k``, two
     keys per step (an odd last key's second row taken as zeros)."""
     if not _supported(acc, p, flat, fmt):
         return None
     i64 = types.int64
-    sig = types.void(acc, i64, i64, p, i64, i64, flat, fmt, i64, i64, i64, i64)
+    sig = types.void(acc, i64, i64, p, i64, i64, flat, fmt, i64, i64, i64, i64, i64)
 
     def codegen(context, builder, signature, args):
-        acc, a0, a_step, p, p0, p_step, flat, _, o, width, keys, fetch = args
+        acc, a0, a_step, p, p0, p_step, flat, _, o, width, stride, keys, fetch = args
         b = builder
         rows = _row_starts(context, b, signature.args[0], acc, a0, a_step)
         weights = _row_starts(context, b, signature.args[3], p, p0, p_step)
         start = b.gep(_data(context, b, signature.args[6], flat), [o])
         with _Loop(b, _I64(0), keys, _I64(2), "pair") as pair:
-            last, value = _key_pair(b, start, pair.index, width, keys)
+            last, value = _key_pair(b, start, pair.index, stride, keys)
             w = []
             for row in weights:
                 _, (first, second) = _key_pair(b, row, pair.index, _I64(1), keys)
@@ -321,53 +325,54 @@ def _values(typingctx, acc, a0, a_step, p, p0, p_step, flat, fmt, o, width, keys
     return sig, codegen
 
 
-def quad_scores(q_tile, r, flat, fmt, o, width, keys, s, t, fetch):
+def quad_scores(q_tile, r, flat, fmt, o, width, stride, keys, s, t, fetch):
     """``s[r + i, t + k] = q_tile[r + i] . key_k`` for ``i < 4`` and the
-    ``keys`` consecutive key rows ``key_k`` from flat offset ``o`` (``width``
-    elements each, read in format ``fmt``), prefetching ``fetch`` elements
-    ahead of each row read (0: the row itself). Only callable from compiled
+    ``keys`` key rows ``key_k`` from flat offset ``o``, ``stride`` elements
+    apart (``width`` for consecutive rows; each ``width`` elements, read in
+    format ``fmt``), prefetching ``fetch`` elements ahead of each row read
+    (0: the row itself). Only callable from compiled
     code, where :func:`has_quads` holds (elsewhere it compiles to nothing)."""
     raise NotImplementedError("quad_scores is only available inside Numba kernels")
 
 
 @overload(quad_scores, inline="always")
-def _quad_scores(q_tile, r, flat, fmt, o, width, keys, s, t, fetch):
+def _quad_scores(q_tile, r, flat, fmt, o, width, stride, keys, s, t, fetch):
     if not _supported(q_tile, s, flat, fmt):
-        return lambda q_tile, r, flat, fmt, o, width, keys, s, t, fetch: None
+        return lambda q_tile, r, flat, fmt, o, width, stride, keys, s, t, fetch: None
 
-    def impl(q_tile, r, flat, fmt, o, width, keys, s, t, fetch):
+    def impl(q_tile, r, flat, fmt, o, width, stride, keys, s, t, fetch):
         q_step = q_tile.strides[0] // q_tile.itemsize
         s_step = s.strides[0] // s.itemsize
         _scores(
             q_tile, np.int64(r * q_step), np.int64(q_step), flat, fmt, np.int64(o),
-            np.int64(width), np.int64(keys), s, np.int64(r * s_step + t), np.int64(s_step),
-            np.int64(fetch),
+            np.int64(width), np.int64(stride), np.int64(keys), s, np.int64(r * s_step + t),
+            np.int64(s_step), np.int64(fetch),
         )  # fmt: skip
 
     return impl
 
 
-def quad_values(acc, r, p, t, flat, fmt, o, width, keys, fetch):
+def quad_values(acc, r, p, t, flat, fmt, o, width, stride, keys, fetch):
     """``acc[r + i] += sum_k p[r + i, t + k] * value_k`` for ``i < 4`` and the
-    ``keys`` consecutive value rows ``value_k`` from flat offset ``o``
-    (``width`` elements each, format ``fmt``), prefetching as
+    ``keys`` value rows ``value_k`` from flat offset ``o``, ``stride``
+    elements apart (``width`` elements each, format ``fmt``), prefetching as
     :func:`quad_scores`. Only callable from compiled code, where
     :func:`has_quads` holds (elsewhere it compiles to nothing)."""
     raise NotImplementedError("quad_values is only available inside Numba kernels")
 
 
 @overload(quad_values, inline="always")
-def _quad_values(acc, r, p, t, flat, fmt, o, width, keys, fetch):
+def _quad_values(acc, r, p, t, flat, fmt, o, width, stride, keys, fetch):
     if not _supported(acc, p, flat, fmt):
-        return lambda acc, r, p, t, flat, fmt, o, width, keys, fetch: None
+        return lambda acc, r, p, t, flat, fmt, o, width, stride, keys, fetch: None
 
-    def impl(acc, r, p, t, flat, fmt, o, width, keys, fetch):
+    def impl(acc, r, p, t, flat, fmt, o, width, stride, keys, fetch):
         a_step = acc.strides[0] // acc.itemsize
         p_step = p.strides[0] // p.itemsize
         _values(
             acc, np.int64(r * a_step), np.int64(a_step), p, np.int64(r * p_step + t),
-            np.int64(p_step), flat, fmt, np.int64(o), np.int64(width), np.int64(keys),
-            np.int64(fetch),
+            np.int64(p_step), flat, fmt, np.int64(o), np.int64(width), np.int64(stride),
+            np.int64(keys), np.int64(fetch),
         )  # fmt: skip
 
     return impl
