@@ -6,6 +6,7 @@ test_decode.py.)"""
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import ml_dtypes
 import numpy as np
@@ -15,7 +16,7 @@ from numba import njit
 import flashtile
 from flashtile import routes
 from flashtile.cpu.memory import HARDWARE_F16, BFloat16Bits, Float16Bits, FloatValues
-from flashtile.cpu.quad_passes import has_quads, quad_scores, quad_values
+from flashtile.cpu.quad_passes import halves, has_quads, quad_scores, quad_values
 
 FORMATS = {
     "float32": (np.float32, FloatValues()),
@@ -25,13 +26,13 @@ FORMATS = {
 
 
 @njit
-def _passes(q, s, acc, p, flat, fmt, keys, width, stride):
+def _passes(q, s, acc, p, flat, fmt, keys, width, stride, gap):
     """Rows 1-4 of ``q``/``acc`` against ``keys`` rows of ``flat`` from its
-    second row (rows ``stride`` elements apart), into ``s`` and ``acc`` from
-    column/row offsets 2 and 1."""
+    second row (rows ``stride`` elements apart, key ``k`` beside ``k +
+    gap``), into ``s`` and ``acc`` from column/row offsets 2 and 1."""
     if has_quads(q, s, flat, fmt, width) and has_quads(acc, p, flat, fmt, width):
-        quad_scores(q, 1, flat, fmt, stride, width, stride, keys, s, 2, 0)
-        quad_values(acc, 1, p, 2, flat, fmt, stride, width, stride, keys, 2 * stride)
+        quad_scores(q, 1, flat, fmt, stride, width, stride, keys, gap, s, 2, 0)
+        quad_values(acc, 1, p, 2, flat, fmt, stride, width, stride, keys, gap, 2 * stride)
         return True
     return False
 
@@ -39,15 +40,16 @@ def _passes(q, s, acc, p, flat, fmt, keys, width, stride):
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize(("width", "gap"), [(8, 0), (24, 0), (16, 40)])
 def test_each_pass_against_numpy(rng, name, width, gap):
-    """Every key count 0-5 (odd ones end in a single key), offsets into every
-    operand, each cache format, rows one after another or ``gap`` elements
-    apart (one kv head's rows of consecutive tokens in flash-attn's layout;
-    NaN there, never read); nothing outside the rows and columns named is
-    written."""
+    """Every key count 0-7, each key read beside its neighbour, two or three
+    keys on, or across the run's halves (keys without a pair: odd counts,
+    the ends of blocks); offsets into every operand, each cache format,
+    rows one after another or ``gap`` elements apart (one kv head's rows of
+    consecutive tokens in flash-attn's layout; NaN there, never read);
+    nothing outside the rows and columns named is written."""
     dtype, fmt = FORMATS[name]
     if name == "float16" and not HARDWARE_F16:
         pytest.skip("no F16C: float16 caches take the Numba passes")
-    for keys in range(6):
+    for keys, pairs in itertools.product(range(8), (1, 2, 3, "halves")):
         rows = np.full((keys + 2, width + gap), np.nan, dtype)
         rows[:, :width] = rng.standard_normal((keys + 2, width))
         flat = rows.view(np.uint16).reshape(-1) if dtype != np.float32 else rows.reshape(-1)
@@ -59,7 +61,9 @@ def test_each_pass_against_numpy(rng, name, width, gap):
         want_s, want_acc = s.copy(), acc.copy()
         want_s[1:5, 2 : 2 + keys] = q[1:5] @ kv.T
         want_acc[1:5] += p[1:5, 2 : 2 + keys] @ kv
-        assert _passes(q, s, acc, p, np.ascontiguousarray(flat), fmt, keys, width, width + gap)
+        apart = halves(keys) if pairs == "halves" else pairs
+        args = (q, s, acc, p, np.ascontiguousarray(flat), fmt, keys, width, width + gap, apart)
+        assert _passes(*args)
         np.testing.assert_allclose(s, want_s, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(acc, want_acc, rtol=1e-5, atol=1e-5)
 
@@ -68,8 +72,8 @@ def test_the_passes_refuse_what_they_cannot_address():
     """Strided row tiles and float64 take the Numba passes (has_quads False)."""
     q = np.zeros((4, 16), np.float32)
     flat = np.zeros(64, np.float32)
-    assert not _passes(q[:, ::2], q[:, :8], q, q, flat, FloatValues(), 2, 8, 8)
-    args = (q, q, q.astype(np.float64), q, flat.astype(np.float64), FloatValues(), 2, 8, 8)
+    assert not _passes(q[:, ::2], q[:, :8], q, q, flat, FloatValues(), 2, 8, 8, 1)
+    args = (q, q, q.astype(np.float64), q, flat.astype(np.float64), FloatValues(), 2, 8, 8, 1)
     assert not _passes(*args)
 
 

@@ -41,7 +41,7 @@ from .cache_rows import (
     walk_cache_rows,
 )
 from .memory import is_flag, unmanaged
-from .quad_passes import FETCH_ROWS, QUAD, has_quads, quad_scores, quad_values
+from .quad_passes import FETCH_ROWS, QUAD, halves, has_quads, quad_scores, quad_values
 from .tile_step import KeptScores, flag_non_finite, rescale_rows, softmax_tile
 from .tiles import SEG_KEY, SEG_LENGTH, tile_sees_all
 from .vectors import wide_vectors
@@ -199,8 +199,9 @@ def quad_head_scores(q_all, s_all, flat, fmt, table_row, heads, hk0, page, j0, n
             o = row_offset(table_row, heads, hk0 + u, page, d, j0 + t)
             for a in range(0, run, step):
                 o_a, keys = o + np.uint64(a * stride), min(step, run - a)
+                gap = 1 if page == 1 else halves(keys)  # (neighbouring tokens: see halves)
                 for r in range(u * rows, u * rows + top, QUAD):
-                    quad_scores(q_all, r, flat, fmt, o_a, d, stride, keys, s_all, t + a, fetch)
+                    quad_scores(q_all, r, flat, fmt, o_a, d, stride, keys, gap, s_all, t + a, fetch)
             r0, r1 = u * rows + top, (u + 1) * rows
             for i in range(run if r0 < r1 else 0):
                 o_i = o + np.uint64(i * stride)
@@ -223,7 +224,7 @@ def token_quad_values(acc_all, p_all, flat, fmt, table_row, heads, hk0, j0, n, r
         for u in range(acc_all.shape[0] // rows):
             o = row_offset(table_row, heads, hk0 + u, 1, dv, j0 + t)
             for r in range(u * rows, u * rows + top, QUAD):
-                quad_values(acc_all, r, p_all, t, flat, fmt, o, dv, stride, run, fetch)
+                quad_values(acc_all, r, p_all, t, flat, fmt, o, dv, stride, run, 1, fetch)
             r0, r1 = u * rows + top, (u + 1) * rows
             for i in range(run if r0 < r1 else 0):
                 o_i = o + np.uint64(i * stride)  # (one key: the offsets past it unread)

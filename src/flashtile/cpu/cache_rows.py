@@ -41,17 +41,19 @@ from numba.extending import overload
 
 from . import FASTMATH
 from .memory import CACHE_LINE, is_flag, load_value, prefetch, unmanaged
-from .quad_passes import FETCH_ROWS, QUAD, has_quads, quad_scores, quad_values
+from .quad_passes import FETCH_ROWS, QUAD, halves, has_quads, quad_scores, quad_values
 from .tile_step import KeptScores, flag_non_finite, rescale_rows, softmax_tile
 from .tiles import SEG_KEY, SEG_LENGTH, QueryTile, tile_sees_all
 from .vectors import wide_vectors
 
 #: Each key's row prefetches the row this many keys on (the same stream).
 AHEAD = 16
-#: Keys per call of the four-row passes over a long run (:func:`quad_steps`):
-#: 16 KiB of float32 rows at d 128, so that items of 8 to 16 rows read a
-#: chunk's rows again from L1, not the whole run from L2 or memory.
-QUAD_RUN = 32
+#: Keys per call of the four-row passes over a long run (:func:`quad_steps`),
+#: read as two halves side by side (:func:`.quad_passes.halves`, which
+#: measured runs of 32, 256 and 1024 keys): 128 KiB of float32 rows at d
+#: 128, so that items of 8 to 16 rows read a chunk's rows again from L2, not
+#: the whole run from memory.
+QUAD_RUN = 256
 #: Only pages shorter than this are prefetched row by row. Longer pages (a
 #: contiguous cache is one page per sequence) are long sequential runs that
 #: the hardware prefetcher follows by itself, and software prefetches there
@@ -191,7 +193,7 @@ ROWS_PER_PASS = 4
 def quad_steps(page, width):
     """``(keys, fetch)`` of a page's run in the four-row passes
     (:mod:`.quad_passes`): a long page's run :data:`QUAD_RUN` keys per call
-    (each group of four rows reads them in turn, from L1 after the first),
+    (each group of four rows reads them in turn, from L2 after the first),
     each row read prefetching the row :data:`~.quad_passes.FETCH_ROWS` on
     (``fetch``, in elements); a small page's two keys per call, each key
     prefetching its own row :data:`AHEAD` keys on, in the next pages, as
@@ -317,7 +319,9 @@ def page_values_run(acc, p, r0, r1, t, run, flat, o, width, fmt, ahead):
                 prefetch_row(flat, table_row, heads, hk, page, dv, j + i + AHEAD, j_end)
             o_a = o + np.uint64(a) * width
             for r in range(r0, top, QUAD):
-                quad_values(acc, r, p, t + a, flat, fmt, o_a, width, width, keys, fetch)
+                quad_values(
+                    acc, r, p, t + a, flat, fmt, o_a, width, width, keys, halves(keys), fetch
+                )
         if top == r1:
             return
         r0, rows = top, r1 - top
@@ -395,7 +399,9 @@ def cache_scores(q_tile, flat, fmt, table_row, heads, hk, page, j0, n, s, j_end)
                     prefetch_row(flat, table_row, heads, hk, page, d, j + i + AHEAD, j_end)
                 o_a = base + np.uint64(a) * width
                 for r in range(0, top, QUAD):
-                    quad_scores(q_tile, r, flat, fmt, o_a, d, d, keys, s, t + a, fetch)
+                    quad_scores(
+                        q_tile, r, flat, fmt, o_a, d, d, keys, halves(keys), s, t + a, fetch
+                    )
             if top == rows:
                 u = run
         for i in range(u, run):
