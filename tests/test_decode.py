@@ -564,7 +564,7 @@ def test_the_walks_that_read_rows_fold_keys_in_passes_and_the_rest_one_by_one(
     one row, four or two value rows; with head dims that are multiples of 8,
     two keys by four rows in LLVM IR, cpu/quad_passes.py) and their
     remainders: items of 1, 3, 4, 6 and 9 rows; runs of every length modulo four
-    (sequences of 1, 2, 3, 4, 5, 7, 9 and 600 keys; pages of 6 and 5 keys,
+    (sequences of 1, 2, 3, 4, 67, 7, 9 and 600 keys; pages of 6 and 5 keys,
     read by one head's rows or by every head's page by page; one-token pages
     of two kv heads, in order or (page -1) in blocks of 5 tokens shuffled,
     so that runs of tokens end anywhere); unaligned rows; each cache format;
@@ -572,7 +572,9 @@ def test_the_walks_that_read_rows_fold_keys_in_passes_and_the_rest_one_by_one(
     dtype = np.dtype(dtype)
     q, k, v = _problem(rng, batch=8, hq=hq, hkv=2, tq=tq, d=d, dv=dv, t_max=600)
     k, v = k.astype(dtype), v.astype(dtype)
-    lengths = np.array([1, 2, 3, 4, 5, 7, 9, 600])  # (600: tiles of 256 end mid-page)
+    # (67: a long run of odd length, whose keys one row reads in pairs far
+    # apart, cache_rows.FAR_RUN; 600: tiles of 256 end mid-page)
+    lengths = np.array([1, 2, 3, 4, 67, 7, 9, 600])
     kw = dict(cache_seqlens=lengths, return_lse=True, causal=True)
     if page in (1, -1):  # one-token pages of every kv head: flash-attn's (B, T, Hkv, d) cache
         k, v = (x.transpose(0, 2, 1, 3).reshape(-1, 2, 1, x.shape[3]).copy() for x in (k, v))

@@ -228,7 +228,9 @@ def token_quad_values(acc_all, p_all, flat, fmt, table_row, heads, hk0, j0, n, r
             r0, r1 = u * rows + top, (u + 1) * rows
             for i in range(run if r0 < r1 else 0):
                 o_i = o + np.uint64(i * stride)  # (one key: the offsets past it unread)
-                add_value_rows(acc_all, p_all, r0, r1, t + i, 1, flat, o_i, o_i, o_i, o_i, d, fmt)
+                add_value_rows(
+                    acc_all, p_all, r0, r1, t + i, 1, 0, flat, o_i, o_i, o_i, o_i, d, fmt
+                )
         t += run
     return t
 
@@ -280,9 +282,8 @@ def token_passes(acc_all, p_all, rows, t, count, keys):
             if count > 2:
                 o2 = row_offset(table_row, heads, hk0 + u, 1, dv, j0 + t + 2)
                 o3 = row_offset(table_row, heads, hk0 + u, 1, dv, j0 + t + 3)
-            add_value_rows(
-                acc_all, p_all, u * rows, (u + 1) * rows, t, count, flat, o0, o1, o2, o3, width, fmt
-            )
+            r0, r1, gap = u * rows, (u + 1) * rows, count // 2  # (consecutive keys)
+            add_value_rows(acc_all, p_all, r0, r1, t, count, gap, flat, o0, o1, o2, o3, width, fmt)
         t += count
     return t
 
@@ -329,8 +330,10 @@ def walk_head_rows(
 
     With one-token pages every head's query rows and state are touched per
     key (16 KiB each at GQA 32/8, d 128), more than L1 holds beside the
-    stream: there this walk reads 14-15 GB/s where the row walk of a ``(B,
-    Hkv, T, d)`` cache reads 18-23 (AVX2 AMD EPYC, Tk=65536). Tried and not
+    stream: there this walk read 14-15 GB/s where the row walk of a ``(B,
+    Hkv, T, d)`` cache read 18-23 (AVX2 AMD EPYC, Tk=65536); four rows or
+    more now read runs of tokens in the IR passes (:func:`quad_head_scores`:
+    27-29 GB/s, the row walk 30-35 with its halves). Tried and not
     kept: two keys per pass in the scores (no change), and each head's tile
     in turn (:func:`.cache_rows.fold_cache_tile`, its rows and state in L1)
     while the next tile's rows of every head were prefetched in memory

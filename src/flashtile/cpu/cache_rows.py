@@ -48,12 +48,19 @@ from .vectors import wide_vectors
 
 #: Each key's row prefetches the row this many keys on (the same stream).
 AHEAD = 16
-#: Keys per call of the four-row passes over a long run (:func:`quad_steps`),
-#: read as two halves side by side (:func:`.quad_passes.halves`, which
-#: measured runs of 32, 256 and 1024 keys): 128 KiB of float32 rows at d
-#: 128, so that items of 8 to 16 rows read a chunk's rows again from L2, not
-#: the whole run from memory.
-QUAD_RUN = 256
+#: Elements per call of the four-row passes over a long run (:func:`quad_steps`:
+#: 256 keys at d 128, 512 at d 64), read as two halves side by side
+#: (:func:`.quad_passes.halves`, which measured runs of 32 to 1024 keys; at
+#: d 64 from memory 512 keys read 4% faster than 256): 128 KiB of float32
+#: rows, so that items of 8 to 16 rows read a call's rows again from L2,
+#: not the whole run from memory.
+QUAD_RUN = 32768
+#: One query row reads a run of at least this many keys as pairs of
+#: neighbouring rows far apart (:func:`far_gap`), the two halves of the
+#: run: two streams, as :func:`.quad_passes.halves` reads them. One thread,
+#: 8 kv heads from memory, AVX2 AMD EPYC: scores 19.7 -> 24.0 GB/s at d 128
+#: (23.3 -> 27.4 at d 64), values 23.4 -> 30.0 (23.1 -> 29.7).
+FAR_RUN = 64
 #: Only pages shorter than this are prefetched row by row. Longer pages (a
 #: contiguous cache is one page per sequence) are long sequential runs that
 #: the hardware prefetcher follows by itself, and software prefetches there
@@ -192,7 +199,7 @@ ROWS_PER_PASS = 4
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def quad_steps(page, width):
     """``(keys, fetch)`` of a page's run in the four-row passes
-    (:mod:`.quad_passes`): a long page's run :data:`QUAD_RUN` keys per call
+    (:mod:`.quad_passes`): a long page's run :data:`QUAD_RUN` elements per call
     (each group of four rows reads them in turn, from L2 after the first),
     each row read prefetching the row :data:`~.quad_passes.FETCH_ROWS` on
     (``fetch``, in elements); a small page's two keys per call, each key
@@ -200,7 +207,7 @@ def quad_steps(page, width):
     the other passes do (prefetched all at once per run, pages of 16 keys
     took 1.15x the time)."""
     if page >= PREFETCH_BELOW_PAGE:
-        return QUAD_RUN, FETCH_ROWS * width
+        return max(2, QUAD_RUN // width), FETCH_ROWS * width
     return 2, 0
 
 
@@ -244,20 +251,23 @@ def key_scores(q_tile, r0, r1, flat, o, width, fmt, s, t):
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def add_value_rows(acc, p, r0, r1, t, count, flat, o0, o1, o2, o3, width, fmt):
-    """``acc[r] += sum_a p[r, t + a] * row_a`` for ``r0 <= r < r1`` and ``a <
+def add_value_rows(acc, p, r0, r1, t, count, gap, flat, o0, o1, o2, o3, width, fmt):
+    """``acc[r] += sum_a p[r, t_a] * row_a`` for ``r0 <= r < r1`` and ``a <
     count`` (4, 2 or 1: any other count adds nothing) over the cache rows at
-    flat offsets ``o0 .. o3`` (those past ``count`` unread), each ``acc`` row
-    loaded and stored once per call (rows indexed, as in :func:`key_scores`)."""
+    flat offsets ``o0 .. o3`` (those past ``count`` unread), whose weights
+    are columns ``t_a``: ``t, t + 1, t + gap, t + gap + 1`` for four keys,
+    ``t, t + gap`` for two (``gap`` 2 and 1: consecutive keys). Each ``acc``
+    row loaded and stored once per call (rows indexed, as in
+    :func:`key_scores`)."""
     for r in range(r0, r1):
         if count == 4:
-            w0, w1, w2, w3 = p[r, t], p[r, t + 1], p[r, t + 2], p[r, t + 3]
+            w0, w1, w2, w3 = p[r, t], p[r, t + 1], p[r, t + gap], p[r, t + gap + 1]
             for c in range(width):
                 acc[r, c] += (
                     w0 * load_value(flat, o0 + c, fmt) + w1 * load_value(flat, o1 + c, fmt)
                 ) + (w2 * load_value(flat, o2 + c, fmt) + w3 * load_value(flat, o3 + c, fmt))
         elif count == 2:
-            w0, w1 = p[r, t], p[r, t + 1]
+            w0, w1 = p[r, t], p[r, t + gap]
             for c in range(width):
                 acc[r, c] += w0 * load_value(flat, o0 + c, fmt) + w1 * load_value(flat, o1 + c, fmt)
         elif count == 1:
@@ -295,16 +305,40 @@ def run_values(acc, p, r0, r1, t, run, count, flat, o, width, fmt, ahead):
         o0 = o + np.uint64(u) * width
         o1 = o0 + width  # (sums: an integer literal times a uint64 is a float64)
         o2 = o1 + width
-        add_value_rows(acc, p, r0, r1, t + u, count, flat, o0, o1, o2, o2 + width, width, fmt)
+        gap = count // 2  # (consecutive keys)
+        add_value_rows(acc, p, r0, r1, t + u, count, gap, flat, o0, o1, o2, o2 + width, width, fmt)
         u += count
     return u
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def far_gap(run):
+    """How far apart (in keys) one query row's passes read their two pairs
+    of neighbouring rows in a run of ``run`` keys: the run's halves (even)
+    from :data:`FAR_RUN` keys, else 2 (four consecutive keys)."""
+    return max(2, (run // 4) * 2) if run >= FAR_RUN else 2
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def far_values(acc, p, r, t, run, flat, o, width, fmt):
+    """``acc[r] += sum_k p[r, t + k] * row_k`` for one query row over a run of
+    ``run`` consecutive value rows from flat offset ``o``, key ``k`` beside
+    key ``k + run // 2`` (two streams, :data:`FAR_RUN`); returns the keys
+    added (all but an odd run's last)."""
+    g = run // 2
+    far = np.uint64(g) * width
+    for k in range(g):
+        o0 = o + np.uint64(k) * width
+        add_value_rows(acc, p, r, r + 1, t + k, 2, g, flat, o0, o0 + far, o0, o0, width, fmt)
+    return 2 * g
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def page_values_run(acc, p, r0, r1, t, run, flat, o, width, fmt, ahead):
     """:func:`run_values` over all ``run`` keys: :func:`pass_keys` keys per
     pass, then one by one for the last few; one row's passes compiled on
-    their own (see :func:`run_values`); four rows or more two keys per pass,
+    their own (see :func:`run_values`; a long run's as :func:`far_values`);
+    four rows or more two keys per pass,
     four rows at a time (:func:`.quad_passes.quad_values`, where it exists;
     no prefetch with ``j_end = 0``)."""
     rows = r1 - r0
@@ -326,7 +360,9 @@ def page_values_run(acc, p, r0, r1, t, run, flat, o, width, fmt, ahead):
             return
         r0, rows = top, r1 - top
         ahead = (table_row, heads, hk, PREFETCH_BELOW_PAGE, dv, j, 0)  # (prefetched above)
-    if rows == 1:
+    if rows == 1 and run >= FAR_RUN:
+        u = far_values(acc, p, r0, t, run, flat, o, width, fmt)
+    elif rows == 1:
         u = run_values(acc, p, r0, r0 + 1, t, run, 2, flat, o, width, fmt, ahead)
     elif pass_keys(rows) == 4:
         u = run_values(acc, p, r0, r1, t, run, 4, flat, o, width, fmt, ahead)
@@ -368,7 +404,8 @@ def cache_scores(q_tile, flat, fmt, table_row, heads, hk, page, j0, n, s, j_end)
     """``s[r, t] = q_tile[r] . key_{j0 + t}`` for ``t < n``: the keys' rows read
     from the flat cache ``flat`` (format flag ``fmt``), one page's run at a
     time: key by key (:func:`key_scores`), for one query row four keys per
-    pass (:func:`dot_keys4`), and for four rows or more two keys per pass,
+    pass (:func:`dot_rows4`: two pairs of neighbours, far apart in a long
+    run, :func:`far_gap`), and for four rows or more two keys per pass,
     four rows at a time (:func:`.quad_passes.quad_scores`, where it
     exists). ``q_tile (rows, d)``, ``s (rows, >= n)``, both in the work
     dtype. Each key prefetches the row :data:`AHEAD` keys on, below
@@ -384,12 +421,16 @@ def cache_scores(q_tile, flat, fmt, table_row, heads, hk, page, j0, n, s, j_end)
         run, base = page_run(table_row, heads, hk, page, d, j, n - t)
         u = top = 0
         if rows == 1:  # one row: nothing to share a key's elements with
-            while u + 4 <= run:
-                for a in range(4):
-                    prefetch_row(flat, table_row, heads, hk, page, d, j + u + a + AHEAD, j_end)
-                x = dot_keys4(q_tile, 0, flat, base + np.uint64(u) * width, width, fmt)
-                s[0, t + u], s[0, t + u + 1], s[0, t + u + 2], s[0, t + u + 3] = x
-                u += 4
+            g = far_gap(run)  # keys k, k + 1, k + g, k + g + 1 per pass, blocks of 2g
+            u = run - run % (2 * g)
+            for k in range(0, u, 2 * g):
+                for i in range(k, k + g, 2):
+                    for a in (i, i + 1, i + g, i + g + 1):
+                        prefetch_row(flat, table_row, heads, hk, page, d, j + a + AHEAD, j_end)
+                    o0 = base + np.uint64(i) * width
+                    o2 = o0 + np.uint64(g) * width
+                    x = dot_rows4(q_tile, 0, flat, o0, o0 + width, o2, o2 + width, width, fmt)
+                    s[0, t + i], s[0, t + i + 1], s[0, t + i + g], s[0, t + i + g + 1] = x
         elif rows >= QUAD and has_quads(q_tile, s, flat, fmt, d):
             top = rows - rows % QUAD  # four rows at a time (.quad_passes), the rest below
             step, fetch = quad_steps(page, d)

@@ -14,10 +14,11 @@ is not next to key ``t + 1`` of the same head in flash-attn's layout, so:
   head (MQA) transposes to a contiguous array and is read as such. Otherwise
   the cache is read in place as *one-token pages*: ``(tokens, nheads_k, 1,
   headdim)`` is the same memory, C-contiguous, and a block table lists each
-  sequence's tokens. No copy per call; the kernel gathers each tile's rows
-  (a strided read), which measured 1.4-2.3x the time of flashtile's own
-  ``(B, Hkv, T, d)`` layout, and less than copying the cache into that
-  layout on every call (docs/flash_attn.md has the numbers).
+  sequence's tokens. No copy per call; the kernel reads every kv head's
+  rows of a run of tokens in memory order (GQA 32/8, d 128, 65536 keys:
+  1.1-1.2x the time of flashtile's own ``(B, Hkv, T, d)`` layout), far less
+  than copying the cache into that layout on every call (docs/flash_attn.md
+  has the numbers).
 - ``cache_leftpad`` (keys before it are not part of the sequence) shifts
   each sequence's first token; one-token pages express that on both devices.
 
