@@ -520,8 +520,10 @@ def test_num_splits_beyond_the_length_costs_no_memory(rng):
 def test_the_row_walk_of_a_long_contiguous_cache(rng):
     """Rows read in place in 1024-key tiles (a contiguous cache of 1024 keys or more):
     GQA rows, several queries, causal and a window, sequences that end inside a tile,
-    against the reference."""
-    q, k, v = _problem(rng, batch=3, hq=6, hkv=2, tq=3, d=16, t_max=2300)
+    against the reference. At d 128 a tile's run takes four calls of the IR passes
+    (row_passes.quad_steps), each call's halves side by side; the ninth row reads
+    pairs far apart (row_passes.far_values)."""
+    q, k, v = _problem(rng, batch=3, hq=6, hkv=2, tq=3, d=128, t_max=2300)
     lengths = np.array([2300, 1500, 1030])
     with contextlib.ExitStack() as forced:
         for name, route in routes.ROUTES.items():
@@ -560,7 +562,7 @@ def test_the_row_walk_of_a_long_contiguous_cache(rng):
 def test_the_walks_that_read_rows_fold_keys_in_passes_and_the_rest_one_by_one(
     rng, dtype, walk, page, hq, tq, d, dv
 ):
-    """The row walks' passes (cache_rows.ROWS_PER_PASS query rows, four keys for
+    """The row walks' passes (row_passes.ROWS_PER_PASS query rows, four keys for
     one row, four or two value rows; with head dims that are multiples of 8,
     two keys by four rows in LLVM IR, cpu/quad_passes.py) and their
     remainders: items of 1, 3, 4, 6 and 9 rows; runs of every length modulo four
@@ -573,7 +575,7 @@ def test_the_walks_that_read_rows_fold_keys_in_passes_and_the_rest_one_by_one(
     q, k, v = _problem(rng, batch=8, hq=hq, hkv=2, tq=tq, d=d, dv=dv, t_max=600)
     k, v = k.astype(dtype), v.astype(dtype)
     # (67: a long run of odd length, whose keys one row reads in pairs far
-    # apart, cache_rows.FAR_RUN; 600: tiles of 256 end mid-page)
+    # apart, row_passes.FAR_RUN; 600: tiles of 256 end mid-page)
     lengths = np.array([1, 2, 3, 4, 67, 7, 9, 600])
     kw = dict(cache_seqlens=lengths, return_lse=True, causal=True)
     if page in (1, -1):  # one-token pages of every kv head: flash-attn's (B, T, Hkv, d) cache

@@ -3,11 +3,13 @@ dispatch of the walks that read cache rows in place (:func:`walk_rows`).
 
 An item of the head walk takes every kv head of its key chunk and reads
 the rows of all heads in the cache's own memory order, with the row walk's
-passes (:mod:`.cache_rows`):
+passes (:mod:`.row_passes`):
 
 - one-token pages (flash-attn's ``(B, T, Hkv, d)`` cache): key by key, each
   key's rows of all heads in turn, where one head's rows alone lie ``Hkv *
-  d`` elements apart;
+  d`` elements apart; four query rows or more per head (where the IR
+  passes exist) a run of up to :data:`TOKEN_RUN` tokens at a time, each
+  head's rows of the run in turn (:func:`head_quads`);
 - pages of several keys (``(blocks, Hkv, P, d)``, a vLLM-style paged
   cache): page by page, each head's run of keys in the page in turn, so a
   page's K (or V) rows of all heads are one sequential run. The row walk
@@ -24,30 +26,30 @@ from numba import njit
 from numba.extending import overload
 
 from . import FASTMATH
-from .cache_rows import (
+from .cache_rows import HeadRowsWalk, RowWalk, head_tile, walk_cache_rows
+from .memory import is_flag, unmanaged
+from .quad_passes import QUAD, has_quads
+from .row_passes import (
     PREFETCH_BELOW_PAGE,
-    HeadRowsWalk,
-    RowWalk,
+    ScorePass,
+    ValuePass,
     add_value_rows,
     dot_keys4,
     dot_rows4,
-    head_tile,
     key_scores,
     page_run,
     page_values_run,
     pass_keys,
-    quad_steps,
+    quad_run,
     row_offset,
-    walk_cache_rows,
+    row_pass,
 )
-from .memory import is_flag, unmanaged
-from .quad_passes import FETCH_ROWS, QUAD, halves, has_quads, quad_scores, quad_values
 from .tile_step import KeptScores, flag_non_finite, rescale_rows, softmax_tile
 from .tiles import SEG_KEY, SEG_LENGTH, tile_sees_all
 from .vectors import wide_vectors
 
 #: Tokens per run of the four-row passes over one-token pages
-#: (:func:`quad_head_scores`, :func:`token_quad_values`): each kv head's
+#: (:func:`head_quads`): each kv head's
 #: rows of 8 tokens in turn, so the run's rows of every head (32 KiB at 8
 #: kv heads, d 128, float32) are read in memory order and stay in L1 for
 #: the next head. GQA 32/8, d 128, one thread, AVX2 AMD EPYC: scores and
@@ -101,11 +103,11 @@ def head_scores(q_tiles, flat, fmt, table_row, heads, hk0, page, j0, n, s):
     """``s[u, r, t] = q_tiles[u, r] . key_{j0 + t}`` of kv head ``hk0 + u``,
     for every head of the item, in the cache's memory order (the module
     docstring): page by page, each head's run of keys in the page
-    (:func:`.cache_rows.key_scores` key by key, or for one query row four
+    (:func:`.row_passes.key_scores` key by key, or for one query row four
     keys per pass); with one-token pages that is key by key, each key's rows
     of all heads in turn (one row: :func:`token_scores4`). Four query rows
     or more take the four-row passes (:func:`quad_head_scores`, where they
-    exist), over one-token pages in short runs of tokens. ``q_tiles (nh,
+    exist, :func:`head_quads`), over one-token pages in short runs of tokens. ``q_tiles (nh,
     rows, d)``, ``s (nh, rows, >= n)``."""
     wide_vectors()
     nh, rows, d = q_tiles.shape
@@ -119,7 +121,7 @@ def head_scores(q_tiles, flat, fmt, table_row, heads, hk0, page, j0, n, s):
     if rows == 1 and page == 1:  # (page literal 1 below: no division per key)
         t = token_scores4(q_all, s_all, flat, fmt, table_row, heads, hk0, j0, n)
     elif rows >= QUAD and has_quads(q_all, s_all, flat, fmt, d):
-        quad_head_scores(q_all, s_all, flat, fmt, table_row, heads, hk0, page, j0, n, rows)
+        head_quads(q_all, s_all, ScorePass(), flat, fmt, table_row, heads, hk0, page, j0, n, rows)
         return
     while t < n:
         run = 0  # (the same for every head)
@@ -143,7 +145,7 @@ def head_scores(q_tiles, flat, fmt, table_row, heads, hk0, page, j0, n, s):
 def token_scores4(q_all, s_all, flat, fmt, table_row, heads, hk0, j0, n):
     """:func:`head_scores` of one query row per head over one-token pages,
     four keys per pass while four are left (each key in its own page,
-    :func:`.cache_rows.dot_rows4`); return the next key. The scores of 12
+    :func:`.row_passes.dot_rows4`); return the next key. The scores of 12
     heads, d 64, over 2048 keys (in L3, one thread, AVX2 AMD EPYC) took
     0.54x the time of one key at a time with a page lookup (a division) per
     key; pages of 16 keys, four keys of a run per pass, 0.70x."""
@@ -176,75 +178,45 @@ def token_run(table_row, j, most):
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def quad_head_scores(q_all, s_all, flat, fmt, table_row, heads, hk0, page, j0, n, rows):
-    """:func:`head_scores` of ``rows`` (at least :data:`~.quad_passes.QUAD`)
-    query rows per head in the four-row passes, four rows at a time (the
-    rows past a multiple of four key by key), over each head's run in turn:
-    with one-token pages, runs of up to :data:`TOKEN_RUN` consecutive tokens
-    (:func:`token_run`; a head's rows ``kv heads * d`` elements apart, each
-    prefetching the row :data:`~.quad_passes.FETCH_ROWS` tokens on), else
-    a page's run (in the pieces of :func:`.cache_rows.quad_steps`)."""
-    d = q_all.shape[1]
+def head_quads(tile_all, other_all, kind, flat, fmt, table_row, heads, hk0, page, j0, n, rows):
+    """:func:`head_scores` (``kind`` a :class:`.row_passes.ScorePass`:
+    ``tile_all`` the query rows, ``other_all`` the scores) or
+    :func:`token_values` (a :class:`.row_passes.ValuePass`: the accumulator
+    rows and the weights) of ``rows`` rows per head (at least
+    :data:`~.quad_passes.QUAD`, flattened as there), each head's run in turn
+    in the four-row passes (:func:`.row_passes.quad_run`), the rows past a
+    multiple of four key by key. A run: with one-token pages up to
+    :data:`TOKEN_RUN` consecutive tokens (:func:`token_run`; a head's rows
+    ``kv heads * d`` elements apart), else a page's run. Returns ``n``."""
+    width = tile_all.shape[1]
     top = rows - rows % QUAD
     t = 0
     while t < n:
         if page == 1:
-            run = token_run(table_row, j0 + t, min(TOKEN_RUN, n - t))
-            stride, step, fetch = heads * d, run, FETCH_ROWS * heads * d
+            run, stride = token_run(table_row, j0 + t, min(TOKEN_RUN, n - t)), heads * width
         else:
-            run = page_run(table_row, heads, hk0, page, d, j0 + t, n - t)[0]
-            step, fetch = quad_steps(page, d)
-            stride = d
-        for u in range(q_all.shape[0] // rows):
-            o = row_offset(table_row, heads, hk0 + u, page, d, j0 + t)
-            for a in range(0, run, step):
-                o_a, keys = o + np.uint64(a * stride), min(step, run - a)
-                gap = 1 if page == 1 else halves(keys)  # (neighbouring tokens: see halves)
-                for r in range(u * rows, u * rows + top, QUAD):
-                    quad_scores(q_all, r, flat, fmt, o_a, d, stride, keys, gap, s_all, t + a, fetch)
+            run, stride = page_run(table_row, heads, hk0, page, width, j0 + t, n - t)[0], width
+        for u in range(tile_all.shape[0] // rows):
+            o = row_offset(table_row, heads, hk0 + u, page, width, j0 + t)
+            unread = (table_row, heads, hk0 + u, PREFETCH_BELOW_PAGE, width, j0 + t, 0)
             r0, r1 = u * rows + top, (u + 1) * rows
+            quad_run(tile_all, other_all, kind, u * rows, r0, t, run, flat, fmt, o, stride, unread)
             for i in range(run if r0 < r1 else 0):
                 o_i = o + np.uint64(i * stride)
-                key_scores(q_all, r0, r1, flat, o_i, np.uint64(d), fmt, s_all, t + i)
+                row_pass(kind, tile_all, r0, r1, other_all, t + i, flat, o_i, np.uint64(width), fmt)
         t += run
-
-
-@njit(fastmath=FASTMATH, cache=True, inline="always")
-def token_quad_values(acc_all, p_all, flat, fmt, table_row, heads, hk0, j0, n, rows):
-    """:func:`token_values` of ``rows`` (at least :data:`~.quad_passes.QUAD`)
-    rows per head in the runs and passes of :func:`quad_head_scores` (pages
-    of several keys take :func:`.cache_rows.page_values_run`, which has
-    them too). Returns ``n``."""
-    dv = acc_all.shape[1]
-    stride, d = heads * dv, np.uint64(dv)
-    top, fetch = rows - rows % QUAD, FETCH_ROWS * heads * dv
-    t = 0
-    while t < n:
-        run = token_run(table_row, j0 + t, min(TOKEN_RUN, n - t))
-        for u in range(acc_all.shape[0] // rows):
-            o = row_offset(table_row, heads, hk0 + u, 1, dv, j0 + t)
-            for r in range(u * rows, u * rows + top, QUAD):
-                quad_values(acc_all, r, p_all, t, flat, fmt, o, dv, stride, run, 1, fetch)
-            r0, r1 = u * rows + top, (u + 1) * rows
-            for i in range(run if r0 < r1 else 0):
-                o_i = o + np.uint64(i * stride)  # (one key: the offsets past it unread)
-                add_value_rows(
-                    acc_all, p_all, r0, r1, t + i, 1, 0, flat, o_i, o_i, o_i, o_i, d, fmt
-                )
-        t += run
-    return t
+    return n
 
 
 @njit(fastmath=FASTMATH, cache=True)
 def token_values(p, flat, fmt, table_row, heads, hk0, j0, n, acc):
     """``acc[u] += p[u, :, :n] @ V`` of kv head ``hk0 + u`` for every head of
     the item, from a cache of one-token pages: key by key, each key's value
-    rows of all heads in turn, :func:`.cache_rows.pass_keys` keys per
+    rows of all heads in turn, :func:`.row_passes.pass_keys` keys per
     pass over ``acc (nh, rows, dv)`` (each key of a pass in its own page),
     then one by one; one row compiled on its own (as
-    :func:`.cache_rows.page_values_run`); four rows or more in the four-row
-    passes over runs of tokens (:func:`token_quad_values`, where they
-    exist)."""
+    :func:`.row_passes.page_values_run`); four rows or more in the four-row
+    passes over runs of tokens (:func:`head_quads`, where they exist)."""
     wide_vectors()
     nh, rows, dv = acc.shape
     acc_all = unmanaged(acc.reshape((nh * rows, dv)))  # (as in head_scores)
@@ -254,7 +226,8 @@ def token_values(p, flat, fmt, table_row, heads, hk0, j0, n, acc):
     if rows == 1:
         t = token_passes(acc_all, p_all, 1, 0, 2, keys)
     elif rows >= QUAD and has_quads(acc_all, p_all, flat, fmt, dv):
-        t = token_quad_values(acc_all, p_all, flat, fmt, table_row, heads, hk0, j0, n, rows)
+        kind = ValuePass()
+        t = head_quads(acc_all, p_all, kind, flat, fmt, table_row, heads, hk0, 1, j0, n, rows)
     elif pass_keys(rows) == 4:
         t = token_passes(acc_all, p_all, rows, 0, 4, keys)
     else:
@@ -266,7 +239,7 @@ def token_values(p, flat, fmt, table_row, heads, hk0, j0, n, acc):
 def token_passes(acc_all, p_all, rows, t, count, keys):
     """:func:`token_values`' passes of ``count`` keys from key ``t`` while
     ``count`` are left (literal ``count`` and, for one row, ``rows``: see
-    :func:`.cache_rows.run_values`); return the next key. ``acc_all (nh *
+    :func:`.row_passes.run_values`); return the next key. ``acc_all (nh *
     rows, dv)``, ``p_all (nh * rows, >= n)``; ``keys``: ``(flat, fmt,
     table_row, heads, hk0, j0, n)``."""
     flat, fmt, table_row, heads, hk0, j0, n = keys
@@ -292,7 +265,7 @@ def token_passes(acc_all, p_all, rows, t, count, keys):
 def page_values(p, flat, fmt, table_row, heads, hk0, page, j0, n, acc):
     """:func:`token_values` for pages of several keys: page by page, each
     head's run of value rows in the page (the order of :func:`head_scores`),
-    :func:`.cache_rows.page_values_run` over each run."""
+    :func:`.row_passes.page_values_run` over each run."""
     wide_vectors()
     nh, rows, dv = acc.shape
     acc_all = unmanaged(acc.reshape((nh * rows, dv)))  # (as in head_scores)

@@ -17,12 +17,13 @@ multiple of 8; AVX2 registers, and the same code on AVX-512 CPUs):
 - :func:`quad_values`: for two keys at once, each accumulator vector of the
   four rows loaded, given both keys' weighted value vectors, and stored.
 
-Each call reads the rows of one run, two rows side by side: the two
-halves of a page's run (:func:`.cache_rows.page_run`, in the pieces
-:func:`.cache_rows.quad_steps` gives; :func:`halves`), or neighbouring
+Each call reads the rows of one run, two rows side by side
+(:func:`.row_passes.quad_run`): the two halves of a long page's run
+(:func:`halves`; a contiguous cache is one long page; in the pieces of
+:func:`.row_passes.quad_steps`), neighbours in a short one, or neighbouring
 rows of one kv head in a run of consecutive tokens of one-token pages
 (flash-attn's layout), ``kv heads * d`` elements apart
-(:func:`.cache_heads.head_scores`). Over a long run (a contiguous cache, a
+(:func:`.cache_heads.head_quads`). Over a long run (a contiguous cache, a
 run of tokens) each row read prefetches the row :data:`FETCH_ROWS` on.
 Cache formats: float32, bf16 bit patterns (widened by a shift) and float16
 patterns where the CPU converts them (F16C); :func:`has_quads` says whether

@@ -15,10 +15,11 @@ is not next to key ``t + 1`` of the same head in flash-attn's layout, so:
   the cache is read in place as *one-token pages*: ``(tokens, nheads_k, 1,
   headdim)`` is the same memory, C-contiguous, and a block table lists each
   sequence's tokens. No copy per call; the kernel reads every kv head's
-  rows of a run of tokens in memory order (GQA 32/8, d 128, 65536 keys:
-  1.1-1.2x the time of flashtile's own ``(B, Hkv, T, d)`` layout), far less
-  than copying the cache into that layout on every call (docs/flash_attn.md
-  has the numbers).
+  rows of a chunk of tokens in memory order (its walk a route measured on
+  the machine): 1.1-1.2x the time of flashtile's own ``(B, Hkv, T, d)``
+  layout with GQA 32/8, d 128, 65536 keys, 0.7-1.2x with one query row per
+  head; far less than copying the cache into that layout on every call
+  (docs/flash_attn.md has the numbers).
 - ``cache_leftpad`` (keys before it are not part of the sequence) shifts
   each sequence's first token; one-token pages express that on both devices.
 
