@@ -188,6 +188,11 @@ def test_a_failed_measurement_gives_the_fixed_rule_not_an_error(store, monkeypat
 def test_another_machines_measurements_are_not_used(store, monkeypatch):
     name = "decode.contiguous.one.d64.short"
     other = {"v1|another CPU|avx512f|threads=2|": {name: {"choice": "rows", "times": {}}}}
+    # Nor this machine's, measured with other kernels (sources changed since).
+    key = route_cache.machine_key()
+    stale = key.rsplit("|kernels=", 1)[0] + "|kernels=0123456789abcdef"
+    assert stale != key
+    other[stale] = other["v1|another CPU|avx512f|threads=2|"]
     store.write_text(json.dumps(other))
     monkeypatch.setenv("FLASHTILE_TUNE", "0")
     assert routes.explain(name) == ("tiles", "fixed rule (not measured)")

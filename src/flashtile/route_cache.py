@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numba
 
+from flashtile.cpu import kernel_fingerprint
+
 #: The file that keeps the measured choices, in :func:`cache_dir`.
 CACHE_FILE = "routes.json"
 #: Bump when a route's candidates or measurement change meaning: older
@@ -67,12 +69,18 @@ def _version(dist: str) -> str:
 @functools.cache
 def machine_key() -> str:
     """The cache key of this machine and software: measurements made under
-    another key are not used. Computed once per process (the version
-    lookups take about 5 ms, and every route's first answer reads the cache)."""
+    another key are not used. It names the kernels' sources too
+    (:func:`flashtile.cpu.kernel_fingerprint`): a kernel changed within a
+    version (a development tree, an install from git) ranks its candidates
+    anew, where the old entries kept the old ranking (the decode walks moved
+    in 4 of 36 classes when the row passes changed). Computed once per
+    process (the version lookups take about 5 ms, and every route's first
+    answer reads the cache)."""
     model, flags = cpu_model()
     versions = ",".join(f"{lib}={_version(lib)}" for lib in LIBRARIES)
     threads = numba.config.NUMBA_NUM_THREADS  # the kernels' pool
-    return f"v{FORMAT}|{model}|{'+'.join(flags)}|threads={threads}|{versions}"
+    kernels = kernel_fingerprint()[:16]
+    return f"v{FORMAT}|{model}|{'+'.join(flags)}|threads={threads}|{versions}|kernels={kernels}"
 
 
 def _read_all() -> dict:

@@ -30,8 +30,8 @@ candidate on a short representative problem, side by side.
 The cache is ``routes.json`` in ``FLASHTILE_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/flashtile``, else ``~/.cache/flashtile``, keyed by
 :func:`.route_cache.machine_key`: the CPU model and its vector features, the kernel
-threads, and the versions of flashtile and the libraries whose code runs
-the candidates; an entry of a route whose ranking moves with another
+threads, the versions of flashtile and the libraries whose code runs
+the candidates, and the kernels' sources; an entry of a route whose ranking moves with another
 choice (the decode walks' BLAS tiles with the BLAS that runs them) also
 names the context it was measured under (:func:`depends`), and serves only
 there. A missing, unreadable or corrupt cache (or one written for

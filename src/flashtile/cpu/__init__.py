@@ -55,7 +55,10 @@ STAMP = "flashtile-kernels.sha256"
 
 
 @functools.cache
-def _fingerprint() -> str:
+def kernel_fingerprint() -> str:
+    """SHA-256 (hex) of the kernels' sources: the key of the compiled kernels
+    on disk (:func:`clear_stale_kernels`) and of the routes measured with
+    them (:func:`flashtile.route_cache.machine_key`)."""
     here = Path(__file__).resolve().parent
     # (and the modules outside this package whose compiled code they call)
     sources = sorted(here.glob("*.py"))
@@ -68,7 +71,7 @@ def clear_stale_kernels(cache: str | os.PathLike) -> None:
     its fingerprint file matches the present sources, then record them.
     A directory that cannot be written is left as it is (Numba then caches
     elsewhere, or not at all)."""
-    cache, digest = Path(cache), _fingerprint()
+    cache, digest = Path(cache), kernel_fingerprint()
     stamp = cache / STAMP
     try:
         if stamp.is_file() and stamp.read_text() == digest:
