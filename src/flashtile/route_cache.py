@@ -73,7 +73,7 @@ def machine_key() -> str:
     (:func:`flashtile.cpu.kernel_fingerprint`): a kernel changed within a
     version (a development tree, an install from git) ranks its candidates
     anew, where the old entries kept the old ranking (the decode walks moved
-    in 4 of 36 classes when the row passes changed). Computed once per
+    in 8 of 36 classes when the row passes changed). Computed once per
     process (the version lookups take about 5 ms, and every route's first
     answer reads the cache)."""
     model, flags = cpu_model()
