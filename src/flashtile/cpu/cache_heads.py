@@ -106,9 +106,9 @@ def head_scores(q_tiles, flat, fmt, table_row, heads, hk0, page, j0, n, s):
     (:func:`.row_passes.key_scores` key by key, or for one query row four
     keys per pass); with one-token pages that is key by key, each key's rows
     of all heads in turn (one row: :func:`token_scores4`). Four query rows
-    or more take the four-row passes (:func:`quad_head_scores`, where they
-    exist, :func:`head_quads`), over one-token pages in short runs of tokens. ``q_tiles (nh,
-    rows, d)``, ``s (nh, rows, >= n)``."""
+    or more take the four-row passes where they exist (:func:`head_quads`),
+    over one-token pages in short runs of tokens. ``q_tiles (nh, rows, d)``,
+    ``s (nh, rows, >= n)``."""
     wide_vectors()
     nh, rows, d = q_tiles.shape
     # Every head's rows in one 2-D tile each, indexed, not viewed per key;
@@ -200,7 +200,8 @@ def head_quads(tile_all, other_all, kind, flat, fmt, table_row, heads, hk0, page
             o = row_offset(table_row, heads, hk0 + u, page, width, j0 + t)
             unread = (table_row, heads, hk0 + u, PREFETCH_BELOW_PAGE, width, j0 + t, 0)
             r0, r1 = u * rows + top, (u + 1) * rows
-            quad_run(tile_all, other_all, kind, u * rows, r0, t, run, flat, fmt, o, stride, unread)
+            quad_run(tile_all, other_all, kind, u * rows, r0, t, run, flat, fmt, o, stride, page,
+                     unread)  # fmt: skip
             for i in range(run if r0 < r1 else 0):
                 o_i = o + np.uint64(i * stride)
                 row_pass(kind, tile_all, r0, r1, other_all, t + i, flat, o_i, np.uint64(width), fmt)
@@ -283,7 +284,7 @@ def page_values(p, flat, fmt, table_row, heads, hk0, page, j0, n, acc):
             # head walk's 50 s compile per cache format.
             unread = (table_row, heads, hk0 + u, PREFETCH_BELOW_PAGE, dv, j0 + t, 0)
             page_values_run(acc_all, p_all, u * rows, (u + 1) * rows, t, run, flat, base, width,
-                            fmt, unread)  # fmt: skip
+                            fmt, page, unread)  # fmt: skip
         t += run
 
 
@@ -305,7 +306,7 @@ def walk_head_rows(
     key (16 KiB each at GQA 32/8, d 128), more than L1 holds beside the
     stream: there this walk read 14-15 GB/s where the row walk of a ``(B,
     Hkv, T, d)`` cache read 18-23 (AVX2 AMD EPYC, Tk=65536); four rows or
-    more now read runs of tokens in the IR passes (:func:`quad_head_scores`:
+    more now read runs of tokens in the IR passes (:func:`head_quads`:
     27-29 GB/s, the row walk 30-35 with its halves). Tried and not
     kept: two keys per pass in the scores (no change), and each head's tile
     in turn (:func:`.cache_rows.fold_cache_tile`, its rows and state in L1)

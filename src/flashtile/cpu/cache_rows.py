@@ -8,9 +8,9 @@ measured on the machine, :func:`flashtile.workitems.decode_walk`):
   widened in registers, :func:`.memory.load_value`): the dot products of
   each key with the query rows, the value rows added into the accumulator
   rows, in passes that load each element once for several products
-  (:data:`ROWS_PER_PASS`; four rows at a time against two keys in LLVM IR
+  (:data:`.row_passes.ROWS_PER_PASS`; four rows at a time against two keys in LLVM IR
   where the head dim is a multiple of 8, :mod:`.quad_passes`), each key
-  prefetching the row :data:`AHEAD` keys on (pages are separate streams
+  prefetching the row :data:`.row_passes.AHEAD` keys on (pages are separate streams
   the hardware prefetcher does not follow);
 - :class:`HeadRowsWalk`: an item takes every kv head of its key chunk and
   reads the rows of all heads in the cache's memory order, with this
@@ -136,13 +136,13 @@ def head_tile(b, hk, group, tq, length):
 def cache_scores(q_tile, flat, fmt, table_row, heads, hk, page, j0, n, s, j_end):
     """``s[r, t] = q_tile[r] . key_{j0 + t}`` for ``t < n``: the keys' rows read
     from the flat cache ``flat`` (format flag ``fmt``), one page's run at a
-    time: key by key (:func:`key_scores`), for one query row four keys per
-    pass (:func:`dot_rows4`: two pairs of neighbours, far apart in a long
-    run, :func:`far_gap`), and for four rows or more two keys per pass,
-    four rows at a time (:func:`.quad_passes.quad_scores`, where it
-    exists). ``q_tile (rows, d)``, ``s (rows, >= n)``, both in the work
-    dtype. Each key prefetches the row :data:`AHEAD` keys on, below
-    ``j_end``."""
+    time: key by key (:func:`.row_passes.key_scores`), for one query row four
+    keys per pass (:func:`.row_passes.dot_rows4`: two pairs of neighbours,
+    far apart in a long run, :func:`.row_passes.far_gap`), and for four rows
+    or more in the IR passes (:func:`.row_passes.quad_run`, where they
+    exist). ``q_tile (rows, d)``, ``s (rows, >= n)``, both in the work
+    dtype. Each key prefetches the row :data:`.row_passes.AHEAD` keys on,
+    below ``j_end``."""
     wide_vectors()
     q_tile, s = unmanaged(q_tile), unmanaged(s)  # (see .memory.unmanaged)
     flat, table_row = unmanaged(flat), unmanaged(table_row)
@@ -167,7 +167,7 @@ def cache_scores(q_tile, flat, fmt, table_row, heads, hk, page, j0, n, s, j_end)
         elif rows >= QUAD and has_quads(q_tile, s, flat, fmt, d):
             top = rows - rows % QUAD  # four rows at a time (.quad_passes), the rest below
             ahead = (table_row, heads, hk, page, d, j, j_end)
-            quad_run(q_tile, s, ScorePass(), 0, top, t, run, flat, fmt, base, d, ahead)
+            quad_run(q_tile, s, ScorePass(), 0, top, t, run, flat, fmt, base, d, page, ahead)
             if top == rows:
                 u = run
         for i in range(u, run):
@@ -192,7 +192,7 @@ def cache_values(p, flat, fmt, table_row, heads, hk, page, j0, n, acc, j_end):
         j = j0 + t
         run, base = page_run(table_row, heads, hk, page, dv, j, n - t)
         ahead = (table_row, heads, hk, page, dv, j, j_end)
-        page_values_run(acc, p, 0, rows, t, run, flat, base, width, fmt, ahead)
+        page_values_run(acc, p, 0, rows, t, run, flat, base, width, fmt, page, ahead)
         t += run
 
 

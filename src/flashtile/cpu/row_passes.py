@@ -305,37 +305,36 @@ def _row_pass(kind, tile, r0, r1, other, t, flat, o, width, fmt):
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def quad_run(tile, other, kind, r0, r1, t, run, flat, fmt, o, stride, ahead):
+def quad_run(tile, other, kind, r0, r1, t, run, flat, fmt, o, stride, page, ahead):
     """The four-row passes (:mod:`.quad_passes`) over rows ``r0 <= r < r1`` of
     ``tile`` (``r1 - r0`` a multiple of four) and the ``run`` key rows from
     flat offset ``o``, ``stride`` elements apart (:func:`quad_pass`, of
     ``kind``: ``other[r, t + k] = tile[r] . key_k`` or ``tile[r] += sum_k
-    other[r, t + k] * value_k``). Consecutive rows (``stride`` the
-    width) go in the pieces of :func:`quad_steps`, a piece's two halves side
-    by side from :data:`FAR_RUN` keys, neighbours below; rows further apart
-    (one kv head's in one-token pages) in one call, neighbours side by
-    side, each row prefetching the row :data:`~.quad_passes.FETCH_ROWS` on.
-    ``ahead``: ``(table_row, heads, hk, page, width, j, j_end)``, each
-    piece's keys prefetched as :func:`prefetch_row`; with ``j_end = 0``
-    nothing is prefetched ahead of a consecutive run."""
-    table_row, heads, hk, page, width, j, j_end = ahead
-    if stride == width:
-        step, fetch = quad_steps(page, width)
-        fetch = fetch if j_end > 0 else 0
-    else:
+    other[r, t + k] * value_k``), in a cache of pages of ``page`` keys.
+    A page's run goes in the pieces of :func:`quad_steps` (with their
+    prefetch), a piece's two halves side by side from :data:`FAR_RUN` keys,
+    neighbours below; a run of one-token pages (one kv head's rows of
+    consecutive tokens) in one call, neighbours side by side, each row
+    prefetching the row :data:`~.quad_passes.FETCH_ROWS` on. ``ahead``:
+    ``(table_row, heads, hk, page, width, j, j_end)``, each piece's keys
+    prefetched as :func:`prefetch_row` (nothing with ``j_end = 0``)."""
+    table_row, heads, hk, fold_page, width, j, j_end = ahead  # (see prefetch_row)
+    if page == 1:
         step, fetch = run, FETCH_ROWS * stride
+    else:
+        step, fetch = quad_steps(page, width)
     for a in range(0, run, step):
         keys = min(step, run - a)
         for i in range(a, a + keys):
-            prefetch_row(flat, table_row, heads, hk, page, width, j + i + AHEAD, j_end)
-        gap = halves(keys) if stride == width and keys >= FAR_RUN else 1
+            prefetch_row(flat, table_row, heads, hk, fold_page, width, j + i + AHEAD, j_end)
+        gap = halves(keys) if page > 1 and keys >= FAR_RUN else 1
         o_a = o + np.uint64(a * stride)
         for r in range(r0, r1, QUAD):
             quad_pass(kind, tile, r, other, t + a, flat, fmt, o_a, width, stride, keys, gap, fetch)
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def page_values_run(acc, p, r0, r1, t, run, flat, o, width, fmt, ahead):
+def page_values_run(acc, p, r0, r1, t, run, flat, o, width, fmt, page, ahead):
     """:func:`run_values` over all ``run`` keys: :func:`pass_keys` keys per
     pass, then one by one for the last few; one row's passes compiled on
     their own (see :func:`run_values`; a long run's as :func:`far_values`);
@@ -344,7 +343,7 @@ def page_values_run(acc, p, r0, r1, t, run, flat, o, width, fmt, ahead):
     rows = r1 - r0
     if rows >= QUAD and has_quads(acc, p, flat, fmt, acc.shape[1]):
         top = r1 - rows % QUAD  # four rows at a time (.quad_passes), the rest below
-        quad_run(acc, p, ValuePass(), r0, top, t, run, flat, fmt, o, acc.shape[1], ahead)
+        quad_run(acc, p, ValuePass(), r0, top, t, run, flat, fmt, o, acc.shape[1], page, ahead)
         if top == r1:
             return
         r0, rows = top, r1 - top
