@@ -347,7 +347,7 @@ def page_values_run(acc, p, r0, r1, t, run, flat, o, width, fmt, page, ahead):
         if top == r1:
             return
         r0, rows = top, r1 - top
-        table_row, heads, hk, page, dv, j, j_end = ahead
+        table_row, heads, hk, _, dv, j, _ = ahead
         ahead = (table_row, heads, hk, PREFETCH_BELOW_PAGE, dv, j, 0)  # (prefetched above)
     if rows == 1 and run >= FAR_RUN:
         u = far_values(acc, p, r0, t, run, flat, o, width, fmt, ahead)
@@ -357,8 +357,8 @@ def page_values_run(acc, p, r0, r1, t, run, flat, o, width, fmt, page, ahead):
         u = run_values(acc, p, r0, r1, t, run, 4, flat, o, width, fmt, ahead)
     else:
         u = run_values(acc, p, r0, r1, t, run, 2, flat, o, width, fmt, ahead)
-    table_row, heads, hk, page, dv, j, j_end = ahead
-    rest = (table_row, heads, hk, page, dv, j + u, j_end)
+    table_row, heads, hk, fold_page, dv, j, j_end = ahead  # (not ``page``: see prefetch_row)
+    rest = (table_row, heads, hk, fold_page, dv, j + u, j_end)
     o_rest = o + np.uint64(u) * width
     run_values(acc, p, r0, r1, t + u, run - u, 1, flat, o_rest, width, fmt, rest)
 
