@@ -22,6 +22,7 @@ import os
 import warnings
 from pathlib import Path
 
+from numba.core.cpu_options import ParallelOptions
 from numba.core.errors import NumbaIRAssumptionWarning
 
 
@@ -49,6 +50,26 @@ quiet_scope_warnings()
 #: ``nnan``/``ninf``: the kernels use ``-inf`` as the "saw no key yet" state
 #: and must compare against it, which ``fastmath=True`` would fold away.
 FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
+
+
+def prange_only() -> ParallelOptions:
+    """Numba's ``parallel`` option of a kernel's entry call: its ``prange`` loop
+    runs on the thread pool, and nothing else becomes a parallel loop (a
+    final sum of arrays stays serial; an array expression such as
+    ``np.isfinite(a)`` compiles as a subroutine that Numba warns has nothing
+    parallel: write it as a loop). An options object, not a dict: Numba
+    parses a dict again at each compile and pops its keys, so a kernel's
+    second signature would get every parallel option.
+
+    The parallel kernel is inlined into its entry call (``inline="always"``)
+    rather than called: Numba optimises every callee's code again in each
+    caller's module, so each level less saves a pass over the whole kernel
+    (docs/design.md, "Compilation")."""
+    serial = (
+        "comprehension", "reduction", "inplace_binop", "setitem", "numpy", "stencil", "fusion",
+    )  # fmt: skip
+    return ParallelOptions(dict.fromkeys(serial, False) | {"prange": True})
+
 
 #: The fingerprint's file in a cache directory.
 STAMP = "flashtile-kernels.sha256"

@@ -27,7 +27,7 @@ from numba import njit, prange
 
 from ..masks import TILE_EMPTY, TILE_PARTIAL
 from ..units import LOG2E
-from . import FASTMATH
+from . import FASTMATH, prange_only
 from .blas import gemm, gemm_scaled
 from .blas_threads import pin_blas, unpin_blas
 from .bounds import past_limits
@@ -287,7 +287,7 @@ def store_rows(src, dst, h0, i_first, br, mult):
             dst[h, i, c] = narrow(src[r, c] * mult, dst)
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, inline="always")
 def backward_kernel(
     q, k, v, out, lse, dout, dq, dk, dv, sums, seqs, items, scale, variant_fields, block_q,
     block_k, lse2_mult, gemm_fn,
@@ -368,7 +368,7 @@ def backward_kernel(
         dk_rows *= dt(scale)
 
 
-@njit(cache=True)
+@njit(fastmath=FASTMATH, cache=True, parallel=prange_only())
 def backward_call(
     q, k, v, out, lse, dout, dq, dk, dv, seqs, items, scale, variant_fields, block_q, block_k,
     lse2_mult, score_limit, products_limit, gemm_fn, blas_threads,
@@ -387,7 +387,11 @@ def backward_call(
     :func:`.forward.forward_call`: a call past either limit
     (:func:`.bounds.past_limits`) computes nothing and returns ``fits``
     False (a prepared call's values checked here; the caller plans it
-    again)."""
+    again).
+
+    ``backward_kernel`` is inlined here (:func:`flashtile.cpu.prange_only`: one
+    level less for Numba to optimise again).
+    """
     pin_blas(blas_threads)
     sums = np.zeros(q.shape[:3] + (1,), dtype=lse.dtype)
     fits = not past_limits(q, k, scale, score_limit, products_limit)

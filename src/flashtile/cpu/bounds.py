@@ -73,7 +73,7 @@ def bounds_compiled(q, k, d, scale, additive):
     return bound_formula(top_finite(q), top_finite(k), d, scale, additive)
 
 
-@register_jitable
+@register_jitable(fastmath=False)  # (not the calling kernel's: the planner's bound exactly)
 def past_limits(q, k, scale, score_limit, products_limit):
     """Whether the bounds of a call's ``q, k`` (C-contiguous, 4-D) reach
     either limit (log2 units; inf to check nothing, which reads no value):
@@ -109,7 +109,7 @@ def rule_extremes(lse, sums):
     return float(lo), float(hi), float(top)
 
 
-@register_jitable
+@register_jitable(fastmath=False)
 def bound_formula(big_q, big_k, d, scale, additive):
     """``(score_bound, product_bound)`` from ``max |q|``, ``max |k|`` over
     finite entries, the head dim, the scale and :func:`flashtile.precision.additive_bound`

@@ -73,7 +73,7 @@ def walk_rows(walk, lo, hi, rest):
     raise NotImplementedError("walk_rows is only available inside Numba kernels")
 
 
-@overload(walk_rows)
+@overload(walk_rows, inline="always")
 def _walk_rows(walk, lo, hi, rest):
     if is_flag(walk, HeadRowsWalk):
 

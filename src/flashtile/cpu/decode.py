@@ -39,7 +39,7 @@ from numba.core.errors import TypingError
 from numba.extending import overload
 
 from ..units import LN2, LOG2E
-from . import FASTMATH
+from . import FASTMATH, prange_only
 from .blas_threads import pin_blas, unpin_blas
 from .cache_heads import walk_rows
 from .cache_rows import HeadTilesWalk, head_tile, reads_rows, walk_heads
@@ -237,7 +237,7 @@ def _gather_tile(walk, src, fmt, table_row, page, j0, j1, buf):
     return lambda walk, src, fmt, table_row, page, j0, j1, buf: None
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, inline="always")
 def decode_kernel(
     q, k, v, fmt, walk, table, seqlens, items, spans, part_out, part_lse, part_flag, scale,
     variants, tile_keys, ahead, gemm_fn,
@@ -346,7 +346,7 @@ def decode_kernel(
             finish_rows(acc[u], m[u], ell[u], out_u, lse_u, 0, 0, tq, 1.0, LN2)
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=True, parallel=prange_only())
 def decode_call(
     q, k, v, fmt, walk, table, seqlens, items, spans, check_raw, scale, variant_fields, tile_keys,
     ahead, gemm_fn, blas_threads,
@@ -364,6 +364,9 @@ def decode_call(
     score was not finite; ``finite``, every ``lse`` is. One call from Python
     instead of five allocations, two kernel calls and two reductions: inside
     a model's loop each of those costs microseconds.
+
+    ``decode_kernel`` is inlined here (:func:`flashtile.cpu.prange_only`: one
+    level less for Numba to optimise again).
     """
     variants = KernelVariants(*variant_fields)
     pin_blas(blas_threads)
@@ -381,9 +384,20 @@ def decode_call(
     out = work_empty((batch, hq, tq, dv), q)
     lse = work_empty((batch, hq, tq), q)
     merge_partials(part_out, part_lse, spans, out, lse)
-    flagged, finite = part_flag.any(), np.isfinite(lse).all()
+    flagged, finite = part_flag.any(), all_finite(lse.reshape(lse.size))
     unpin_blas(blas_threads)  # last: nothing after it may raise (see launch._call)
     return out, lse, flagged, finite
+
+
+@njit(cache=True)
+def all_finite(values):
+    """Whether every value of the 1-D ``values`` is finite: ``np.isfinite(values).all()``
+    as a loop (an array expression in a parallel entry call compiles as a
+    subroutine that Numba warns about), stopping at the first that is not."""
+    for x in values:  # noqa: SIM110 (a generator in all() would be Numba's slower path)
+        if not np.isfinite(x):
+            return False
+    return True
 
 
 @njit(fastmath=FASTMATH, cache=True)

@@ -22,7 +22,7 @@ from numba import njit, prange
 
 from ..masks import TILE_EMPTY, TILE_FULL
 from ..units import LOG2E
-from . import FASTMATH
+from . import FASTMATH, prange_only
 from .blas_threads import pin_blas, unpin_blas
 from .bounds import past_limits
 from .half import prob_buffer, split_scale
@@ -162,7 +162,7 @@ def walk_gathered(
     return n_kept
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, inline="always")
 def forward_kernel(
     q, k, v, out, lse, visited, seqs, items, scale, variants, block_q, block_k, lse_mult, gemm_fn
 ):
@@ -217,7 +217,7 @@ def forward_kernel(
         )
 
 
-@njit(cache=True)
+@njit(fastmath=FASTMATH, cache=True, parallel=prange_only())
 def forward_call(
     q, k, v, lse, seqs, items, scale, variant_fields, block_q, block_k, lse_mult, score_limit,
     products_limit, gemm_fn, blas_threads,
@@ -235,7 +235,11 @@ def forward_call(
     nothing (two floats: a tuple argument costs the dispatcher 0.4 us). A
     call whose bounds reach either limit (:func:`.bounds.past_limits`)
     computes nothing and returns ``fits`` False: a prepared call checks its
-    values here, and is planned again for them (float64)."""
+    values here, and is planned again for them (float64).
+
+    ``forward_kernel`` is inlined here (:func:`flashtile.cpu.prange_only`: one
+    level less for Numba to optimise again).
+    """
     pin_blas(blas_threads)  # first: before anything that may raise (see launch._call)
     out = np.empty(q.shape[:3] + (v.shape[3],), dtype=q.dtype)
     visited = np.empty(items.shape[0], dtype=np.int64)
