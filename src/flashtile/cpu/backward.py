@@ -287,6 +287,8 @@ def store_rows(src, dst, h0, i_first, br, mult):
             dst[h, i, c] = narrow(src[r, c] * mult, dst)
 
 
+# Inlined into backward_call, which compiles it with its own flags (the same
+# fastmath; cpu.prange_only): these apply only where it is called on its own.
 @njit(parallel=True, fastmath=FASTMATH, cache=True, inline="always")
 def backward_kernel(
     q, k, v, out, lse, dout, dq, dk, dv, sums, seqs, items, scale, variant_fields, block_q,

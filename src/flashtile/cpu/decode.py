@@ -237,6 +237,8 @@ def _gather_tile(walk, src, fmt, table_row, page, j0, j1, buf):
     return lambda walk, src, fmt, table_row, page, j0, j1, buf: None
 
 
+# Inlined into decode_call, which compiles it with its own flags (the same
+# fastmath; cpu.prange_only): these apply only where it is called on its own.
 @njit(parallel=True, fastmath=FASTMATH, cache=True, inline="always")
 def decode_kernel(
     q, k, v, fmt, walk, table, seqlens, items, spans, part_out, part_lse, part_flag, scale,

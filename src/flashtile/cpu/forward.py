@@ -162,6 +162,8 @@ def walk_gathered(
     return n_kept
 
 
+# Inlined into forward_call, which compiles it with its own flags (the same
+# fastmath; cpu.prange_only): these apply only where it is called on its own.
 @njit(parallel=True, fastmath=FASTMATH, cache=True, inline="always")
 def forward_kernel(
     q, k, v, out, lse, visited, seqs, items, scale, variants, block_q, block_k, lse_mult, gemm_fn
