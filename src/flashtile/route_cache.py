@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numba
 
-from flashtile.cpu import kernel_fingerprint
+from .cpu import kernel_fingerprint
 
 #: The file that keeps the measured choices, in :func:`cache_dir`.
 CACHE_FILE = "routes.json"

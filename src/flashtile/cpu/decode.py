@@ -396,7 +396,7 @@ def all_finite(values):
     """Whether every value of the 1-D ``values`` is finite: ``np.isfinite(values).all()``
     as a loop (an array expression in a parallel entry call compiles as a
     subroutine that Numba warns about), stopping at the first that is not."""
-    for x in values:  # noqa: SIM110 (a generator in all() would be Numba's slower path)
+    for x in values:  # noqa: SIM110 (a plain loop for Numba, stopping at the first)
         if not np.isfinite(x):
             return False
     return True
