@@ -211,6 +211,21 @@ def test_varlen_float32_matches_the_oracle(name, keywords):
     torch.testing.assert_close(probs.double(), ref_p, rtol=0, atol=1e-5)
 
 
+def test_varlen_probabilities_are_padded_to_the_max_seqlen_passed():
+    # flash-attn sizes S_dmask by the max_seqlen arguments: a bucketed length pads it.
+    q, k, v, cu_q, cu_k = _varlen_case(4, 2, 8, torch.float32)
+    longest_q, longest_k = max(VARLEN_Q), max(VARLEN_K)
+    _, _, want = fa.flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, longest_q, longest_k, return_attn_probs=True
+    )
+    _, _, probs = fa.flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, longest_q + 3, longest_k + 5, return_attn_probs=True
+    )
+    assert probs.shape == (len(VARLEN_Q), 4, longest_q + 3, longest_k + 5)
+    torch.testing.assert_close(probs[:, :, :longest_q, :longest_k], want, rtol=0, atol=0)
+    assert not probs[:, :, longest_q:].any() and not probs[..., longest_k:].any()
+
+
 @pytest.mark.parametrize(("name", "keywords"), VARLEN_KEYWORDS, ids=[c[0] for c in VARLEN_KEYWORDS])
 def test_varlen_gradients_match_autograd_float64(name, keywords):
     q, k, v, cu_q, cu_k = _varlen_case(4, 2, 8, torch.float64, grad=True)

@@ -340,16 +340,20 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opt
     )
     checks.check_slopes(opts.alibi, packed.cu_q.size - 1, q.shape[1])
     seed = draw_seed() if opts.dropout_p > 0 else 0  # both paths take it, with its offsets
-    probs = _varlen_probabilities(q, k, packed, opts, seed) if return_probs else None
+    probs = None
+    if return_probs:  # (padded to the lengths passed, as flash-attn's; checked >= the longest)
+        probs = _varlen_probabilities(q, k, packed, opts, seed, (max_seqlen_q, max_seqlen_k))
     out, lse = attend(q, k, v, packed, opts, seed)
     out = out.contiguous()
     return (out, lse, probs) if return_probs else out
 
 
-def _varlen_probabilities(q, k, packed: Packed, opts: Options, seed: int) -> torch.Tensor:
-    """``S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k)``, zero-padded."""
+def _varlen_probabilities(q, k, packed: Packed, opts: Options, seed: int, padded) -> torch.Tensor:
+    """``S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k)``, zero-padded;
+    ``padded``: the ``(max_seqlen_q, max_seqlen_k)`` passed (at least the
+    longest sequences, ``packed.max_q`` and ``packed.max_k``)."""
     batch, hq = packed.cu_q.size - 1, q.shape[1]
-    dense = q.new_zeros((batch, packed.max_q, hq, packed.max_k))
+    dense = q.new_zeros((batch, int(padded[0]), hq, int(padded[1])))
     if packed.max_q == 0 or packed.max_k == 0:
         return dense.permute(0, 2, 1, 3)
     device = q.device
@@ -364,7 +368,8 @@ def _varlen_probabilities(q, k, packed: Packed, opts: Options, seed: int) -> tor
         return attend(q, k, values, packed, call, seed)[0]
 
     width = _GPU_COLUMNS if checks.on_gpu(q) else packed.max_k
-    dense[seq_q, pos_q] = identity_columns(run, packed.max_k, width, opts.dropout_p, device)
+    columns = identity_columns(run, packed.max_k, width, opts.dropout_p, device)
+    dense[seq_q, pos_q, :, : packed.max_k] = columns
     return dense.permute(0, 2, 1, 3)
 
 
