@@ -259,8 +259,10 @@ def test_numpy_mods_forward():
     )  # decode-shaped: forward kernel
     ref1, _ = dense_flex(qt[:, :, :1].double(), kt.double(), kt.double(), torch_score)
     assert rel(torch.from_numpy(one).double(), ref1) < 1e-5
-    with pytest.raises(ValueError, match="no derivative"):
+    with pytest.raises(ValueError, match="no derivative") as refused:
         flashtile.attention_backward(q, k, k, out, out[..., 0], out, score_mod=score_mod)
+    assert str(refused.value).endswith("call flashtile.torch.flex.flex_attention")  # (it exists)
+    assert flex_attention.__module__ == "flashtile.torch.flex"
     with pytest.raises(ValueError, match="softcap"):
         flashtile.attention(q, k, k, score_mod=score_mod, softcap=5.0)
     with pytest.raises(ValueError, match="one mask_mod"):

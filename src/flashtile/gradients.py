@@ -15,7 +15,7 @@ Ordinary calls pay a pass over the rows' sums and ``lse``.
 
 Every CPU backward goes through here: :func:`flashtile.attention_backward`,
 :func:`flashtile.varlen_attention_backward` (and so the torch operator, the
-flash-attn API and transformers), ``flashtile.torch.flex_attention``; the
+flash-attn API and transformers), ``flashtile.torch.flex.flex_attention``; the
 distributed engine sums each block's :func:`kernel_gradients` over the ring
 and applies the same rule to the totals, on every rank together.
 """

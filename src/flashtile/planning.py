@@ -180,7 +180,7 @@ def _plan(call, block_q, block_k, backward):
         raise ValueError(
             f"{va.mods.label} has no derivative here: mods written for the NumPy API run "
             f"the forward only; for gradients write them with torch and call "
-            f"flashtile.torch.flex_attention"
+            f"flashtile.torch.flex.flex_attention"
         )
     if call.cu_seqlens is None and va.mask_bool is None and va.mods is None:
         lengths = None if va.kv_lengths is None else tuple(va.kv_lengths.tolist())
