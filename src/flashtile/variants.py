@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._validate import AttentionShapes, as_numpy, check_flag, check_softcap
+from ._validate import BFLOAT16, AttentionShapes, as_numpy, check_flag, check_softcap
 from .dropout import check_counter_range, check_dropout
 from .masks import BlockMask, normalize_window
 from .mods import Mods, mask_block_states
@@ -190,6 +190,8 @@ def _check_mask(mask, shapes: AttentionShapes):
         )
     if mask.dtype == bool:
         return mask, None, blocks
+    if mask.dtype == BFLOAT16:  # a float mask (a bf16 model's), though NumPy's kind is "V"
+        mask = mask.astype(np.float32)  # (exact: every bfloat16 is a float32)
     if mask.dtype.kind != "f":
         raise TypeError(
             f"mask has dtype {mask.dtype}: pass a bool mask (True = keep) or a float mask "
