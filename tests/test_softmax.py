@@ -106,6 +106,14 @@ def test_online_softmax_all_neg_inf_row_gives_zeros():
     assert rel_err(got[1], direct_softmax(x[1])) < 1e-14
 
 
+def test_an_empty_axis_gives_an_empty_softmax_both_ways():
+    # softmax raised NumPy's "zero-size array to reduction operation maximum"
+    # where online_softmax returned the empty result.
+    for x in (np.array([]), np.zeros((3, 0))):
+        np.testing.assert_array_equal(softmax(x), x)
+        np.testing.assert_array_equal(online_softmax(x, 2), x)
+
+
 def test_online_softmax_partially_masked_row():
     x = np.array([-np.inf, -np.inf, 1.0, -np.inf, 3.0])
     with warnings.catch_warnings():

@@ -22,11 +22,13 @@ from .._validate import as_float_array, check_block_size, compute_dtype
 def softmax(x, axis: int = -1) -> np.ndarray:
     """Stable softmax along ``axis`` (subtract the max, exponentiate, normalise).
 
-    Slices that are entirely ``-inf`` give zeros instead of NaN.
+    Slices that are entirely ``-inf`` give zeros instead of NaN; an empty
+    axis gives an empty result (as :func:`online_softmax`).
     """
     x = as_float_array(x, "x")
     xc = x.astype(compute_dtype(x.dtype), copy=False)  # float16 sums in float32
-    weights = np.exp(xc - _safe(np.max(xc, axis=axis, keepdims=True)))
+    top = np.max(xc, axis=axis, keepdims=True, initial=-np.inf)  # (-inf: an empty slice)
+    weights = np.exp(xc - _safe(top))
     total = np.sum(weights, axis=axis, keepdims=True)
     probs = np.divide(weights, total, out=np.zeros_like(weights), where=total != 0)
     return probs.astype(x.dtype, copy=False)
