@@ -214,13 +214,17 @@ def test_check_narrowed_takes_only_the_overflows_its_tolerance_allows():
     # tolerance, but not within 1e3, and never NaN.
     got, want = np.array([0.0, -np.inf], np.float16), np.zeros(2)
     check_narrowed(got, want, 4e16, "dq")
-    with pytest.raises(AssertionError, match="-inf beyond"):
+    with pytest.raises(AssertionError, match="1 of 2 outside"):
         check_narrowed(got, want, 1e3, "dq")
     with pytest.raises(AssertionError, match="NaN"):
         check_narrowed(np.array([np.nan], np.float16), np.zeros(1), 4e16, "dq")
-    with pytest.raises(AssertionError):  # a finite entry off by more than the tolerance
+    with pytest.raises(AssertionError, match="outside"):  # finite, off by more than atol
         check_narrowed(np.array([70.0, 1.0], np.float16), np.array([1e5, 1.0]), 1e3, "dq")
     check_narrowed(np.array([np.inf], np.float16), np.array([7e4]), 0.0, "dq")  # past the range
+    with pytest.raises(AssertionError, match="outside"):  # 65510 rounds to 65504, not inf
+        check_narrowed(np.array([np.inf], np.float16), np.array([65500.0]), 10.0, "dq")
+    # One float16 step from the oracle, inside the tolerance: 1.0006 rounds to 1.000977.
+    check_narrowed(np.array([1.0009765625], np.float16), np.array([1.0004]), 2e-4, "dq")
 
 
 @st.composite

@@ -237,14 +237,18 @@ def test_float16_mask_does_not_warn(rng):
         ft.attention(q, k, v, mask=np.full((3, 3), np.inf, dtype=np.float16))
 
 
-def test_bfloat16_mask_is_a_float_mask(rng):
-    """A bfloat16 additive mask (a bf16 model's) was refused as "not a float
-    mask" (NumPy's kind for ml_dtypes' bfloat16 is "V"); it adds as float32."""
-    q, k, v = qkv(rng, 1, 3, 4)
+def test_bfloat16_masks_sinks_and_slopes_are_floats(rng):
+    """A bf16 model's additive mask, sinks and ALiBi slopes were refused as
+    not floats (NumPy's kind for ml_dtypes' bfloat16 is "V"); each now counts
+    as the float32 array of the same values."""
+    q, k, v = qkv(rng, 2, 3, 4)
     mask = np.array([[0.5, -np.inf, -3e38]] * 3).astype(ml_dtypes.bfloat16)
     mask[1] = [-2.5, 1.0, 0.0]
-    wide = mask.astype(np.float32)
-    got, want = ft.attention(q, k, v, mask=mask), ft.attention(q, k, v, mask=wide)
+    sinks = np.array([0.75, -1.5]).astype(ml_dtypes.bfloat16)
+    slopes = np.array([0.25, 0.5]).astype(ml_dtypes.bfloat16)
+    got = ft.attention(q, k, v, mask=mask, sinks=sinks, alibi_slopes=slopes)
+    wide = {"mask": mask, "sinks": sinks, "alibi_slopes": slopes}
+    want = ft.attention(q, k, v, **{n: a.astype(np.float32) for n, a in wide.items()})
     np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match=r"float mask .* not NaN, \+inf"):
         ft.attention(q, k, v, mask=np.full((3, 3), np.nan, dtype=ml_dtypes.bfloat16))

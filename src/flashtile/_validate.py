@@ -34,6 +34,13 @@ _FLOAT32, _FLOAT64 = np.dtype(np.float32), np.dtype(np.float64)
 COMPUTE_DTYPES = {np.dtype(t): compute_dtype(np.dtype(t)) for t in SUPPORTED_DTYPES}
 
 
+def is_float(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` is a floating dtype: NumPy's, or ml_dtypes' bfloat16
+    (whose NumPy kind is ``"V"``), so a bf16 model's masks, sinks and slopes
+    count as floats wherever a float is asked for."""
+    return dtype.kind == "f" or dtype == BFLOAT16
+
+
 def as_numpy(x) -> np.ndarray:
     """``x`` as a NumPy array without a copy where none is needed:
     ``np.asarray``, except for torch tensors, which are viewed through

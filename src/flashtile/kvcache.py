@@ -20,7 +20,7 @@ import os
 import ml_dtypes
 import numpy as np
 
-from ._validate import BFLOAT16, as_numpy
+from ._validate import BFLOAT16, as_numpy, is_float
 from .decode import decode_attention
 
 #: Storage dtypes; the 16-bit ones are read as such by the decode kernel
@@ -163,7 +163,7 @@ class KVCache:
             raise ValueError(f"k has shape {k.shape}; expected ({len(rows)}, {hkv}, T, {d})")
         if v.shape != k.shape[:3] + (dv,):
             raise ValueError(f"v has shape {v.shape}; expected {k.shape[:3] + (dv,)}")
-        if not all(a.dtype.kind == "f" or a.dtype == BFLOAT16 for a in (k, v)):
+        if not (is_float(k.dtype) and is_float(v.dtype)):
             raise TypeError(f"k and v must be floating point, got {k.dtype} and {v.dtype}")
         for name, a in (("k", k), ("v", v)):
             if ml_dtypes.finfo(a.dtype).max <= ml_dtypes.finfo(self.dtype).max:

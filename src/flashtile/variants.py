@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._validate import BFLOAT16, AttentionShapes, as_numpy, check_flag, check_softcap
+from ._validate import BFLOAT16, AttentionShapes, as_numpy, check_flag, check_softcap, is_float
 from .dropout import check_counter_range, check_dropout
 from .masks import BlockMask, normalize_window
 from .mods import Mods, mask_block_states
@@ -107,8 +107,8 @@ def _heads_and_batch(shapes: AttentionShapes, what: str) -> tuple[int, int]:
 
 
 def _check_alibi(alibi_slopes, shapes: AttentionShapes) -> np.ndarray:
-    slopes = np.asarray(alibi_slopes)
-    if slopes.dtype.kind not in "fiu":
+    slopes = as_numpy(alibi_slopes)
+    if not (is_float(slopes.dtype) or slopes.dtype.kind in "iu"):
         raise TypeError(f"alibi_slopes must be real numbers, got dtype {slopes.dtype}")
     batch, heads = _heads_and_batch(shapes, "alibi_slopes")
     if not np.all(np.isfinite(slopes)):
@@ -190,13 +190,13 @@ def _check_mask(mask, shapes: AttentionShapes):
         )
     if mask.dtype == bool:
         return mask, None, blocks
-    if mask.dtype == BFLOAT16:  # a float mask (a bf16 model's), though NumPy's kind is "V"
-        mask = mask.astype(np.float32)  # (exact: every bfloat16 is a float32)
-    if mask.dtype.kind != "f":
+    if not is_float(mask.dtype):
         raise TypeError(
             f"mask has dtype {mask.dtype}: pass a bool mask (True = keep) or a float mask "
             f"added to the scores (-inf = hidden)"
         )
+    if mask.dtype == BFLOAT16:  # (exact: every bfloat16 is a float32)
+        mask = mask.astype(np.float32)
     # In the mask's own dtype: float16 cannot hold MASK_LIMIT (casting it warns).
     limit = min(MASK_LIMIT, float(np.finfo(mask.dtype).max))
     if np.isnan(mask).any() or (mask > limit).any():
@@ -303,7 +303,7 @@ def check_sinks(sinks, shapes: AttentionShapes) -> np.ndarray:
     """``(Hq,)`` float64 sink logits by the rule of :func:`sinks_problem`."""
     hq = _heads_and_batch(shapes, "sinks")[1]
     arr = np.asarray(as_numpy(sinks))
-    problem = sinks_problem(arr.shape, arr.dtype.kind == "f", hq) or sink_values_problem(np, arr)
+    problem = sinks_problem(arr.shape, is_float(arr.dtype), hq) or sink_values_problem(np, arr)
     if problem:
         raise ValueError(problem)
     return arr.astype(np.float64)
