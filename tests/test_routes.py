@@ -208,6 +208,7 @@ ENTRY = '{"KEY": {"decode.paged.one.d64.short": ENTRY}}'
         ENTRY.replace("ENTRY", '{"choice": "tiles"}'),
         ENTRY.replace("ENTRY", '{"choice": "tiles", "times": {"tiles": null}}'),
         ENTRY.replace("ENTRY", '{"choice": "tiles", "times": {"tiles": "1.0", "rows": 2}}'),
+        "[" * 3000,  # (json raised RecursionError)
     ],
 )  # fmt: skip
 def test_a_corrupt_cache_falls_back_to_the_fixed_rule(store, monkeypatch, text):
@@ -224,6 +225,7 @@ def test_an_entry_measured_before_a_candidate_was_added_is_measured_again(store,
     monkeypatch.setitem(routes._measures, name, lambda route, candidates: planted)
     assert routes.explain(name)[0] == "head-rows"
     assert json.loads(store.read_text())[route_cache.machine_key()][name]["times"] == planted
+    assert store.stat().st_mode & 0o777 == 0o644  # readable by a service's other user
 
 
 def test_an_entry_serves_only_under_the_context_it_was_measured_in(store, monkeypatch):

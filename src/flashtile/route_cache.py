@@ -86,7 +86,7 @@ def machine_key() -> str:
 def _read_all() -> dict:
     try:
         data = json.loads((cache_dir() / CACHE_FILE).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # (RecursionError: nested thousands deep)
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -112,6 +112,9 @@ def write_entry(name: str, entry: dict) -> None:
     except OSError:
         return
     try:
+        # mkstemp makes the file private (0600): a cache measured at an image's
+        # build, as another user, would be unreadable to the service.
+        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh, indent=1, sort_keys=True)
         os.replace(tmp, directory / CACHE_FILE)

@@ -21,7 +21,11 @@ candidate on a short representative problem, side by side.
    precompile``'s compilations, tests);
 2. the route's environment variable (``FLASHTILE_BLAS``, ``FLASHTILE_BLAS_SMALL``,
    ``FLASHTILE_BF16``, ``FLASHTILE_DECODE_WALK``), read when a call is planned (a prepared call
-   keeps its plan until :data:`GENERATION` moves);
+   keeps its plan until :data:`GENERATION` moves); but the kernels' BLAS
+   library is resolved once, at the first call that needs it
+   (:func:`flashtile.cpu.blas.backend`): a ``FLASHTILE_BLAS`` set later in
+   the process is not read, and :func:`flashtile.cpu.blas.set_backend`
+   switches it;
 3. this process's earlier answer, or the cache file's entry for this machine;
 4. a measurement now, on first use (stored for later processes), unless
    ``FLASHTILE_TUNE=0``; a measurement that fails gives the fixed rule;
@@ -193,7 +197,8 @@ _measuring: set[str] = set()
 #: backend, :func:`flashtile.cpu.blas.set_backend`): plans kept across calls
 #: compare it to plan again (:mod:`flashtile.frontdoor`; a list read in
 #: place: no call on the hot path). A variable changed after a call was
-#: planned applies to calls planned afterwards.
+#: planned applies to calls planned afterwards (``FLASHTILE_BLAS`` excepted:
+#: read once, see the module docstring).
 GENERATION = [0]
 
 
