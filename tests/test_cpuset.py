@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numba
 import numpy as np
@@ -180,24 +178,3 @@ def test_a_call_held_to_one_thread_returns_the_same_bits(join_watch, monkeypatch
     state[3], before = join_watch[0] + 1, len(swaps)  # a hold (the planted clock stands)
     assert np.array_equal(flashtile.attention(q, k, v, causal=True), parallel)
     assert swaps[before] == 1  # run on one thread
-
-
-def test_starting_the_kernels_keeps_torch_thread_count():
-    # Numba's OpenMP layer set torch's thread count to NUMBA_NUM_THREADS when
-    # it started after torch was imported: a torch.set_num_threads(1) made
-    # before flashtile's first call was lost. A fresh process: this one's
-    # pool has started.
-    pytest.importorskip("torch")
-    script = (
-        "import torch; torch.set_num_threads(1)\n"
-        "import numpy as np, flashtile\n"
-        "q = np.ones((1, 8, 512, 64), np.float32)\n"
-        "flashtile.attention(q, q, q, causal=True)\n"
-        "print(torch.get_num_threads())\n"
-    )
-    env = {**os.environ, "NUMBA_NUM_THREADS": "2"}
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[-1] == "1"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import time
 import types
 from typing import NamedTuple
@@ -44,25 +43,6 @@ NO_LIMITS = (np.inf, np.inf)
 #: :func:`flashtile.cpuset.usable_cpus`), read once; with NUMBA_NUM_THREADS
 #: set, the user's pool size instead.
 _USABLE = numba.config.NUMBA_NUM_THREADS if "NUMBA_NUM_THREADS" in os.environ else usable_cpus()
-
-
-def _launch_pool() -> None:
-    """Start Numba's thread pool, keeping torch's thread count as it was.
-
-    Numba's OpenMP layer sets the OpenMP thread count when it starts, and
-    where torch was imported first that call reaches torch's OpenMP runtime:
-    a ``torch.set_num_threads(1)`` made before flashtile's first call (a
-    serving process per core) silently became ``NUMBA_NUM_THREADS``. So the
-    pool starts here, with this module (about 15 ms), and torch's count is
-    put back; a count torch sets later stays (Numba sets it only once)."""
-    torch = sys.modules.get("torch")
-    before = torch.get_num_threads() if torch is not None else None
-    numba.get_num_threads()  # (starts the threading layer)
-    if before is not None and torch.get_num_threads() != before:
-        torch.set_num_threads(before)
-
-
-_launch_pool()
 
 
 @numba.njit  # not cached, as _swap_threads
